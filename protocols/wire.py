@@ -1,0 +1,177 @@
+"""The msgpack envelope every message travels in, and the field readers that validate it.
+
+An envelope is a msgpack map `{"protocol": int, "kind": str, "body": map}`. Readers are
+tolerant of what they do not know (unknown body fields are ignored, so newer peers stay
+compatible) and strict about what they do: a missing field, a wrong type or a value outside
+its limits raises a `ProtocolError` subclass naming the message kind and the field.
+
+Arrays (token ids, logprobs, tensor payloads) travel as little-endian bytes plus a known dtype,
+never as msgpack lists of numbers: smaller, faster, and their length is checked in O(1).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+import msgpack
+import numpy as np
+
+from protocols.errors import InvalidValue, MalformedMessage, MessageTooLarge, UnsupportedVersion
+
+PROTOCOL_VERSION = 1
+# Anything bigger than this is refused before msgpack looks at it. Messages set tighter caps.
+MAX_MESSAGE_BYTES = 64 * 2**20
+MAX_NAME_CHARS = 256
+MAX_INT = 2**63 - 1
+
+
+def pack(kind: str, body: dict[str, Any]) -> bytes:
+    return msgpack.packb({"protocol": PROTOCOL_VERSION, "kind": kind, "body": body}, use_bin_type=True)
+
+
+def unpack(data: bytes, kind: str, max_bytes: int = MAX_MESSAGE_BYTES) -> dict[str, Any]:
+    """Decode an envelope of the expected `kind` and return its body."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise MalformedMessage(f"{kind}: expected bytes, got {type(data).__name__}")
+    if len(data) > max_bytes:
+        raise MessageTooLarge(f"{kind}: {len(data)} bytes exceeds the limit of {max_bytes}")
+    try:
+        # The container caps stop a small message from claiming huge arrays or maps.
+        envelope = msgpack.unpackb(
+            data, raw=False, strict_map_key=True, max_bin_len=max_bytes, max_str_len=max_bytes,
+            max_array_len=min(max_bytes, 2**20), max_map_len=min(max_bytes, 2**20),
+        )
+    except (ValueError, TypeError, msgpack.UnpackException) as e:
+        raise MalformedMessage(f"{kind}: not valid msgpack ({e})") from None
+    if not isinstance(envelope, dict):
+        raise MalformedMessage(f"{kind}: envelope is {type(envelope).__name__}, expected a map")
+    version = envelope.get("protocol")
+    if type(version) is not int:
+        raise MalformedMessage(f"{kind}: envelope has no integer 'protocol' field")
+    if version != PROTOCOL_VERSION:
+        raise UnsupportedVersion(f"{kind}: peer speaks protocol {version}, we speak {PROTOCOL_VERSION}")
+    if envelope.get("kind") != kind:
+        raise MalformedMessage(f"expected a {kind} message, got {envelope.get('kind')!r}")
+    body = envelope.get("body")
+    if not isinstance(body, dict):
+        raise MalformedMessage(f"{kind}: body is {type(body).__name__}, expected a map")
+    return body
+
+
+class Fields:
+    """Typed access to one decoded map; every error names `where` and the field."""
+
+    def __init__(self, body: Any, where: str):
+        if not isinstance(body, dict):
+            raise MalformedMessage(f"{where}: expected a map, got {type(body).__name__}")
+        self.body, self.where = body, where
+
+    def _get(self, name: str, types: tuple[type, ...], what: str) -> Any:
+        if name not in self.body:
+            raise MalformedMessage(f"{self.where}: missing field '{name}'")
+        value = self.body[name]
+        # bool is an int subclass; a True where a count belongs is a type error, not 1.
+        if isinstance(value, bool) and bool not in types or not isinstance(value, types):
+            raise MalformedMessage(f"{self.where}.{name}: expected {what}, got {type(value).__name__}")
+        return value
+
+    def has(self, name: str) -> bool:
+        return name in self.body
+
+    def text(self, name: str, max_chars: int = MAX_NAME_CHARS, choices: tuple[str, ...] = ()) -> str:
+        value = self._get(name, (str,), "a string")
+        if len(value) > max_chars:
+            raise MessageTooLarge(f"{self.where}.{name}: {len(value)} characters exceeds {max_chars}")
+        if choices and value not in choices:
+            raise InvalidValue(f"{self.where}.{name}: {value!r} is not one of {', '.join(choices)}")
+        return value
+
+    def integer(self, name: str, lo: int = 0, hi: int = MAX_INT) -> int:
+        value = self._get(name, (int,), "an integer")
+        if not lo <= value <= hi:
+            raise InvalidValue(f"{self.where}.{name}: {value} is outside [{lo}, {hi}]")
+        return value
+
+    def number(self, name: str, lo: float = -math.inf, hi: float = math.inf) -> float:
+        value = float(self._get(name, (int, float), "a number"))
+        if not math.isfinite(value) or not lo <= value <= hi:
+            raise InvalidValue(f"{self.where}.{name}: {value} is not a finite number in [{lo}, {hi}]")
+        return value
+
+    def flag(self, name: str) -> bool:
+        return self._get(name, (bool,), "a boolean")
+
+    def blob(self, name: str, max_bytes: int, exact: int | None = None) -> bytes:
+        value = bytes(self._get(name, (bytes,), "bytes"))
+        if len(value) > max_bytes:
+            raise MessageTooLarge(f"{self.where}.{name}: {len(value)} bytes exceeds {max_bytes}")
+        if exact is not None and len(value) != exact:
+            raise InvalidValue(f"{self.where}.{name}: {len(value)} bytes, expected exactly {exact}")
+        return value
+
+    def items(self, name: str, max_items: int) -> list[Any]:
+        value = self._get(name, (list, tuple), "a list")
+        if len(value) > max_items:
+            raise MessageTooLarge(f"{self.where}.{name}: {len(value)} items exceeds {max_items}")
+        return list(value)
+
+    def texts(self, name: str, max_items: int, max_chars: int = MAX_NAME_CHARS) -> list[str]:
+        values = self.items(name, max_items)
+        for i, v in enumerate(values):
+            if not isinstance(v, str) or len(v) > max_chars:
+                raise MalformedMessage(f"{self.where}.{name}[{i}]: expected a string of at most {max_chars} characters")
+        return values
+
+    def integers(self, name: str, max_items: int, lo: int = 0, hi: int = MAX_INT) -> list[int]:
+        values = self.items(name, max_items)
+        for i, v in enumerate(values):
+            if type(v) is not int or not lo <= v <= hi:
+                raise InvalidValue(f"{self.where}.{name}[{i}]: expected an integer in [{lo}, {hi}], got {v!r}")
+        return values
+
+    def mapping(self, name: str, max_items: int) -> dict[str, Any]:
+        value = self._get(name, (dict,), "a map")
+        if len(value) > max_items:
+            raise MessageTooLarge(f"{self.where}.{name}: {len(value)} entries exceeds {max_items}")
+        return value
+
+    def array(self, name: str, dtype: str, max_items: int) -> np.ndarray:
+        """A little-endian array sent as bytes; `dtype` like '<i4' or '<f4'."""
+        itemsize = np.dtype(dtype).itemsize
+        raw = self.blob(name, max_items * itemsize)
+        if len(raw) % itemsize:
+            raise InvalidValue(f"{self.where}.{name}: {len(raw)} bytes is not a whole number of {dtype}")
+        return np.frombuffer(raw, dtype=dtype)
+
+
+def array_bytes(values: Any, dtype: str) -> bytes:
+    return np.asarray(values, dtype=dtype).tobytes()
+
+
+def scalar(value: Any, where: str) -> Any:
+    """Task parameters and similar free-form maps hold only str/int/float/bool scalars."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise InvalidValue(f"{where}: {value} is not finite")
+    if not isinstance(value, (str, int, float, bool)):
+        raise MalformedMessage(f"{where}: expected a string, number or boolean, got {type(value).__name__}")
+    if isinstance(value, str) and len(value) > MAX_NAME_CHARS:
+        raise MessageTooLarge(f"{where}: {len(value)} characters exceeds {MAX_NAME_CHARS}")
+    return value
+
+
+class WireMessage:
+    """Mixin: `to_wire`/`from_wire` around the `to_dict`/`from_dict` every message defines."""
+
+    KIND: ClassVar[str]
+    MAX_BYTES: ClassVar[int] = MAX_MESSAGE_BYTES
+
+    def to_wire(self) -> bytes:
+        data = pack(self.KIND, self.to_dict())
+        if len(data) > self.MAX_BYTES:
+            raise MessageTooLarge(f"{self.KIND}: {len(data)} bytes exceeds the limit of {self.MAX_BYTES}")
+        return data
+
+    @classmethod
+    def from_wire(cls, data: bytes):
+        return cls.from_dict(unpack(data, cls.KIND, cls.MAX_BYTES))

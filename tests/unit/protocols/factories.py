@@ -1,0 +1,55 @@
+"""Valid example messages for tests to mutate."""
+
+from protocols.messages import (
+    Chunk, PeerAnnouncement, RolloutBatch, RolloutSample, RunManifest, Segment, TaskLease, TaskSpec,
+    TensorEntry, WeightUpdate,
+)
+from protocols.signing import sha256_hex
+
+KEY = bytes(range(32))
+SHA = sha256_hex(b"base model")
+
+
+def manifest(**kw) -> RunManifest:
+    fields = dict(
+        run_id="run-1", base_model="tiny.gguf", base_sha256=SHA, vocab_size=1000, mode="sequential",
+        update="lora", staleness=4, task=TaskSpec("arithmetic", {"digits": 1, "ops": "+"}), group_size=4,
+        max_new_tokens=32, temperature=1.0, run_key=KEY, trainer_addrs=("/ip4/127.0.0.1/tcp/1/p2p/Qm",),
+        update_params={"rank": 8, "alpha": 16.0}, created=1.5,
+    )
+    return RunManifest(**{**fields, **kw})
+
+
+def sample(**kw) -> RolloutSample:
+    fields = dict(
+        seed=7, prompt_ids=(1, 2, 3), completion_ids=(4, 5, 6, 7), logprobs=(-0.5, -1.25, 0.0, -3.0),
+        segments=(Segment("model", 2), Segment("env", 1), Segment("model", 1)),
+    )
+    return RolloutSample(**{**fields, **kw})
+
+
+def batch(**kw) -> RolloutBatch:
+    fields = dict(run_id="run-1", lease_id="L1", version=3, node_key=KEY, samples=(sample(), sample(seed=8)), created=2.0)
+    return RolloutBatch(**{**fields, **kw})
+
+
+def update(**kw) -> WeightUpdate:
+    tensor = TensorEntry("blk.0.attn_q.lora_a", (8, 64), "float32", "dense-fp32", 2048, (SHA,))
+    fields = dict(run_id="run-1", from_version=0, to_version=1, mode="lora", tensors=(tensor,), chunk_size=4096,
+                  params={"alpha": 16.0}, created=3.0)
+    return WeightUpdate(**{**fields, **kw})
+
+
+def announcement(**kw) -> PeerAnnouncement:
+    fields = dict(peer_id="QmPeer", name="alice", role="node", backend="llama_cpp", model_sha256=SHA, version=2,
+                  throughput=91.5, public_key=KEY, time=4.0)
+    return PeerAnnouncement(**{**fields, **kw})
+
+
+def lease(**kw) -> TaskLease:
+    fields = dict(lease_id="L1", run_id="run-1", node_id="abc", seeds=(1, 2, 2**40), version=3, expires_at=9.0)
+    return TaskLease(**{**fields, **kw})
+
+
+def chunk() -> Chunk:
+    return Chunk(sha256_hex(b"payload"), b"payload")

@@ -1,0 +1,459 @@
+"""Sync rules: lease transitions, the staleness gate on both sides, and a stateful model check."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from protocols.errors import InvalidValue, LeaseError
+from protocols.sync import (
+    COUNTERS,
+    Lease,
+    LeaseBook,
+    Mode,
+    RolloutGate,
+    Verdict,
+    judge_version,
+    must_update,
+)
+
+# ------------------------------------------------------------------------------ LeaseBook
+
+
+def book_with(seeds, ttl=10.0):
+    book = LeaseBook(ttl)
+    book.add_seeds(seeds)
+    return book
+
+
+def test_issue_takes_fifo_and_sets_expiry():
+    book = book_with(range(5))
+    lease = book.issue("a", 3, version=7, now=100.0)
+    assert lease == Lease(lease.lease_id, "a", (0, 1, 2), 7, 110.0)
+    assert book.pending_seeds == (3, 4)
+    assert book.outstanding == (lease,)
+
+
+def test_issue_partial_then_none_when_empty():
+    book = book_with([1, 2])
+    assert book.issue("a", 5, 0, 0.0).seeds == (1, 2)
+    assert book.issue("b", 1, 0, 0.0) is None
+
+
+def test_lease_ids_unique_and_deterministic():
+    ids = [book_with(range(10)).issue("a", 1, 0, 0.0).lease_id for _ in range(2)]
+    assert ids[0] == ids[1]  # no randomness
+    book = book_with(range(10))
+    assert len({book.issue("a", 1, 0, 0.0).lease_id for _ in range(10)}) == 10
+
+
+def test_complete_once():
+    book = book_with(range(3))
+    lease = book.issue("a", 2, 0, 0.0)
+    assert book.complete(lease.lease_id, "a", 1.0) == lease
+    assert book.outstanding == ()
+    assert book.completed_count == 2
+    with pytest.raises(LeaseError, match="already completed"):
+        book.complete(lease.lease_id, "a", 1.0)
+    assert book.completed_count == 2
+
+
+def test_complete_unknown_lease():
+    with pytest.raises(LeaseError, match="unknown"):
+        book_with([1]).complete("nope", "a", 0.0)
+
+
+def test_complete_by_wrong_node_leaves_lease_with_holder():
+    book = book_with([1])
+    lease = book.issue("a", 1, 0, 0.0)
+    with pytest.raises(LeaseError, match="another node"):
+        book.complete(lease.lease_id, "b", 1.0)
+    assert book.complete(lease.lease_id, "a", 1.0) == lease
+
+
+def test_expired_lease_completion_refused_even_before_expire_runs():
+    book = book_with([1])
+    lease = book.issue("a", 1, 0, 0.0)
+    with pytest.raises(LeaseError, match="expired"):
+        book.complete(lease.lease_id, "a", 10.0)  # expires_at is exclusive of `now`
+    assert book.pending_seeds == (1,)
+    assert book.completed_count == 0
+
+
+def test_expire_reassigns_to_another_node_first():
+    book = book_with(range(6))
+    old = book.issue("a", 2, 0, 0.0)  # seeds 0, 1
+    book.issue("b", 1, 0, 5.0)  # seed 2, expires at 15
+    assert book.expire(9.9) == []
+    assert book.expire(10.0) == [old]
+    assert book.pending_seeds == (0, 1, 3, 4, 5)
+    new = book.issue("c", 2, 1, 11.0)
+    assert new.seeds == old.seeds and new.node_id == "c" and new.lease_id != old.lease_id
+    with pytest.raises(LeaseError, match="expired"):
+        book.complete(old.lease_id, "a", 11.0)
+    assert book.complete(new.lease_id, "c", 11.0) == new
+
+
+def test_expire_keeps_issue_order_of_several_leases():
+    book = book_with(range(6))
+    first = book.issue("a", 2, 0, 0.0)
+    second = book.issue("b", 2, 0, 1.0)
+    assert book.expire(20.0) == [first, second]
+    assert book.pending_seeds == (0, 1, 2, 3, 4, 5)
+
+
+def test_issue_expires_stale_leases_before_handing_out():
+    book = book_with(range(3))
+    book.issue("a", 1, 0, 0.0)
+    assert book.issue("b", 1, 0, 10.0).seeds == (0,)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: LeaseBook(0),
+        lambda: LeaseBook(float("inf")),
+        lambda: book_with([1]).issue("a", 0, 0, 0.0),
+        lambda: book_with([1]).issue("a", 1, -1, 0.0),
+        lambda: book_with([1]).add_seeds([1]),
+        lambda: book_with([]).add_seeds([2, 2]),
+        lambda: book_with([]).add_seeds(["x"]),
+    ],
+)
+def test_lease_book_bad_arguments(call):
+    with pytest.raises(InvalidValue):
+        call()
+
+
+# ------------------------------------------------------------------------ staleness gates
+
+
+@pytest.mark.parametrize(
+    ("node", "latest", "s", "expected"),
+    [
+        (5, 5, 1, False),
+        (4, 5, 1, True),  # S=1: any lag forces an update (sequential nodes)
+        (3, 5, 3, False),  # S-1 behind: may still start work
+        (2, 5, 3, True),  # S behind: must update
+        (0, 6, 6, True),
+        (1, 6, 6, False),
+        (7, 5, 2, False),  # node saw a newer version than this latest: nothing to fetch
+    ],
+)
+def test_must_update_boundaries(node, latest, s, expected):
+    assert must_update(node, latest, s) is expected
+
+
+@pytest.mark.parametrize(("node", "latest", "s"), [(0, 0, 0), (0, 0, -1), (-1, 0, 1), (0, 0, True)])
+def test_must_update_bad_arguments(node, latest, s):
+    with pytest.raises(InvalidValue):
+        must_update(node, latest, s)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 10**6), st.integers(0, 10**6), st.integers(1, 50))
+def test_must_update_is_the_start_bound(node, latest, s):
+    assert (not must_update(node, latest, s)) == (node >= latest - s + 1)
+
+
+@pytest.mark.parametrize(
+    ("mode", "version", "expected", "counter"),
+    [
+        (Mode.ASYNC, 10, Verdict.ACCEPT, "accepted"),
+        (Mode.ASYNC, 7, Verdict.ACCEPT, "accepted"),  # exactly current - S
+        (Mode.ASYNC, 6, Verdict.STALE, "dropped_stale"),
+        (Mode.ASYNC, 11, Verdict.FUTURE, "rejected_future"),
+        (Mode.SEQUENTIAL, 10, Verdict.ACCEPT, "accepted"),
+        (Mode.SEQUENTIAL, 9, Verdict.WRONG_VERSION, "rejected_wrong_version"),
+        (Mode.SEQUENTIAL, 11, Verdict.FUTURE, "rejected_future"),
+    ],
+)
+def test_each_verdict_and_its_counter(mode, version, expected, counter):
+    assert judge_version(mode, 10, 3, version) is expected
+    gate = RolloutGate(mode, 3, version=10)
+    assert gate.offer("p", ("L0", 0), version) is expected
+    assert gate.counts("p") == {**dict.fromkeys(COUNTERS, 0), counter: 1}
+
+
+def test_duplicate_even_after_the_version_moved_on():
+    gate = RolloutGate(Mode.ASYNC, 2, version=3)
+    assert gate.offer("p", ("L0", 0), 3) is Verdict.ACCEPT
+    assert gate.offer("q", ("L0", 0), 3) is Verdict.DUPLICATE
+    gate.advance(9)
+    assert gate.offer("p", ("L0", 0), 9) is Verdict.DUPLICATE
+    zero = dict.fromkeys(COUNTERS, 0)
+    assert gate.counts("p") == {**zero, "accepted": 1, "rejected_duplicate": 1}
+    assert gate.counts("q")["rejected_duplicate"] == 1
+    assert gate.counts("nobody") == dict.fromkeys(COUNTERS, 0)
+
+
+def test_rejected_key_may_be_offered_again_in_time():
+    gate = RolloutGate(Mode.SEQUENTIAL, 1, version=2)
+    assert gate.offer("p", "k", 3) is Verdict.FUTURE
+    gate.advance(3)
+    assert gate.offer("p", "k", 3) is Verdict.ACCEPT
+
+
+def test_staleness_of_and_advance():
+    gate = RolloutGate(Mode.ASYNC, 4, version=5)
+    assert (gate.staleness_of(2), gate.staleness_of(5), gate.staleness_of(6)) == (3, 0, -1)
+    for bad in (5, 4, -1):
+        with pytest.raises(InvalidValue):
+            gate.advance(bad)
+    gate.advance(6)
+    assert gate.version == 6
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: RolloutGate(Mode.ASYNC, 0),
+        lambda: RolloutGate(Mode.ASYNC, 1, version=-1),
+        lambda: RolloutGate("bogus", 1),
+        lambda: RolloutGate(Mode.ASYNC, 1).offer("p", "k", -1),
+        lambda: RolloutGate(Mode.ASYNC, 1).offer("p", "k", True),
+    ],
+)
+def test_gate_bad_arguments(call):
+    with pytest.raises(InvalidValue):
+        call()
+
+
+def test_to_dict_round_trips_through_json():
+    gate = RolloutGate("async", 3, version=4)
+    gate.offer("p", ("L0", 0), 4)
+    gate.offer("p", ("L0", ("nested", 1)), 4)
+    gate.offer("q", 7, 0)
+    state = json.loads(json.dumps(gate.to_dict()))
+    again = RolloutGate.from_dict(state)
+    assert again.to_dict() == gate.to_dict()
+    assert again.offer("p", ("L0", 0), 4) is Verdict.DUPLICATE
+    assert again.offer("q", ("L0", ("nested", 1)), 4) is Verdict.DUPLICATE
+    zero = dict.fromkeys(COUNTERS, 0)
+    assert again.counts("q") == {**zero, "dropped_stale": 1, "rejected_duplicate": 1}
+
+
+def test_unexportable_key_is_refused():
+    gate = RolloutGate(Mode.ASYNC, 1)
+    gate.offer("p", frozenset({1}), 0)
+    with pytest.raises(InvalidValue):
+        gate.to_dict()
+
+
+@pytest.mark.parametrize(
+    "patch",
+    [
+        {"mode": "turbo"},
+        {"staleness": 0},
+        {"version": "3"},
+        {"counts": {"p": {"accepted": 1}}},
+        {"counts": {"p": dict.fromkeys(COUNTERS, -1)}},
+        {"counts": []},
+        {"accepted_keys": [1.5]},
+        {"accepted_keys": "k"},
+    ],
+)
+def test_from_dict_rejects_bad_state(patch):
+    state = {**RolloutGate(Mode.ASYNC, 2).to_dict(), **patch}
+    with pytest.raises(InvalidValue):
+        RolloutGate.from_dict(state)
+    with pytest.raises(InvalidValue):
+        RolloutGate.from_dict({"mode": "async"})
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(Mode), st.integers(0, 50), st.integers(1, 12), st.integers(0, 60))
+def test_judge_version_matches_the_documented_rule(mode, current, s, version):
+    verdict = judge_version(mode, current, s, version)
+    lo = current if mode is Mode.SEQUENTIAL else current - s
+    assert (verdict is Verdict.ACCEPT) == (lo <= version <= current)
+    if version > current:
+        assert verdict is Verdict.FUTURE
+
+
+# ------------------------------------------------------------------------- stateful model
+#
+# A trainer, a lease book and three nodes, driven by hypothesis. The model keeps its own
+# record of versions, keys and seeds and checks the implementation against it after every
+# step. Node "lazy" ignores the node-side gate, so the trainer-side rule is exercised on
+# rollouts an obedient node would never send.
+
+NODES = ("n0", "n1", "lazy")
+TTL = 10.0
+
+
+STATEFUL = settings(max_examples=200, deadline=None, stateful_step_count=40)
+
+
+class SyncMachine(RuleBasedStateMachine):
+    mode: Mode
+
+    @initialize(s=st.integers(1, 6), seeds=st.integers(0, 30))
+    def setup(self, s, seeds):
+        self.s = s
+        # The node gate: sequential nodes must hold exactly the requested version.
+        self.node_s = 1 if self.mode is Mode.SEQUENTIAL else s
+        self.latest = 0
+        self.now = 0.0
+        self.gate = RolloutGate(self.mode, s)
+        self.book = LeaseBook(TTL)
+        self.added: list[int] = []
+        self.next_seed = 0
+        self.add_seeds(seeds)
+        self.node_version = dict.fromkeys(NODES, 0)
+        self.work: dict[str, list[tuple[Lease, int]]] = {n: [] for n in NODES}  # (lease, start v)
+        self.completed: list[int] = []
+        self.accepted: set = set()
+        self.offered: list[tuple[str, object, int]] = []
+        self.offers = Counter()
+
+    def push(self, peer, key, version):
+        verdict = self.gate.offer(peer, key, version)
+        self.offers[peer] += 1
+        self.offered.append((peer, key, version))
+        if key in self.accepted:
+            assert verdict is Verdict.DUPLICATE  # (2) never accepted twice
+        else:
+            assert verdict is judge_version(self.mode, self.latest, self.s, version)
+        if verdict is Verdict.ACCEPT:
+            # (1) checked against the model's version, not the gate's own.
+            assert version <= self.latest and self.latest - version <= self.s
+            if self.mode is Mode.SEQUENTIAL:
+                assert version == self.latest
+            self.accepted.add(key)
+
+    @rule(n=st.integers(0, 20))
+    def add_seeds(self, n):
+        seeds = list(range(self.next_seed, self.next_seed + n))
+        self.next_seed += n
+        self.book.add_seeds(seeds)
+        self.added += seeds
+
+    @rule()
+    def publish(self):
+        self.latest += 1
+        self.gate.advance(self.latest)
+
+    @rule(node=st.sampled_from(NODES), frac=st.floats(0, 1))
+    def node_fetches_some_version(self, node, frac):
+        # Nodes fetch whatever the DHT shows them: any version between theirs and latest.
+        have = self.node_version[node]
+        self.node_version[node] = have + round(frac * (self.latest - have))
+
+    @rule(node=st.sampled_from(NODES[:2]), count=st.integers(1, 4), frac=st.floats(0, 1))
+    def obedient_node_takes_work(self, node, count, frac):
+        if must_update(self.node_version[node], self.latest, self.node_s):
+            # Update to some version the gate lets through, not necessarily the latest.
+            lowest = self.latest - self.node_s + 1
+            self.node_version[node] = lowest + round(frac * (self.latest - lowest))
+        assert not must_update(self.node_version[node], self.latest, self.node_s)
+        self.take_work(node, count, obedient=True)
+
+    @rule(count=st.integers(1, 4))
+    def lazy_node_takes_work(self, count):
+        self.take_work("lazy", count, obedient=False)
+
+    def take_work(self, node, count, obedient):
+        lease = self.book.issue(node, count, self.latest, self.now)
+        self.drop_expired_work()
+        if lease is None:
+            assert self.book.pending_count == 0
+            return
+        assert lease.version == self.latest and lease.expires_at == self.now + TTL
+        start = self.node_version[node]
+        if obedient:  # (3)
+            assert start >= self.latest - self.node_s + 1
+        self.work[node].append((lease, start))
+
+    @rule(dt=st.floats(0, 2 * TTL))
+    def tick(self, dt):
+        self.now += dt
+
+    @rule()
+    def expire(self):
+        expired = self.book.expire(self.now)
+        assert all(lease.expires_at <= self.now for lease in expired)
+        self.drop_expired_work()
+
+    def drop_expired_work(self):
+        # Leases whose time ran out are gone from the book; nodes holding them find out on
+        # completion, which `finish` checks, so only forget those no longer outstanding.
+        live = {lease.lease_id for lease in self.book.outstanding}
+        for node in NODES:
+            for lease, start in list(self.work[node]):
+                if lease.lease_id not in live:
+                    assert lease.expires_at <= self.now
+                    self.work[node].remove((lease, start))
+                    with pytest.raises(LeaseError, match="expired"):
+                        self.book.complete(lease.lease_id, node, self.now)
+
+    @precondition(lambda self: any(self.work.values()))
+    @rule(i=st.integers(0, 50), thief=st.sampled_from(NODES))
+    def finish(self, i, thief):
+        held = [(node, w) for node in NODES for w in self.work[node]]
+        node, (lease, start) = held[i % len(held)]
+        if thief != node and lease.expires_at > self.now:
+            with pytest.raises(LeaseError, match="another node"):
+                self.book.complete(lease.lease_id, thief, self.now)
+        self.work[node].remove((lease, start))
+        if lease.expires_at <= self.now:
+            with pytest.raises(LeaseError, match="expired"):
+                self.book.complete(lease.lease_id, node, self.now)
+            return
+        assert self.book.complete(lease.lease_id, node, self.now) == lease
+        self.completed += lease.seeds
+        with pytest.raises(LeaseError, match="already completed"):
+            self.book.complete(lease.lease_id, node, self.now)
+        for j in range(len(lease.seeds)):
+            self.push(node, (lease.lease_id, j), start)
+
+    @precondition(lambda self: self.offered)
+    @rule(i=st.integers(0, 200), peer=st.sampled_from(NODES))
+    def repush(self, i, peer):
+        _, key, version = self.offered[i % len(self.offered)]
+        self.push(peer, key, version)
+
+    @rule(n=st.integers(0, 10**6), version=st.integers(0, 40))
+    def rogue_push(self, n, version):
+        # Keys outside the lease namespace with any version, future ones included.
+        self.push("rogue", ("rogue", n), version)
+
+    @rule()
+    def trainer_restarts(self):
+        self.gate = RolloutGate.from_dict(json.loads(json.dumps(self.gate.to_dict())))
+
+    @invariant()
+    def seeds_are_conserved(self):  # (4)
+        outstanding = [s for lease in self.book.outstanding for s in lease.seeds]
+        where = list(self.book.pending_seeds) + outstanding + self.completed
+        assert Counter(where) == Counter(self.added)
+        assert self.book.pending_count == len(self.book.pending_seeds)
+        assert self.book.completed_count == len(self.completed)
+
+    @invariant()
+    def counters_add_up(self):  # (5)
+        assert set(self.gate.peers) == set(self.offers)
+        for peer, n in self.offers.items():
+            assert sum(self.gate.counts(peer).values()) == n
+        assert sum(self.gate.counts(p)["accepted"] for p in self.gate.peers) == len(self.accepted)
+        assert all(self.gate.is_accepted(k) for k in self.accepted)
+        assert self.gate.version == self.latest
+
+
+@STATEFUL
+class AsyncSyncMachine(SyncMachine):
+    mode = Mode.ASYNC
+
+
+@STATEFUL
+class SequentialSyncMachine(SyncMachine):
+    mode = Mode.SEQUENTIAL
+
+
+TestAsyncSync = AsyncSyncMachine.TestCase
+TestSequentialSync = SequentialSyncMachine.TestCase
