@@ -94,7 +94,7 @@ class LoraTrainer:
             adv = torch.tensor([a for _, a in part], dtype=torch.float32)
             out = grpo_loss(new, new.detach(), behaviour, adv, mask, total_tokens, self.config.clip_eps, self.config.tis_cap)
             out.loss.backward()
-            sums["loss"] += float(out.loss)
+            sums["loss"] += float(out.loss.detach())
             sums["tokens"] += out.tokens
             sums["clipped_tis"] += out.clipped_tis
             sums["clipped_ratio"] += out.clipped_ratio

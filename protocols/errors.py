@@ -68,3 +68,15 @@ class LeaseError(ProtocolError):
 
 class KeyFileError(EchoError):
     """A local key file is missing, malformed or readable by other users."""
+
+
+class TransportError(EchoError):
+    """A call to a peer failed in transit: unreachable, timed out, or the stream broke."""
+
+
+class RemoteError(TransportError):
+    """The peer's handler refused our request; `code` is its ProtocolError code."""
+
+    def __init__(self, code: str, message: str, peer: str, handler: str):
+        super().__init__(f"{handler} on peer {peer[-8:]} refused: [{code}] {message}")
+        self.code, self.remote_message, self.peer, self.handler = code, message, peer, handler

@@ -167,33 +167,125 @@ class PeerAnnouncement(WireMessage):
 
 
 @dataclass(frozen=True)
+class LeaseRequest(WireMessage):
+    """A node asking for work; signed by the node so nobody can take leases in its name."""
+
+    KIND = "lease_request"
+    MAX_BYTES = 8 * 1024
+
+    run_id: str
+    node_key: bytes
+    peer_id: str
+    name: str
+    version: int  # policy version the node holds
+    max_seeds: int
+    time: float  # node clock; bounds replay of an old request
+    signature: bytes = b""
+
+    @property
+    def node_id(self) -> str:
+        return fingerprint(self.node_key)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "run_id": self.run_id, "node_key": self.node_key, "peer_id": self.peer_id, "name": self.name,
+            "version": self.version, "max_seeds": self.max_seeds, "time": self.time, "signature": self.signature,
+        }
+
+    @classmethod
+    def from_dict(cls, body: dict[str, Any]) -> LeaseRequest:
+        f = Fields(body, cls.KIND)
+        return cls(
+            run_id=f.text("run_id"), node_key=f.blob("node_key", PUBLIC_KEY_BYTES, exact=PUBLIC_KEY_BYTES),
+            peer_id=f.text("peer_id"), name=f.text("name", 64), version=f.integer("version"),
+            max_seeds=f.integer("max_seeds", 1, MAX_SEEDS), time=f.number("time", 0.0), signature=_signature(f),
+        )
+
+
+@dataclass(frozen=True)
 class TaskLease(WireMessage):
-    """Task seeds handed to one node, single-use, until `expires_at` (trainer clock, unix seconds)."""
+    """Task seeds handed to one node, single-use, until `expires_at` (trainer clock, unix seconds).
+
+    The trainer renders each seed's prompt itself and sends the token ids, so every backend
+    samples from exactly the prompt the trainer will train on (no template or tokenizer drift)."""
 
     KIND = "task_lease"
-    MAX_BYTES = 64 * 1024
+    MAX_BYTES = 4 * 2**20
 
     lease_id: str
     run_id: str
     node_id: str  # fingerprint of the node key the lease is for
     seeds: tuple[int, ...]
+    prompts: tuple[tuple[int, ...], ...]  # prompt token ids, one per seed
     version: int  # sequential: the version to generate with; async: trainer version at issue
     expires_at: float
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "lease_id": self.lease_id, "run_id": self.run_id, "node_id": self.node_id,
-            "seeds": array_bytes(self.seeds, "<u8"), "version": self.version, "expires_at": self.expires_at,
+            "seeds": array_bytes(self.seeds, "<u8"), "prompts": [array_bytes(p, "<i4") for p in self.prompts],
+            "version": self.version, "expires_at": self.expires_at,
         }
 
     @classmethod
     def from_dict(cls, body: dict[str, Any]) -> TaskLease:
         f = Fields(body, cls.KIND)
+        seeds = tuple(int(s) for s in f.array("seeds", "<u8", MAX_SEEDS))
+        raw_prompts = f.items("prompts", MAX_SEEDS)
+        if len(raw_prompts) != len(seeds):
+            raise InvalidValue(f"{cls.KIND}: {len(raw_prompts)} prompts for {len(seeds)} seeds")
+        prompts = []
+        for i, raw in enumerate(raw_prompts):
+            ids = Fields({"p": raw}, f"{cls.KIND}.prompts[{i}]").array("p", "<i4", MAX_SAMPLE_TOKENS)
+            if len(ids) == 0 or (ids < 0).any():
+                raise InvalidValue(f"{cls.KIND}.prompts[{i}]: empty or negative token ids")
+            prompts.append(tuple(ids.tolist()))
         return cls(
-            lease_id=f.text("lease_id"), run_id=f.text("run_id"), node_id=f.text("node_id"),
-            seeds=tuple(int(s) for s in f.array("seeds", "<u8", MAX_SEEDS)), version=f.integer("version"),
-            expires_at=f.number("expires_at", 0.0),
+            lease_id=f.text("lease_id"), run_id=f.text("run_id"), node_id=f.text("node_id"), seeds=seeds,
+            prompts=tuple(prompts), version=f.integer("version"), expires_at=f.number("expires_at", 0.0),
         )
+
+
+@dataclass(frozen=True)
+class NoWork(WireMessage):
+    """The answer to a LeaseRequest when nothing is pending: ask again after `retry_after` s."""
+
+    KIND = "no_work"
+    MAX_BYTES = 1024
+
+    latest_version: int
+    retry_after: float
+    finished: bool = False  # the run is over: stop asking
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"latest_version": self.latest_version, "retry_after": self.retry_after, "finished": self.finished}
+
+    @classmethod
+    def from_dict(cls, body: dict[str, Any]) -> NoWork:
+        f = Fields(body, cls.KIND)
+        return cls(f.integer("latest_version"), f.number("retry_after", 0.0, 3600.0), f.flag("finished"))
+
+
+@dataclass(frozen=True)
+class PushReceipt(WireMessage):
+    """The trainer's answer to a RolloutBatch: how many samples it accepted and why not the rest."""
+
+    KIND = "push_receipt"
+    MAX_BYTES = 16 * 1024
+
+    accepted: int
+    rejected: int
+    reasons: dict[str, Any] = field(default_factory=dict)  # reason code -> sample count
+    latest_version: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"accepted": self.accepted, "rejected": self.rejected, "reasons": dict(self.reasons),
+                "latest_version": self.latest_version}
+
+    @classmethod
+    def from_dict(cls, body: dict[str, Any]) -> PushReceipt:
+        f = Fields(body, cls.KIND)
+        return cls(f.integer("accepted"), f.integer("rejected"), _params(f, "reasons"), f.integer("latest_version"))
 
 
 @dataclass(frozen=True)
@@ -395,6 +487,44 @@ class WeightUpdate(WireMessage):
             mode=f.text("mode", choices=UPDATE_MODES), tensors=tensors, chunk_size=chunk_size,
             params=_params(f, "params"), created=f.number("created", 0.0), signature=_signature(f),
         )
+
+
+@dataclass(frozen=True)
+class UpdateRequest(WireMessage):
+    """Ask a provider for the WeightUpdate manifest that ends at `to_version` (0: the latest)."""
+
+    KIND = "update_request"
+    MAX_BYTES = 1024
+
+    to_version: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"to_version": self.to_version}
+
+    @classmethod
+    def from_dict(cls, body: dict[str, Any]) -> UpdateRequest:
+        return cls(Fields(body, cls.KIND).integer("to_version"))
+
+
+@dataclass(frozen=True)
+class ChunkRequest(WireMessage):
+    """Ask a provider for chunks by digest; it streams back one Chunk per digest it holds."""
+
+    KIND = "chunk_request"
+    MAX_BYTES = 1024 * 1024
+
+    digests: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"digests": list(self.digests)}
+
+    @classmethod
+    def from_dict(cls, body: dict[str, Any]) -> ChunkRequest:
+        f = Fields(body, cls.KIND)
+        digests = tuple(f.texts("digests", 10_000, 64))
+        if not all(_SHA256.fullmatch(d) for d in digests):
+            raise InvalidValue(f"{cls.KIND}.digests: every digest must be a lowercase hex sha256")
+        return cls(digests)
 
 
 @dataclass(frozen=True)

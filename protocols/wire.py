@@ -30,33 +30,52 @@ def pack(kind: str, body: dict[str, Any]) -> bytes:
     return msgpack.packb({"protocol": PROTOCOL_VERSION, "kind": kind, "body": body}, use_bin_type=True)
 
 
-def unpack(data: bytes, kind: str, max_bytes: int = MAX_MESSAGE_BYTES) -> dict[str, Any]:
-    """Decode an envelope of the expected `kind` and return its body."""
+def envelope(data: bytes, what: str, max_bytes: int = MAX_MESSAGE_BYTES) -> tuple[Any, dict[str, Any]]:
+    """Decode an envelope and return (kind, body); `what` names the expected kind(s) in errors."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise MalformedMessage(f"{kind}: expected bytes, got {type(data).__name__}")
+        raise MalformedMessage(f"{what}: expected bytes, got {type(data).__name__}")
     if len(data) > max_bytes:
-        raise MessageTooLarge(f"{kind}: {len(data)} bytes exceeds the limit of {max_bytes}")
+        raise MessageTooLarge(f"{what}: {len(data)} bytes exceeds the limit of {max_bytes}")
     try:
         # The container caps stop a small message from claiming huge arrays or maps.
-        envelope = msgpack.unpackb(
+        decoded = msgpack.unpackb(
             data, raw=False, strict_map_key=True, max_bin_len=max_bytes, max_str_len=max_bytes,
             max_array_len=min(max_bytes, 2**20), max_map_len=min(max_bytes, 2**20),
         )
     except (ValueError, TypeError, msgpack.UnpackException) as e:
-        raise MalformedMessage(f"{kind}: not valid msgpack ({e})") from None
-    if not isinstance(envelope, dict):
-        raise MalformedMessage(f"{kind}: envelope is {type(envelope).__name__}, expected a map")
-    version = envelope.get("protocol")
+        raise MalformedMessage(f"{what}: not valid msgpack ({e})") from None
+    if not isinstance(decoded, dict):
+        raise MalformedMessage(f"{what}: envelope is {type(decoded).__name__}, expected a map")
+    version = decoded.get("protocol")
     if type(version) is not int:
-        raise MalformedMessage(f"{kind}: envelope has no integer 'protocol' field")
+        raise MalformedMessage(f"{what}: envelope has no integer 'protocol' field")
     if version != PROTOCOL_VERSION:
-        raise UnsupportedVersion(f"{kind}: peer speaks protocol {version}, we speak {PROTOCOL_VERSION}")
-    if envelope.get("kind") != kind:
-        raise MalformedMessage(f"expected a {kind} message, got {envelope.get('kind')!r}")
-    body = envelope.get("body")
+        raise UnsupportedVersion(f"{what}: peer speaks protocol {version}, we speak {PROTOCOL_VERSION}")
+    body = decoded.get("body")
     if not isinstance(body, dict):
-        raise MalformedMessage(f"{kind}: body is {type(body).__name__}, expected a map")
+        raise MalformedMessage(f"{what}: body is {type(body).__name__}, expected a map")
+    return decoded.get("kind"), body
+
+
+def unpack(data: bytes, kind: str, max_bytes: int = MAX_MESSAGE_BYTES) -> dict[str, Any]:
+    """Decode an envelope of the expected `kind` and return its body."""
+    got, body = envelope(data, kind, max_bytes)
+    if got != kind:
+        raise MalformedMessage(f"expected a {kind} message, got {got!r}")
     return body
+
+
+def decode_one_of(data: bytes, classes: tuple[type, ...]):
+    """Decode a reply that may be any of `classes` (e.g. TaskLease or NoWork), by its kind."""
+    kinds = {cls.KIND: cls for cls in classes}
+    names = ", ".join(kinds)
+    kind, body = envelope(data, names, max(cls.MAX_BYTES for cls in classes))
+    if kind not in kinds:
+        raise MalformedMessage(f"expected one of {names}, got {kind!r}")
+    cls = kinds[kind]
+    if len(data) > cls.MAX_BYTES:
+        raise MessageTooLarge(f"{kind}: {len(data)} bytes exceeds the limit of {cls.MAX_BYTES}")
+    return cls.from_dict(body)
 
 
 class Fields:

@@ -1,7 +1,7 @@
 """Valid example messages for tests to mutate."""
 
 from protocols.messages import (
-    Chunk, PeerAnnouncement, RolloutBatch, RolloutSample, RunManifest, Segment, TaskLease, TaskSpec,
+    Chunk, LeaseRequest, PeerAnnouncement, RolloutBatch, RolloutSample, RunManifest, Segment, TaskLease, TaskSpec,
     TensorEntry, WeightUpdate,
 )
 from protocols.signing import sha256_hex
@@ -47,8 +47,14 @@ def announcement(**kw) -> PeerAnnouncement:
 
 
 def lease(**kw) -> TaskLease:
-    fields = dict(lease_id="L1", run_id="run-1", node_id="abc", seeds=(1, 2, 2**40), version=3, expires_at=9.0)
+    fields = dict(lease_id="L1", run_id="run-1", node_id="abc", seeds=(1, 2, 2**40), prompts=((1, 2), (3,), (4, 5, 6)),
+                  version=3, expires_at=9.0)
     return TaskLease(**{**fields, **kw})
+
+
+def lease_request(**kw) -> LeaseRequest:
+    fields = dict(run_id="run-1", node_key=KEY, peer_id="QmPeer", name="alice", version=2, max_seeds=4, time=5.0)
+    return LeaseRequest(**{**fields, **kw})
 
 
 def chunk() -> Chunk:

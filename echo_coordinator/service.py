@@ -1,0 +1,195 @@
+"""What the coordinator answers to nodes: leases, rollout pushes, update manifests, chunks.
+
+Transport-free: every handler takes a decoded message and returns one, raising a
+`ProtocolError` subclass for anything it refuses (the transport turns that into an ErrorReply
+and the ledger counts it). The step loop in `coordinator` drives `open_step` / `take_batch`.
+A batch is judged whole, before its lease is consumed: a refused batch leaves the lease
+outstanding, so its seeds are reassigned at expiry and nothing accepted is ever lost.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from echo_coordinator.ledger import Ledger
+from echo_coordinator.trainer import TrainSample
+from protocols.errors import InvalidValue, LeaseError, ProtocolError
+from protocols.messages import (
+    LeaseRequest, NoWork, PushReceipt, RolloutBatch, RunManifest, TaskLease, UpdateRequest, WeightUpdate,
+)
+from protocols.signing import verify_message
+from protocols.sync import LeaseBook, Mode, RolloutGate, Verdict
+from tasks import Task
+
+REQUEST_MAX_AGE = 300.0  # seconds; older signed lease requests are replays
+RETRY_AFTER = 0.5  # seconds a node waits after NoWork
+
+
+class Refused(ProtocolError):
+    """A batch judged invalid by the rollout gate (stale, wrong version, duplicate, future)."""
+
+    code = "refused"
+
+
+@dataclass
+class Published:
+    update: WeightUpdate
+    chunks: dict[str, bytes]
+
+
+class RunService:
+    def __init__(
+        self, manifest: RunManifest, run_key: Ed25519PrivateKey, task: Task, render_prompt: Callable[[int], tuple[int, ...]],
+        decode: Callable[[tuple[int, ...]], str], ledger: Ledger, lease_seconds: float, seeds_per_lease: int,
+    ):
+        self.manifest, self.run_key, self.task, self.ledger = manifest, run_key, task, ledger
+        self.render_prompt, self.decode = render_prompt, decode
+        self.book = LeaseBook(ttl=lease_seconds)
+        self.gate = RolloutGate(Mode(manifest.mode), manifest.staleness, version=0)
+        self.seeds_per_lease = seeds_per_lease
+        self.lock = threading.Lock()  # handlers run on the transport's loop, the step loop elsewhere
+        self.prompts: dict[int, tuple[int, ...]] = {}
+        self.buffer: list[TrainSample] = []
+        self.rewards: list[float] = []
+        self.staleness: list[int] = []  # trainer version minus rollout version, per accepted batch
+        self.published: dict[int, Published] = {}
+        self.finished = False
+        self.told_finished: set[str] = set()  # nodes that have heard the run is over
+        self.names: dict[str, str] = {}  # node id -> display name from its (signed) lease requests
+        self.rejections: Counter[str] = Counter()
+        self.accepted = 0
+
+    @property
+    def version(self) -> int:
+        return self.gate.version
+
+    # -- driven by the step loop -------------------------------------------------------------
+
+    def open_step(self, seeds: list[int]) -> None:
+        with self.lock:
+            for seed in seeds:
+                self.prompts[seed] = self.render_prompt(seed)
+            self.book.add_seeds(seeds)
+
+    def step_done(self, now: float) -> bool:
+        with self.lock:
+            self.book.expire(now)
+            return self.book.pending_count == 0 and not self.book.outstanding
+
+    def take_batch(self) -> tuple[list[TrainSample], list[float], list[int]]:
+        with self.lock:
+            taken = self.buffer, self.rewards, self.staleness
+            self.buffer, self.rewards, self.staleness = [], [], []
+            return taken
+
+    def publish(self, update: WeightUpdate, chunks: dict[str, bytes], keep: int = 2) -> None:
+        """Make `update` the latest version; older manifests beyond `keep` are forgotten."""
+        with self.lock:
+            self.published[update.to_version] = Published(update, chunks)
+            for old in sorted(self.published)[:-keep]:
+                del self.published[old]
+            if update.to_version > self.gate.version:
+                self.gate.advance(update.to_version)
+
+    def all_told_finished(self) -> bool:
+        with self.lock:
+            return set(self.names) <= self.told_finished
+
+    # -- handlers ------------------------------------------------------------------------------
+
+    def handle_lease(self, request: LeaseRequest, now: float | None = None) -> TaskLease | NoWork:
+        now = time.time() if now is None else now
+        verify_message(request, request.node_key)
+        if request.run_id != self.manifest.run_id:
+            raise InvalidValue(f"lease request for run {request.run_id!r}, this is {self.manifest.run_id!r}")
+        if abs(now - request.time) > REQUEST_MAX_AGE:
+            raise InvalidValue(f"lease request time is {now - request.time:.0f} s off; check the node's clock")
+        with self.lock:
+            self.names[request.node_id] = request.name
+            if self.finished:
+                self.told_finished.add(request.node_id)
+                return NoWork(self.version, RETRY_AFTER, finished=True)
+            lease = self.book.issue(request.node_id, min(request.max_seeds, self.seeds_per_lease), self.version, now)
+            if lease is None:
+                return NoWork(self.version, RETRY_AFTER)
+            return TaskLease(
+                lease_id=lease.lease_id, run_id=self.manifest.run_id, node_id=lease.node_id, seeds=lease.seeds,
+                prompts=tuple(self.prompts[s] for s in lease.seeds), version=lease.version, expires_at=lease.expires_at,
+            )
+
+    def handle_push(self, batch: RolloutBatch, peer_id: str, now: float | None = None) -> PushReceipt:
+        now = time.time() if now is None else now
+        node_id = batch.node_id
+        name = self.names.get(node_id, node_id[:8])
+        try:
+            receipt = self._accept(batch, now)
+        except ProtocolError as e:
+            with self.lock:
+                self.rejections[e.code] += len(batch.samples)
+            self.ledger.reject(node_id, peer_id, name, e.code, len(batch.samples), now)
+            raise
+        self.ledger.credit(node_id, peer_id, name, receipt.accepted, batch.num_tokens, now)
+        return receipt
+
+    def _accept(self, batch: RolloutBatch, now: float) -> PushReceipt:
+        verify_message(batch, batch.node_key)
+        if batch.run_id != self.manifest.run_id:
+            raise InvalidValue(f"batch for run {batch.run_id!r}, this is {self.manifest.run_id!r}")
+        batch.check_vocab(self.manifest.vocab_size)
+        with self.lock:
+            self.book.expire(now)
+            lease = next((x for x in self.book.outstanding if x.lease_id == batch.lease_id), None)
+            if lease is None:
+                self.book.complete(batch.lease_id, batch.node_id, now)  # raises the precise LeaseError
+                raise LeaseError(f"lease {batch.lease_id} is not outstanding")
+            if lease.node_id != batch.node_id:
+                raise LeaseError(f"lease {batch.lease_id} belongs to another node")
+            self._check_samples(batch, lease.seeds)
+            verdict = self.gate.offer(batch.node_id, batch.lease_id, batch.version)
+            if verdict is not Verdict.ACCEPT:
+                raise Refused(f"batch of version {batch.version} refused at version {self.version}: {verdict.value}")
+            self.book.complete(batch.lease_id, batch.node_id, now)
+            staleness = self.gate.staleness_of(batch.version)
+        # Rewards are recomputed here from the seed; nothing the node says about reward counts.
+        samples, rewards = [], []
+        for s in batch.samples:
+            reward = self.task.reward(self.task.generate(s.seed), self.decode(s.completion_ids))
+            samples.append(TrainSample(s.prompt_ids, s.completion_ids, s.logprobs, s.loss_mask, reward, s.seed))
+            rewards.append(reward)
+        with self.lock:
+            self.buffer.extend(samples)
+            self.rewards.extend(rewards)
+            self.staleness.append(staleness)
+            self.accepted += len(samples)
+        return PushReceipt(accepted=len(samples), rejected=0, latest_version=self.version)
+
+    def _check_samples(self, batch: RolloutBatch, seeds: tuple[int, ...]) -> None:
+        group = self.manifest.group_size
+        per_seed = Counter(s.seed for s in batch.samples)
+        if set(per_seed) != set(seeds) or any(n != group for n in per_seed.values()):
+            raise InvalidValue(f"batch must hold {group} samples for each leased seed {sorted(seeds)}, got {dict(per_seed)}")
+        for s in batch.samples:
+            if s.prompt_ids != self.prompts[s.seed]:
+                raise InvalidValue(f"sample for seed {s.seed} does not use the leased prompt")
+            if len(s.completion_ids) > self.manifest.max_new_tokens:
+                raise InvalidValue(f"completion of {len(s.completion_ids)} tokens exceeds {self.manifest.max_new_tokens}")
+
+    def handle_update(self, request: UpdateRequest) -> WeightUpdate:
+        with self.lock:
+            version = request.to_version or max(self.published, default=0)
+            if version not in self.published:
+                raise InvalidValue(f"no update to version {version} here (have {sorted(self.published)})")
+            return self.published[version].update
+
+    def chunk(self, digest: str) -> bytes | None:
+        with self.lock:
+            for p in self.published.values():
+                if digest in p.chunks:
+                    return p.chunks[digest]
+        return None

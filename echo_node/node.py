@@ -1,0 +1,237 @@
+"""The node process: verify the run, then lease -> update -> generate -> sign -> push, until the
+run ends or Ctrl-C.
+
+Trust: the join line pins the run key's fingerprint. The manifest, every WeightUpdate and
+(through their hashes) every chunk are checked against it before use; a failed update leaves
+the node on its old version, still serving. Generation runs in a worker thread so the event
+loop keeps the DHT announcement fresh.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+
+from echo_node.updates import UpdateError, fetch_lora_update
+from protocols.errors import EchoError, ProtocolError, RemoteError, SignatureError, TransportError
+from protocols.messages import (
+    LeaseRequest, NoWork, PeerAnnouncement, PushReceipt, RolloutBatch, RolloutSample, RunManifest, TaskLease,
+)
+from protocols.signing import (
+    FINGERPRINT_CHARS, fingerprint, load_or_create_key, public_bytes, sha256_file, sign_message, verify_message,
+)
+from protocols.wire import decode_one_of
+
+log = logging.getLogger(__name__)
+console = Console()
+
+ANNOUNCE_TTL = 60.0  # seconds; refreshed every third of it
+MANIFEST_WAIT = 60.0  # seconds to find the run's manifest in the DHT before giving up
+CALL_TIMEOUT = 60.0
+PUSH_TIMEOUT = 300.0
+MAX_BACKOFF = 30.0
+
+
+class JoinRefused(EchoError):
+    """The run cannot be joined: wrong key, wrong base model, or not found."""
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    address: str  # coordinator multiaddr from the join line
+    run_key: str  # pinned run-key fingerprint
+    model: Path  # this node's copy of the base model GGUF
+    name: str | None = None  # public display name
+    data_dir: Path = Path("~/.echo-node")
+    threads: int = 0  # llama.cpp threads; 0 = all cores
+
+
+def run_node(config: NodeConfig) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        asyncio.run(Node(config).run())
+    except JoinRefused as e:
+        console.print(f"[red]refused to join:[/] {e}")
+        return 3
+    except (EchoError, OSError) as e:
+        console.print(f"[red]error:[/] {e}")
+        return 1
+    return 0
+
+
+def trainer_peer(manifest: RunManifest) -> str:
+    for address in manifest.trainer_addrs:
+        if "/p2p/" in address:
+            return address.rsplit("/p2p/", 1)[1]
+    raise JoinRefused("the run manifest names no trainer peer")
+
+
+class Node:
+    def __init__(self, config: NodeConfig):
+        if len(config.run_key) != FINGERPRINT_CHARS or not config.run_key.isalnum():
+            raise JoinRefused(f"--run-key must be the {FINGERPRINT_CHARS}-character fingerprint the coordinator printed")
+        self.config = config
+        self.data_dir = Path(config.data_dir).expanduser()
+        (self.data_dir / "adapters").mkdir(parents=True, exist_ok=True)
+        self.key = load_or_create_key(self.data_dir / "node.key")
+        self.node_key = public_bytes(self.key)
+        self.name = config.name or f"node-{fingerprint(self.node_key)[:6]}"
+        self.version = 0
+        self.stopping = asyncio.Event()
+
+    async def run(self) -> None:
+        from protocols.transport.dht import SwarmDHT
+
+        dht = await asyncio.to_thread(SwarmDHT.start, "127.0.0.1", 0, [self.config.address])
+        try:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, self.stopping.set)
+            await self._run(dht)
+        finally:
+            dht.shutdown()
+
+    async def _run(self, dht) -> None:
+        from echo_node.llama_backend import LlamaBackend
+        from protocols.transport.dht import record_key
+
+        self.endpoint = await dht.endpoint()
+        manifest = await self._fetch_manifest(dht, record_key(self.config.run_key, "manifest"))
+        model_sha = await asyncio.to_thread(sha256_file, self.config.model)
+        if model_sha != manifest.base_sha256:
+            raise JoinRefused(
+                f"your model {self.config.model.name} (sha256 {model_sha[:12]}) is not this run's base model "
+                f"{manifest.base_model} (sha256 {manifest.base_sha256[:12]})"
+            )
+        self.manifest, self.trainer = manifest, trainer_peer(manifest)
+        n_ctx = 4096 if manifest.max_new_tokens > 2048 else 2048
+        self.backend = await asyncio.to_thread(LlamaBackend, self.config.model, self.config.threads, n_ctx)
+        console.print(f"joined run {manifest.run_id} as {self.name} ({fingerprint(self.node_key)[:8]}); "
+                      f"task {manifest.task.name}, mode {manifest.mode}")
+        peers_key = record_key(self.config.run_key, "peers")
+        announcer = asyncio.create_task(self._announce(dht, peers_key), name="announce")
+        try:
+            await self._work_loop(announcer)
+        finally:
+            announcer.cancel()
+            # Withdraw: a tombstone outlives the announcement (the DHT keeps the later expiry).
+            await dht.put(peers_key, b"", ANNOUNCE_TTL * 2, subkey=fingerprint(self.node_key))
+            console.print(f"left the run at version {self.version}")
+
+    async def _fetch_manifest(self, dht, key: str) -> RunManifest:
+        """The manifest from the DHT record under the pinned fingerprint; failing that, straight
+        from the peer at the join address, so a wrong key is reported at once, not after a wait."""
+        deadline = time.monotonic() + MANIFEST_WAIT
+        coordinator = self.config.address.rsplit("/p2p/", 1)[-1]
+        while True:
+            raw = await dht.get(key)
+            if not isinstance(raw, bytes):
+                try:
+                    raw = await self.endpoint.call_one(coordinator, "echo.manifest", b"", CALL_TIMEOUT, RunManifest.MAX_BYTES)
+                except (TransportError, RemoteError) as e:
+                    log.info("manifest not available yet: %s", e)
+            if isinstance(raw, bytes):
+                return self._verify_manifest(raw)
+            if time.monotonic() > deadline:
+                raise JoinRefused(f"no run with key {self.config.run_key} found via {self.config.address} "
+                                  f"within {MANIFEST_WAIT:.0f} s; check the join line")
+            await asyncio.sleep(1.0)
+
+    def _verify_manifest(self, raw: bytes) -> RunManifest:
+        try:
+            manifest = RunManifest.from_wire(raw)
+        except ProtocolError as e:
+            raise JoinRefused(f"the run's manifest is malformed: {e}") from None
+        found = fingerprint(manifest.run_key)
+        if found != self.config.run_key:
+            raise JoinRefused(f"the run at {self.config.address} is signed by key {found}, "
+                              f"not the key {self.config.run_key} you asked to trust")
+        try:
+            verify_message(manifest, manifest.run_key)
+        except SignatureError as e:
+            raise JoinRefused(f"the run's manifest signature is invalid: {e}") from None
+        return manifest
+
+    async def _announce(self, dht, key: str) -> None:
+        while True:
+            announcement = sign_message(PeerAnnouncement(
+                peer_id=self.endpoint.peer_id, name=self.name, role="node", backend=self.backend.name,
+                model_sha256=self.manifest.base_sha256, version=self.version, throughput=self.backend.throughput,
+                public_key=self.node_key, time=time.time(),
+            ), self.key)
+            await dht.put(key, announcement.to_wire(), ANNOUNCE_TTL, subkey=fingerprint(self.node_key))
+            await asyncio.sleep(ANNOUNCE_TTL / 3)
+
+    async def _work_loop(self, announcer: asyncio.Task) -> None:
+        backoff = 0.5
+        while not self.stopping.is_set():
+            if announcer.done():
+                announcer.result()  # re-raise why announcing failed
+            try:
+                reply = await self._request_lease()
+                if isinstance(reply, NoWork):
+                    if reply.finished:
+                        await self._bring_to(reply.latest_version)  # leave with the run's final policy
+                        console.print(f"the run is finished at version {reply.latest_version}")
+                        return
+                    await self._sleep(reply.retry_after)
+                    continue
+                await self._bring_to(reply.version)
+                batch = await asyncio.to_thread(self._generate, reply)
+                receipt = await self._push(batch)
+                console.print(f"lease {reply.lease_id}: {receipt.accepted} samples accepted at version {batch.version}, "
+                              f"{self.backend.throughput:.0f} tok/s")
+                backoff = 0.5
+            except (TransportError, RemoteError, ProtocolError, UpdateError) as e:
+                log.warning("%s; retrying in %.1f s", e, backoff)
+                await self._sleep(backoff)
+                backoff = min(backoff * 2, MAX_BACKOFF)
+
+    async def _sleep(self, seconds: float) -> None:
+        try:
+            await asyncio.wait_for(self.stopping.wait(), seconds)
+        except TimeoutError:
+            pass
+
+    async def _request_lease(self) -> TaskLease | NoWork:
+        request = sign_message(LeaseRequest(
+            run_id=self.manifest.run_id, node_key=self.node_key, peer_id=self.endpoint.peer_id, name=self.name,
+            version=self.version, max_seeds=64, time=time.time(),
+        ), self.key)
+        raw = await self.endpoint.call_one(self.trainer, "echo.lease", request.to_wire(), CALL_TIMEOUT, TaskLease.MAX_BYTES)
+        return decode_one_of(raw, (TaskLease, NoWork))
+
+    async def _bring_to(self, version: int) -> None:
+        """Sequential pull: the lease names the version to sample with; fetch it if we lack it."""
+        if version == self.version:
+            return
+        started = time.perf_counter()
+        path = await fetch_lora_update(
+            self.endpoint, self.trainer, self.manifest, version, self.data_dir / "adapters", self.backend, CALL_TIMEOUT
+        )
+        self.version = version
+        console.print(f"updated to version {version} ({path.name}) in {time.perf_counter() - started:.2f}s")
+
+    def _generate(self, lease: TaskLease) -> RolloutBatch:
+        samples = []
+        for seed, prompt in zip(lease.seeds, lease.prompts):
+            for j in range(self.manifest.group_size):
+                sample_seed = int.from_bytes(hashlib.sha256(f"{lease.lease_id}/{seed}/{j}".encode()).digest()[:4], "big")
+                out = self.backend.generate(list(prompt), self.manifest.max_new_tokens, self.manifest.temperature, sample_seed)
+                samples.append(RolloutSample(seed=seed, prompt_ids=prompt, completion_ids=out.token_ids, logprobs=out.logprobs))
+        batch = RolloutBatch(
+            run_id=self.manifest.run_id, lease_id=lease.lease_id, version=self.version, node_key=self.node_key,
+            samples=tuple(samples), created=time.time(),
+        )
+        return sign_message(batch, self.key)
+
+    async def _push(self, batch: RolloutBatch) -> PushReceipt:
+        raw = await self.endpoint.call_one(self.trainer, "echo.push", batch.to_wire(), PUSH_TIMEOUT, PushReceipt.MAX_BYTES)
+        return PushReceipt.from_wire(raw)

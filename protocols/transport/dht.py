@@ -1,0 +1,81 @@
+"""The swarm's DHT: small signed records that let peers find the run and each other.
+
+Keys are namespaced by the run key's fingerprint (what a volunteer pins in its join command):
+- `echo/<fp>/manifest`  the signed RunManifest
+- `echo/<fp>/version`   the latest published version: a tiny msgpack map {version, time}
+- `echo/<fp>/peers`     one subkey per peer (node fingerprint) holding its signed PeerAnnouncement
+
+The DHT is open: anyone can write any key, so readers verify every record (signatures, the pinned
+fingerprint) and treat it as a hint. Values stay small (a DHT value of 256 KiB killed the DHT
+process in our measurements); tensors and batches travel over streams.
+"""
+
+from __future__ import annotations
+
+import os
+
+# hivemind reads these once at import; keep its and p2pd's logs to warnings unless asked.
+os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
+os.environ.setdefault("GOLOG_LOG_LEVEL", "error")
+
+import hivemind  # noqa: E402
+from hivemind.utils import get_dht_time  # noqa: E402
+
+from protocols.errors import TransportError  # noqa: E402
+from protocols.transport.streams import Endpoint  # noqa: E402
+
+MAX_RECORD_BYTES = 64 * 1024
+
+
+def record_key(fingerprint: str, name: str) -> str:
+    return f"echo/{fingerprint}/{name}"
+
+
+class SwarmDHT:
+    """A hivemind DHT (its own process plus the p2pd daemon) with Echo's records on top."""
+
+    def __init__(self, dht: hivemind.DHT):
+        self.dht = dht
+
+    @classmethod
+    def start(cls, host: str = "127.0.0.1", port: int = 0, initial_peers: list[str] | None = None) -> SwarmDHT:
+        """Blocking (~0.5 s): start a DHT listening on host:port, joining `initial_peers` if given."""
+        try:
+            dht = hivemind.DHT(
+                initial_peers=initial_peers or None, start=True, host_maddrs=[f"/ip4/{host}/tcp/{port}"],
+            )
+        except Exception as e:  # hivemind raises bare Exception subclasses of its own for dial failures
+            raise TransportError(f"could not start or join the DHT ({type(e).__name__}: {e})") from None
+        return cls(dht)
+
+    @property
+    def peer_id(self) -> str:
+        return self.dht.peer_id.to_base58()
+
+    def addresses(self) -> list[str]:
+        return [str(m) for m in self.dht.get_visible_maddrs()]
+
+    async def endpoint(self) -> Endpoint:
+        """Stream endpoint in the caller's event loop, sharing the DHT's p2pd daemon."""
+        return Endpoint(await self.dht.replicate_p2p())
+
+    async def put(self, key: str, value: bytes, ttl: float, subkey: str | None = None) -> bool:
+        if len(value) > MAX_RECORD_BYTES:
+            raise ValueError(f"DHT record {key} of {len(value)} bytes exceeds {MAX_RECORD_BYTES}")
+        return await self.dht.store(key, value, get_dht_time() + ttl, subkey=subkey, return_future=True)
+
+    async def get(self, key: str) -> bytes | dict[str, bytes] | None:
+        """The value (bytes), or {subkey: bytes} for a subkeyed record, or None. Entries of
+        unexpected types are dropped here: the DHT is untrusted."""
+        found = await self.dht.get(key, latest=True, return_future=True)
+        if found is None:
+            return None
+        value = found.value
+        if isinstance(value, bytes):
+            return value
+        if isinstance(value, dict):
+            return {k: v.value for k, v in value.items() if isinstance(k, str) and isinstance(v.value, bytes)}
+        return None
+
+    def shutdown(self) -> None:
+        self.dht.shutdown()

@@ -1,0 +1,127 @@
+"""Framed request/reply streams between peers, over hivemind's libp2p daemon.
+
+A call opens a libp2p stream to a named handler, writes one request frame and reads reply
+frames until an end frame. A frame is an 8-byte big-endian length, then a status byte
+(OK / ERROR) and the payload; an ERROR payload is an ErrorReply and becomes a `RemoteError`
+naming the peer and handler. Lengths are checked against the handler's limit *before* reading,
+so a peer cannot make us buffer more than we agreed to. Streams (not unary calls) carry
+everything: hivemind caps unary messages at 4 MiB.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from hivemind.p2p import P2P, PeerID
+from hivemind.p2p.p2p_daemon_bindings.control import P2PDaemonError, P2PHandlerError
+
+from protocols.errors import MessageTooLarge, ProtocolError, RemoteError, TransportError
+from protocols.messages import ErrorReply
+
+log = logging.getLogger(__name__)
+
+HEADER_BYTES = 8
+OK, ERROR, END = b"\x00", b"\x01", b"\x02"
+
+# A handler gets the request payload and the caller's peer id and yields reply payloads.
+Handler = Callable[[bytes, str], AsyncIterator[bytes]]
+
+
+async def write_frame(writer: asyncio.StreamWriter, status: bytes, payload: bytes = b"") -> None:
+    writer.write((len(payload) + 1).to_bytes(HEADER_BYTES, "big") + status)
+    writer.write(payload)
+    await writer.drain()
+
+
+async def read_frame(reader: asyncio.StreamReader, max_bytes: int) -> tuple[bytes, bytes]:
+    length = int.from_bytes(await reader.readexactly(HEADER_BYTES), "big")
+    if length == 0 or length > max_bytes + 1:
+        raise MessageTooLarge(f"frame of {length} bytes outside 1..{max_bytes + 1}")
+    frame = await reader.readexactly(length)
+    return frame[:1], frame[1:]
+
+
+class Endpoint:
+    """One process's side of the streams: serves handlers and calls other peers'."""
+
+    def __init__(self, p2p: P2P):
+        self.p2p = p2p
+        self.peer_id = p2p.peer_id.to_base58()
+        self.errors: Counter[tuple[str, str]] = Counter()  # (handler, code) -> count, for metrics
+
+    async def serve(self, name: str, handler: Handler, max_request_bytes: int, timeout: float) -> None:
+        async def on_stream(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            peer = info.peer_id.to_base58()
+            try:
+                status, request = await asyncio.wait_for(read_frame(reader, max_request_bytes), timeout)
+                if status != OK:
+                    raise ProtocolError(f"request frame has status {status!r}")
+                async with asyncio.timeout(timeout):
+                    async for reply in handler(request, peer):
+                        await write_frame(writer, OK, reply)
+                    await write_frame(writer, END)
+            except ProtocolError as e:
+                self.errors[name, e.code] += 1
+                log.info("%s from %s refused: %s", name, peer[-8:], e)
+                await self._try_send_error(writer, ErrorReply(e.code, str(e)))
+            except (asyncio.IncompleteReadError, ConnectionError, TimeoutError) as e:
+                self.errors[name, "disconnected"] += 1
+                log.info("%s from %s: stream ended early (%s)", name, peer[-8:], type(e).__name__)
+            except Exception:  # a bug in a handler must not take the server down; the caller is told
+                self.errors[name, "internal"] += 1
+                log.exception("%s from %s: handler failed", name, peer[-8:])
+                await self._try_send_error(writer, ErrorReply("internal", "internal error in handler"))
+            finally:
+                writer.close()
+
+        await self.p2p.add_binary_stream_handler(name, on_stream)
+
+    @staticmethod
+    async def _try_send_error(writer: asyncio.StreamWriter, reply: ErrorReply) -> None:
+        try:
+            await asyncio.wait_for(write_frame(writer, ERROR, reply.to_wire()), 5.0)
+        except (ConnectionError, TimeoutError):
+            pass  # the caller is gone; nothing left to tell
+
+    async def call(
+        self, peer: str, name: str, request: bytes, timeout: float, max_reply_bytes: int,
+        on_reply: Callable[[bytes], Awaitable[None] | None] | None = None,
+    ) -> list[bytes]:
+        """Send `request` to handler `name` on `peer`; return the reply payloads (or feed each to
+        `on_reply` as it arrives, for long streams). The whole call is bounded by `timeout`."""
+        replies: list[bytes] = []
+        writer = None
+        try:
+            async with asyncio.timeout(timeout):
+                _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), name)
+                await write_frame(writer, OK, request)
+                while True:
+                    status, payload = await read_frame(reader, max_reply_bytes)
+                    if status == END:
+                        return replies
+                    if status == ERROR:
+                        reply = ErrorReply.from_wire(payload)
+                        raise RemoteError(reply.code, reply.message, peer, name)
+                    if on_reply is None:
+                        replies.append(payload)
+                    elif (pending := on_reply(payload)) is not None:
+                        await pending
+        except TimeoutError:
+            raise TransportError(f"{name} on peer {peer[-8:]}: no complete reply within {timeout:.0f} s") from None
+        except (asyncio.IncompleteReadError, ConnectionError) as e:
+            raise TransportError(f"{name} on peer {peer[-8:]}: stream broke ({type(e).__name__})") from None
+        except (P2PDaemonError, P2PHandlerError) as e:
+            # p2pd's answer for an unreachable peer or a handler name nobody serves.
+            raise TransportError(f"{name} on peer {peer[-8:]}: {e}") from None
+        finally:
+            if writer is not None:
+                writer.close()
+
+    async def call_one(self, peer: str, name: str, request: bytes, timeout: float, max_reply_bytes: int) -> bytes:
+        replies = await self.call(peer, name, request, timeout, max_reply_bytes)
+        if len(replies) != 1:
+            raise TransportError(f"{name} on peer {peer[-8:]}: expected one reply, got {len(replies)}")
+        return replies[0]

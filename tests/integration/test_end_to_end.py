@@ -1,0 +1,165 @@
+"""Coordinator + 2 nodes as real processes: real hivemind on 127.0.0.1, real llama.cpp, real
+torch; a tiny random Llama built here so the run fits CI time."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from echo_node.gguf_io import lora_pairs, permute_qk
+from tests.support.tiny_model import build_tiny_gguf
+
+VENV_BIN = Path(sys.executable).parent
+STEPS = 3
+
+
+def wait_for(predicate, timeout: float, what: str, procs=()):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        for p in procs:
+            if p.poll() is not None:
+                raise AssertionError(f"process exited with {p.returncode} while waiting for {what}")
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@pytest.fixture
+def processes():
+    started: list[subprocess.Popen] = []
+    yield started
+    for p in started:  # only our own children, by handle
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT)
+    for p in started:
+        try:
+            p.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def spawn(processes, args, log: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+    proc = subprocess.Popen(args, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, cwd=Path(__file__).parents[2])
+    processes.append(proc)
+    return proc
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    return build_tiny_gguf(tmp_path_factory.mktemp("model") / "tiny.gguf")
+
+
+def write_config(path: Path, model: Path, data_dir: Path, task: str = "letter_e", steps: int = STEPS) -> Path:
+    path.write_text(f"""
+[run]
+model = "{model}"
+task = "{task}"
+steps = {steps}
+prompts_per_step = 4
+group_size = 4
+max_new_tokens = 8
+min_nodes = 2
+port = 0
+data_dir = "{data_dir}"
+lease_seconds = 60
+
+[trainer]
+lora_rank = 4
+learning_rate = 0.01
+micro_batch = 8
+threads = 1
+""")
+    return path
+
+
+def test_sequential_run_with_two_nodes(tmp_path, tiny_model, processes):
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path / "run.toml", tiny_model, run_dir)
+    coordinator = spawn(processes, [sys.executable, "-m", "tests.support.coordinator_main", "start", "--config", str(config)],
+                        tmp_path / "coordinator.log")
+    join_file = run_dir / "join.txt"
+    wait_for(join_file.exists, 120, "the join line", [coordinator])
+    join_line = join_file.read_text().strip()
+    assert join_line in (tmp_path / "coordinator.log").read_text()  # printed verbatim for volunteers
+    argv = shlex.split(join_line)
+    nodes = []
+    for name in ("n1", "n2"):
+        args = [str(VENV_BIN / argv[0]), *argv[1:], "--name", name, "--data-dir", str(tmp_path / name), "--threads", "1"]
+        nodes.append(spawn(processes, args, tmp_path / f"{name}.log"))
+
+    assert coordinator.wait(timeout=300) == 0, (tmp_path / "coordinator.log").read_text()[-3000:]
+    for node, name in zip(nodes, ("n1", "n2")):
+        assert node.wait(timeout=60) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+
+    # One metrics line per version, in the documented shape; rewards recomputed by the trainer.
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["version"] for r in records] == list(range(STEPS))
+    for r in records:
+        assert {"version", "mode", "samples", "reward_mean", "accepted", "rejected", "staleness_max", "step_seconds",
+                "wait_seconds", "time"} <= set(r)
+        assert r["mode"] == "sequential" and r["samples"] == 16 and r["accepted"] == 16 and r["staleness_max"] == 0
+        assert 0 < r["reward_mean"] < 1 and r["trained_samples"] > 0
+
+    # Every node ends on the last version, holding exactly the trainer's adapter.
+    trainer = {STEPS: load_file(str(run_dir / "adapters" / f"v{STEPS}.safetensors")),
+               1: load_file(str(run_dir / "adapters" / "v1.safetensors"))}
+    assert any(not np.array_equal(trainer[1][k], trainer[STEPS][k]) for k in trainer[1])  # training moved it
+    for name in ("n1", "n2"):
+        log = (tmp_path / f"{name}.log").read_text()
+        assert f"finished at version {STEPS}" in log and f"left the run at version {STEPS}" in log
+        node_adapter = {t.name: np.array(t.data) for t in gguf.GGUFReader(tmp_path / name / "adapters" / f"v{STEPS}.gguf").tensors}
+        pairs = lora_pairs(trainer[STEPS])
+        assert len(node_adapter) == 2 * len(pairs)
+        for hf_name, (a, b) in pairs.items():
+            layer = hf_name.split(".")[2]
+            proj = hf_name.split(".")[-2]
+            gguf_proj = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+                         "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}[proj]
+            base = f"blk.{layer}.{gguf_proj}.weight"
+            heads = {"q_proj": 4, "k_proj": 2}.get(proj)
+            expected_b = permute_qk(b, heads) if heads else b
+            assert np.array_equal(node_adapter[base + ".lora_a"].reshape(a.shape), a)
+            assert np.array_equal(node_adapter[base + ".lora_b"].reshape(b.shape), expected_b)
+
+    # The ledger credits both nodes; status reports them.
+    status = subprocess.run([str(VENV_BIN / "echo-coordinator"), "status", "--data-dir", str(run_dir), "--json"],
+                            capture_output=True, text=True, check=True)
+    report = json.loads(status.stdout)
+    assert report["version"] == STEPS and report["mode"] == "sequential"
+    assert sorted(p["name"] for p in report["peers"]) == ["n1", "n2"]
+    assert sum(p["accepted"] for p in report["peers"]) == 16 * STEPS
+    assert all(p["rejected"] == 0 and p["tokens"] > 0 for p in report["peers"])
+
+
+def test_wrong_run_key_or_base_model_is_refused(tmp_path, tiny_model, processes):
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path / "run.toml", tiny_model, run_dir, task="arithmetic", steps=1)
+    coordinator = spawn(processes, [str(VENV_BIN / "echo-coordinator"), "start", "--config", str(config)],
+                        tmp_path / "coordinator.log")
+    wait_for((run_dir / "join.txt").exists, 120, "the join line", [coordinator])
+    argv = shlex.split((run_dir / "join.txt").read_text())
+    address, key = argv[2], argv[4]
+    node = [str(VENV_BIN / "echo-node"), "join", address, "--data-dir", str(tmp_path / "n"), "--threads", "1"]
+
+    wrong_key = "a" * len(key)
+    out = subprocess.run([*node, "--run-key", wrong_key, "--model", str(tiny_model)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 3
+    assert f"is signed by key {key}, not the key {wrong_key}" in " ".join(out.stdout.split())
+
+    other_model = build_tiny_gguf(tmp_path / "other.gguf", seed=1)
+    out = subprocess.run([*node, "--run-key", key, "--model", str(other_model)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 3
+    assert "is not this run's base model" in " ".join(out.stdout.split())
