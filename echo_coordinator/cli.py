@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -65,7 +66,7 @@ def status(
         table.add_column(column)
     for p in report["peers"]:
         table.add_row(p["name"], p["node_id"][:12], str(p["accepted"]), str(p["rejected"]), str(p["tokens"]),
-                      f"{p['last_seen']:.0f}")
+                      f"{time.time() - p['last_seen']:.0f} s ago")
     Console().print(table)
 
 

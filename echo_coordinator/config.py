@@ -103,7 +103,10 @@ def _build(cls, table: dict[str, Any], path: Path | None):
     unknown = set(table) - known
     if unknown:
         raise ConfigError(f"unknown field(s) {sorted(unknown)} in {path}; known: {', '.join(sorted(known))}")
-    try:
-        return cls(**table)
-    except TypeError as e:
-        raise ConfigError(f"{path}: {e}") from None
+    defaults = cls()
+    for name, value in table.items():
+        expected = type(getattr(defaults, name))
+        ok = isinstance(value, expected) or (expected is float and type(value) is int)
+        if not ok or (expected is not bool and isinstance(value, bool)):
+            raise ConfigError(f"{name} must be a {expected.__name__}, got {value!r} in {path}")
+    return cls(**table)

@@ -30,7 +30,7 @@ from protocols.wire import MAX_MESSAGE_BYTES
 from tasks import make_task
 
 log = logging.getLogger(__name__)
-console = Console()
+console = Console(soft_wrap=True)
 
 RECORD_TTL = 120.0  # seconds; DHT records are refreshed at a third of this
 HANDLER_TIMEOUT = 120.0

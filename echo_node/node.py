@@ -13,6 +13,7 @@ import asyncio
 import hashlib
 import logging
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,7 @@ from protocols.signing import (
 from protocols.wire import decode_one_of
 
 log = logging.getLogger(__name__)
-console = Console()
+console = Console(soft_wrap=True)
 
 ANNOUNCE_TTL = 60.0  # seconds; refreshed every third of it
 MANIFEST_WAIT = 60.0  # seconds to find the run's manifest in the DHT before giving up
@@ -41,6 +42,10 @@ MAX_BACKOFF = 30.0
 
 class JoinRefused(EchoError):
     """The run cannot be joined: wrong key, wrong base model, or not found."""
+
+
+class Stopped(EchoError):
+    """Ctrl-C arrived during generation; the unfinished batch is dropped (its lease expires)."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,7 @@ class Node:
         self.name = config.name or f"node-{fingerprint(self.node_key)[:6]}"
         self.version = 0
         self.stopping = asyncio.Event()
+        self.stop_requested = threading.Event()  # seen by the generation thread between samples
 
     async def run(self) -> None:
         from protocols.transport.dht import SwarmDHT
@@ -93,7 +99,7 @@ class Node:
         try:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, self.stopping.set)
+                loop.add_signal_handler(sig, self._request_stop)
             await self._run(dht)
         finally:
             dht.shutdown()
@@ -124,6 +130,10 @@ class Node:
             # Withdraw: a tombstone outlives the announcement (the DHT keeps the later expiry).
             await dht.put(peers_key, b"", ANNOUNCE_TTL * 2, subkey=fingerprint(self.node_key))
             console.print(f"left the run at version {self.version}")
+
+    def _request_stop(self) -> None:
+        self.stopping.set()
+        self.stop_requested.set()
 
     async def _fetch_manifest(self, dht, key: str) -> RunManifest:
         """The manifest from the DHT record under the pinned fingerprint; failing that, straight
@@ -184,7 +194,10 @@ class Node:
                     await self._sleep(reply.retry_after)
                     continue
                 await self._bring_to(reply.version)
-                batch = await asyncio.to_thread(self._generate, reply)
+                try:
+                    batch = await asyncio.to_thread(self._generate, reply)
+                except Stopped:
+                    return
                 receipt = await self._push(batch)
                 console.print(f"lease {reply.lease_id}: {receipt.accepted} samples accepted at version {batch.version}, "
                               f"{self.backend.throughput:.0f} tok/s")
@@ -223,6 +236,8 @@ class Node:
         samples = []
         for seed, prompt in zip(lease.seeds, lease.prompts):
             for j in range(self.manifest.group_size):
+                if self.stop_requested.is_set():
+                    raise Stopped("stopping")
                 sample_seed = int.from_bytes(hashlib.sha256(f"{lease.lease_id}/{seed}/{j}".encode()).digest()[:4], "big")
                 out = self.backend.generate(list(prompt), self.manifest.max_new_tokens, self.manifest.temperature, sample_seed)
                 samples.append(RolloutSample(seed=seed, prompt_ids=prompt, completion_ids=out.token_ids, logprobs=out.logprobs))

@@ -3,6 +3,7 @@ torch; a tiny random Llama built here so the run fits CI time."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shlex
@@ -18,6 +19,9 @@ import pytest
 from safetensors.numpy import load_file
 
 from echo_node.gguf_io import lora_pairs, permute_qk
+from protocols.messages import PeerAnnouncement
+from protocols.signing import verify_message
+from protocols.transport.dht import SwarmDHT
 from tests.support.tiny_model import build_tiny_gguf
 
 VENV_BIN = Path(sys.executable).parent
@@ -163,3 +167,33 @@ def test_wrong_run_key_or_base_model_is_refused(tmp_path, tiny_model, processes)
     out = subprocess.run([*node, "--run-key", key, "--model", str(other_model)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 3
     assert "is not this run's base model" in " ".join(out.stdout.split())
+    # A correct node joins, announces itself, and withdraws the announcement on Ctrl-C.
+    proc = subprocess.Popen([*node, "--run-key", key, "--model", str(tiny_model), "--name", "carol"],
+                            stdout=open(tmp_path / "carol.log", "w"), stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    processes.append(proc)
+    wait_for(lambda: "joined run" in (tmp_path / "carol.log").read_text(), 120, "carol to join", [proc])
+    peers_key = f"echo/{key}/peers"
+    watcher = SwarmDHT.start("127.0.0.1", 0, initial_peers=[address])
+    try:
+        wait_for(lambda: announcements(watcher, peers_key), 60, "carol's announcement", [proc])
+        (announced,) = announcements(watcher, peers_key).values()
+        assert announced.name == "carol" and announced.role == "node" and announced.version == 0
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+        assert "left the run" in (tmp_path / "carol.log").read_text()
+        assert announcements(watcher, peers_key) == {}
+    finally:
+        watcher.shutdown()
+
+
+def announcements(dht: SwarmDHT, key: str) -> dict:
+    """Live (non-withdrawn) announcements under `key`, verified."""
+    records = asyncio.run(dht.get(key)) or {}
+    live = {}
+    for subkey, value in records.items():
+        if value:
+            a = PeerAnnouncement.from_wire(value)
+            verify_message(a, a.public_key)
+            live[subkey] = a
+    return live

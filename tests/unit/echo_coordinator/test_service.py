@@ -1,0 +1,141 @@
+"""The coordinator's handlers against good and bad input, with a real SQLite ledger."""
+
+import dataclasses
+
+import pytest
+
+from echo_coordinator.ledger import Ledger
+from echo_coordinator.publish import build_lora_update
+from echo_coordinator.service import RunService, Refused
+from protocols.errors import InvalidValue, LeaseError, SignatureError
+from protocols.messages import LeaseRequest, NoWork, RolloutBatch, RolloutSample, TaskLease, UpdateRequest
+from protocols.signing import generate_key, public_bytes, sign_message
+from tasks import make_task
+from tests.unit.protocols import factories
+
+import numpy as np
+
+NOW = 1000.0
+GROUP = 2
+
+
+@pytest.fixture
+def service(tmp_path):
+    run_key = generate_key()
+    manifest = factories.manifest(run_key=public_bytes(run_key), group_size=GROUP, max_new_tokens=8, vocab_size=1000)
+    task = make_task("arithmetic")
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    svc = RunService(
+        manifest, run_key, task, render_prompt=lambda seed: (1, 2, 3 + seed % 50),
+        decode=lambda ids: " ".join(str(i) for i in ids), ledger=ledger, lease_seconds=60, seeds_per_lease=2,
+    )
+    yield svc
+    ledger.close()
+
+
+def lease_request(key, **kw) -> LeaseRequest:
+    fields = dict(run_id="run-1", node_key=public_bytes(key), peer_id="QmNode", name="alice", version=0, max_seeds=8,
+                  time=NOW)
+    return sign_message(LeaseRequest(**{**fields, **kw}), key)
+
+
+def answer_batch(service, key, lease: TaskLease, right: bool = True, **kw) -> RolloutBatch:
+    """Completions whose decoded text ends in the right (or a wrong) answer."""
+    samples = []
+    for seed, prompt in zip(lease.seeds, lease.prompts):
+        answer = int(service.task.generate(seed).answer) + (0 if right else 1)
+        for _ in range(GROUP):
+            samples.append(RolloutSample(seed, prompt, (answer,), (-0.5,)))
+    fields = dict(run_id="run-1", lease_id=lease.lease_id, version=lease.version, node_key=public_bytes(key),
+                  samples=tuple(samples))
+    return sign_message(RolloutBatch(**{**fields, **kw}), key)
+
+
+def test_lease_push_and_rewards_recomputed(service):
+    node = generate_key()
+    service.open_step([10, 11, 12])
+    lease = service.handle_lease(lease_request(node), now=NOW)
+    assert isinstance(lease, TaskLease) and lease.seeds == (10, 11) and lease.prompts == ((1, 2, 13), (1, 2, 14))
+    receipt = service.handle_push(answer_batch(service, node, lease), "QmNode", now=NOW)
+    assert receipt.accepted == 4
+    samples, rewards, staleness = service.take_batch()
+    assert rewards == [1.0] * 4 and staleness == [0] and [s.group for s in samples] == [10, 10, 11, 11]
+    peer = service.ledger.peers()[0]
+    assert (peer["name"], peer["accepted"], peer["tokens"], peer["rejected"]) == ("alice", 4, 4, 0)
+    assert not service.step_done(NOW)  # seed 12 still pending
+    second = service.handle_lease(lease_request(node), now=NOW)
+    service.handle_push(answer_batch(service, node, second, right=False), "QmNode", now=NOW)
+    assert service.take_batch()[1] == [0.0, 0.0] and service.step_done(NOW)
+    assert isinstance(service.handle_lease(lease_request(node), now=NOW), NoWork)
+
+
+def test_bad_lease_requests(service):
+    node, other = generate_key(), generate_key()
+    service.open_step([1])
+    with pytest.raises(SignatureError):
+        service.handle_lease(dataclasses.replace(lease_request(node), node_key=public_bytes(other)), now=NOW)
+    with pytest.raises(InvalidValue, match="run"):
+        service.handle_lease(lease_request(node, run_id="other"), now=NOW)
+    with pytest.raises(InvalidValue, match="clock"):
+        service.handle_lease(lease_request(node, time=NOW - 3600), now=NOW)
+    service.finished = True
+    assert service.handle_lease(lease_request(node), now=NOW).finished
+
+
+@pytest.mark.parametrize("tamper, error, match", [
+    (lambda b, s, k: dataclasses.replace(b, version=b.version), None, None),  # control: untouched batch passes
+    (lambda b, s, k: dataclasses.replace(b, samples=b.samples[:-1]), SignatureError, "signature"),
+    (lambda b, s, k: sign_message(dataclasses.replace(b, samples=b.samples[:-1]), k), InvalidValue, "samples for each"),
+    (lambda b, s, k: sign_message(dataclasses.replace(b, samples=tuple(
+        dataclasses.replace(x, prompt_ids=(9, 9)) for x in b.samples)), k), InvalidValue, "leased prompt"),
+    (lambda b, s, k: sign_message(dataclasses.replace(b, samples=tuple(
+        dataclasses.replace(x, completion_ids=(1,) * 9, logprobs=(-1.0,) * 9) for x in b.samples)), k), InvalidValue, "exceeds 8"),
+    (lambda b, s, k: sign_message(dataclasses.replace(b, samples=tuple(
+        dataclasses.replace(x, completion_ids=(5000,)) for x in b.samples)), k), InvalidValue, "outside vocab"),
+    (lambda b, s, k: sign_message(dataclasses.replace(b, lease_id="L999"), k), LeaseError, "L999"),
+    (lambda b, s, k: sign_message(dataclasses.replace(b, version=1), k), Refused, "future"),
+    (lambda b, s, k: sign_message(dataclasses.replace(b, run_id="other"), k), InvalidValue, "run"),
+])
+def test_bad_pushes_are_refused_counted_and_lose_nothing(service, tamper, error, match):
+    node = generate_key()
+    service.open_step([1, 2])
+    lease = service.handle_lease(lease_request(node), now=NOW)
+    good = answer_batch(service, node, lease)
+    bad = tamper(good, service, node)
+    if error is None:
+        assert service.handle_push(bad, "QmNode", now=NOW).accepted == 4
+        return
+    with pytest.raises(error, match=match):
+        service.handle_push(bad, "QmNode", now=NOW)
+    peer = service.ledger.peers()[0]
+    assert peer["accepted"] == 0 and peer["rejected"] == len(bad.samples) and sum(service.rejections.values()) > 0
+    # The lease survived the bad push: the honest batch is still accepted.
+    assert service.handle_push(good, "QmNode", now=NOW).accepted == 4
+
+
+def test_lease_of_another_node_double_push_and_expiry(service):
+    node, thief = generate_key(), generate_key()
+    service.open_step([1, 2, 3, 4])
+    lease = service.handle_lease(lease_request(node), now=NOW)
+    with pytest.raises(LeaseError, match="another node"):
+        stolen = answer_batch(service, thief, lease)
+        service.handle_push(stolen, "QmThief", now=NOW)
+    service.handle_push(answer_batch(service, node, lease), "QmNode", now=NOW)
+    with pytest.raises(LeaseError):
+        service.handle_push(answer_batch(service, node, lease), "QmNode", now=NOW)
+    late = service.handle_lease(lease_request(node), now=NOW)
+    with pytest.raises(LeaseError):
+        service.handle_push(answer_batch(service, node, late), "QmNode", now=NOW + 61)
+    again = service.handle_lease(lease_request(thief, time=NOW + 61), now=NOW + 61)
+    assert again.seeds == late.seeds  # the expired lease's seeds were reassigned
+
+
+def test_update_handler_serves_published_versions(service):
+    with pytest.raises(InvalidValue, match="no update to version 0"):
+        service.handle_update(UpdateRequest(0))
+    adapter = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": np.ones((2, 4), np.float32)}
+    update, chunks = build_lora_update("run-1", 1, adapter, {"alpha": 8.0}, service.run_key)
+    service.publish(update, chunks)
+    assert service.version == 1 and service.handle_update(UpdateRequest(0)) == update == service.handle_update(UpdateRequest(1))
+    assert all(service.chunk(d) == data for d, data in chunks.items())
+    assert service.chunk("0" * 64) is None
