@@ -200,6 +200,50 @@ def judge_version(mode: Mode, current: int, staleness: int, version: int) -> Ver
     return Verdict.ACCEPT if current - version <= staleness else Verdict.STALE
 
 
+@dataclass(frozen=True)
+class Entry:
+    """One buffered item (a GRPO group) with the peer that made it and its policy version."""
+
+    peer_id: str
+    version: int
+    item: Any
+
+
+class ReplayBuffer:
+    """The trainer's FIFO of accepted, version-tagged groups.
+
+    `take` first drops every entry the bound no longer admits (`version < current - S`; the
+    trainer may have published since the entry arrived), then hands out the oldest entries, so
+    nothing older than S versions is ever trained on, whatever the timing. Sequential mode uses
+    S = 0: only groups of the current version survive.
+    """
+
+    def __init__(self, staleness: int) -> None:
+        if type(staleness) is not int or staleness < 0:
+            raise InvalidValue(f"staleness must be an int >= 0, got {staleness!r}")
+        self.staleness = staleness
+        self._entries: deque[Entry] = deque()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def add(self, peer_id: str, version: int, item: Any) -> None:
+        self._entries.append(Entry(peer_id, _check_version("version", version), item))
+
+    def prune(self, current: int) -> list[Entry]:
+        """Remove and return the entries older than `current - S`."""
+        kept = deque(e for e in self._entries if current - e.version <= self.staleness)
+        dropped = [e for e in self._entries if current - e.version > self.staleness]
+        self._entries = kept
+        return dropped
+
+    def take(self, count: int, current: int) -> tuple[list[Entry], list[Entry]]:
+        """(up to `count` oldest admissible entries, the entries dropped as stale)."""
+        dropped = self.prune(current)
+        taken = [self._entries.popleft() for _ in range(min(count, len(self._entries)))]
+        return taken, dropped
+
+
 class RolloutGate:
     """Trainer-side acceptance: version rule, duplicate keys and per-peer counters.
 

@@ -64,7 +64,10 @@ def test_streams_carry_large_payloads_errors_and_timeouts(swarm):
             await client.call(server.peer_id, "t.refuse", b"x", timeout=10, max_reply_bytes=1024)
         assert e.value.code == "invalid_value" and "no thanks" in str(e.value) and server.peer_id[-8:] in str(e.value)
 
-        with pytest.raises(RemoteError, match="too_large"):
+        # An oversize request is refused before it is read. The error frame usually arrives, but
+        # the server closes the stream while our request is still in flight, which can reset it
+        # first: either way the caller gets a typed error and the server counts the refusal.
+        with pytest.raises((RemoteError, TransportError)):
             await client.call(server.peer_id, "t.refuse", b"y" * 4096, timeout=10, max_reply_bytes=1024)
         assert server.errors["t.refuse", "too_large"] == 1
 

@@ -12,6 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from protocols.errors import InvalidValue, LeaseError
 from protocols.sync import (
+    ReplayBuffer,
     COUNTERS,
     Lease,
     LeaseBook,
@@ -457,3 +458,45 @@ class SequentialSyncMachine(SyncMachine):
 
 TestAsyncSync = AsyncSyncMachine.TestCase
 TestSequentialSync = SequentialSyncMachine.TestCase
+
+
+# ---- ReplayBuffer -------------------------------------------------------------------------
+
+buffer_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.integers(0, 12)),  # version lag behind current
+        st.tuples(st.just("publish"), st.integers(1, 3)),
+        st.tuples(st.just("take"), st.integers(0, 5)),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 6), buffer_ops)
+def test_replay_buffer_never_hands_out_stale_entries_and_loses_nothing(staleness, ops):
+    buffer, current, added, taken, dropped = ReplayBuffer(staleness), 20, [], [], []
+    for op, arg in ops:
+        if op == "add":
+            entry_id = len(added)
+            buffer.add(f"p{entry_id % 3}", max(current - arg, 0), entry_id)
+            added.append(entry_id)
+        elif op == "publish":
+            current += arg
+        else:
+            got, gone = buffer.take(arg, current)
+            assert len(got) <= arg
+            assert all(current - e.version <= staleness for e in got)
+            assert all(current - e.version > staleness for e in gone)
+            taken += [e.item for e in got]
+            dropped += [e.item for e in gone]
+    remaining = [e.item for e in buffer._entries]
+    assert sorted(taken + dropped + remaining) == added  # each entry exactly once
+    assert taken == sorted(taken)  # FIFO
+
+
+def test_replay_buffer_rejects_bad_arguments():
+    with pytest.raises(InvalidValue):
+        ReplayBuffer(-1)
+    with pytest.raises(InvalidValue):
+        ReplayBuffer(2).add("p", -3, None)
