@@ -1,16 +1,21 @@
-"""The coordinator process: DHT bootstrap peer, stream handlers, and the sequential-pull loop.
+"""The coordinator process: DHT bootstrap peer, stream handlers, and the step loop.
 
 Order of start-up: load the trainer (the slow part, ~15 s for SmolLM2), start the DHT, publish
-the signed manifest, print the join line, then step. Each step leases the step's task seeds to
-whichever nodes ask (reassigning leases that time out), waits until every seed's group is in,
-runs one GRPO step off the event loop, and publishes the next version.
+the signed manifest, print the join line, then step. Sequential pull: each step leases that
+step's seeds at the current version (reassigning leases that time out) and waits for every
+group. Async push-pull: nodes lease and push continuously; a step takes the oldest groups the
+staleness bound admits as soon as there are enough. Either way one GRPO step runs off the event
+loop, the next version is published, and a checkpoint plus `state.json` make a restart resume
+at that version with the same bound.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
+from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
@@ -26,6 +31,7 @@ from protocols.messages import (
     UpdateRequest,
 )
 from protocols.signing import fingerprint, load_or_create_key, public_bytes, sha256_file, sign_message
+from protocols.sync import Mode
 from protocols.wire import MAX_MESSAGE_BYTES
 from tasks import make_task
 
@@ -77,39 +83,61 @@ class Coordinator:
         self.task = make_task(run.task, run.task_params)
 
     async def run(self) -> None:
-        from echo_coordinator.trainer import LoraTrainer, prompt_ids  # heavy: torch, transformers
+        from echo_coordinator.trainer import LoraTrainer  # heavy: torch, transformers
         from protocols.transport.dht import SwarmDHT
 
         cfg = self.run_config
         console.print(f"loading the trainer on {self.model.name} ...")
         trainer = await asyncio.to_thread(LoraTrainer, self.model, self.trainer_config, cfg.temperature, cfg.seed)
         base_sha = await asyncio.to_thread(sha256_file, self.model)
-        dht = await asyncio.to_thread(SwarmDHT.start, cfg.host, cfg.port)
+        # A persistent libp2p identity keeps our address stable, so nodes reconnect after a restart.
+        dht = await asyncio.to_thread(SwarmDHT.start, cfg.host, cfg.port, None, self.data_dir / "p2p.id")
         try:
-            await self._serve(dht, trainer, prompt_ids, base_sha)
+            await self._serve(dht, trainer, base_sha)
         finally:
             dht.shutdown()
 
-    async def _serve(self, dht, trainer, prompt_ids, base_sha: str) -> None:
+    def _load_state(self) -> dict | None:
+        path = self.data_dir / "state.json"
+        return json.loads(path.read_text()) if path.exists() else None
+
+    def _save_state(self, run_id: str, service: RunService, trainer) -> None:
+        """After each publish: checkpoint, then the state that points at it (atomic replace)."""
+        trainer.save(self.data_dir / "checkpoint")
+        tmp = self.data_dir / "state.json.tmp"
+        tmp.write_text(json.dumps({"run_id": run_id, "version": service.version, "service": service.state()}))
+        tmp.replace(self.data_dir / "state.json")
+
+    async def _serve(self, dht, trainer, base_sha: str) -> None:
+        from echo_coordinator.trainer import prompt_ids
         from protocols.transport.dht import record_key
 
         cfg, tcfg = self.run_config, self.trainer_config
+        state = self._load_state()
         addresses = [a for a in dht.addresses() if f"/ip4/{cfg.host}/" in a] or dht.addresses()
         manifest = sign_message(RunManifest(
-            run_id=f"run-{self.fp[:8]}-{int(time.time())}", base_model=self.model.name, base_sha256=base_sha,
-            vocab_size=len(trainer.tokenizer), mode=cfg.mode, update=cfg.update, staleness=cfg.staleness,
-            task=TaskSpec(cfg.task, dict(cfg.task_params)), group_size=cfg.group_size,
+            run_id=state["run_id"] if state else f"run-{self.fp[:8]}-{int(time.time())}", base_model=self.model.name,
+            base_sha256=base_sha, vocab_size=len(trainer.tokenizer), mode=cfg.mode, update=cfg.update,
+            staleness=cfg.staleness, task=TaskSpec(cfg.task, dict(cfg.task_params)), group_size=cfg.group_size,
             max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, run_key=public_bytes(self.key),
             trainer_addrs=tuple(addresses), update_params={"rank": tcfg.lora_rank, "alpha": tcfg.lora_alpha},
             created=time.time(),
         ), self.key)
         ledger = Ledger(self.data_dir / "ledger.sqlite")
-        ledger.set_run(run_id=manifest.run_id, mode=cfg.mode, version=0, run_key=self.fp, steps=cfg.steps)
         service = RunService(
             manifest, self.key, self.task, render_prompt=lambda seed: prompt_ids(trainer.tokenizer, self.task.generate(seed)),
             decode=lambda ids: trainer.tokenizer.decode(list(ids), skip_special_tokens=True), ledger=ledger,
             lease_seconds=cfg.lease_seconds, seeds_per_lease=max(1, cfg.prompts_per_step // 4),
+            first_seed=cfg.seed * 1_000_003 + 500_000,
         )
+        if state:
+            # Version, accepted rollouts and counters come back with the trainer's weights, so the
+            # staleness bound and single-use leases hold across the restart (cf. AReaL #1388).
+            service.restore(state["service"])
+            await asyncio.to_thread(trainer.load, self.data_dir / "checkpoint")
+            self._publish(service, trainer, manifest, service.version)
+            console.print(f"resuming run {manifest.run_id} at version {service.version}")
+        ledger.set_run(run_id=manifest.run_id, mode=cfg.mode, version=service.version, run_key=self.fp, steps=cfg.steps)
         endpoint = await dht.endpoint()
         await self._register_handlers(endpoint, service, ledger)
 
@@ -136,6 +164,12 @@ class Coordinator:
         finally:
             refresher.cancel()
             ledger.close()
+
+    def _publish(self, service: RunService, trainer, manifest: RunManifest, version: int) -> None:
+        adapter = trainer.adapter_tensors()
+        update, chunk_store = publish.build_lora_update(manifest.run_id, version, adapter, dict(manifest.update_params), self.key)
+        save_adapter(adapter, self.data_dir / "adapters" / f"v{version}.safetensors")
+        service.publish(update, chunk_store)
 
     async def _register_handlers(self, endpoint, service: RunService, ledger: Ledger) -> None:
         async def manifest(request: bytes, peer: str):
@@ -188,41 +222,52 @@ class Coordinator:
         from protocols.transport.dht import record_key
 
         cfg, metrics = self.run_config, MetricsLog(self.data_dir / "metrics.jsonl")
+        cycle_start = time.time()
         try:
-            for step in range(cfg.steps):
+            while service.version < cfg.steps:
                 version = service.version
-                started = time.time()
                 rejected_before = sum(service.rejections.values())
-                seeds = [cfg.seed * 1_000_003 + step * cfg.prompts_per_step + i for i in range(cfg.prompts_per_step)]
-                service.open_step(seeds)
-                while not service.step_done(time.time()):
-                    await asyncio.sleep(0.2)
-                waited = time.time() - started
-                samples, rewards, staleness = service.take_batch()
-                stats = await asyncio.to_thread(trainer.step, samples)
-                adapter = trainer.adapter_tensors()
-                update, chunk_store = publish.build_lora_update(
-                    manifest.run_id, version + 1, adapter, dict(manifest.update_params), self.key
-                )
-                save_adapter(adapter, self.data_dir / "adapters" / f"v{version + 1}.safetensors")
-                service.publish(update, chunk_store)
-                await dht.put(record_key(self.fp, "version"), str(version + 1).encode(), RECORD_TTL)
-                ledger.set_run(version=version + 1)
-                reward_mean = sum(rewards) / max(len(rewards), 1)
-                record = dict(
-                    version=version, mode=cfg.mode, samples=len(samples), reward_mean=reward_mean,
-                    accepted=len(samples), rejected=sum(service.rejections.values()) - rejected_before,
-                    staleness_max=max(staleness, default=0), step_seconds=time.time() - started, wait_seconds=waited,
-                    busy_fraction=stats.busy_seconds / max(time.time() - started, 1e-9), time=time.time(),
-                    **{k: v for k, v in asdict(stats).items() if k not in ("samples",)},
-                )
-                metrics.write(record)
+                batch = await self._collect(service, version)
+                waited = time.time() - cycle_start
+                stats = await asyncio.to_thread(trainer.step, batch.samples)
+                await asyncio.to_thread(self._publish, service, trainer, manifest, version + 1)
+                await asyncio.to_thread(self._save_state, manifest.run_id, service, trainer)
+                await dht.put(record_key(self.fp, "version"), str(service.version).encode(), RECORD_TTL)
+                ledger.set_run(version=service.version)
+                now = time.time()
+                reward_mean = sum(batch.rewards) / max(len(batch.rewards), 1)
+                histogram = Counter(batch.staleness)
+                metrics.write(dict(
+                    version=version, mode=cfg.mode, samples=len(batch.samples), reward_mean=reward_mean,
+                    accepted=len(batch.samples), rejected=sum(service.rejections.values()) - rejected_before,
+                    dropped_stale=batch.dropped, staleness_max=max(batch.staleness, default=0),
+                    staleness_histogram={str(k): histogram[k] for k in sorted(histogram)},
+                    step_seconds=now - cycle_start, wait_seconds=waited,
+                    busy_fraction=stats.busy_seconds / max(now - cycle_start, 1e-9), time=now,
+                    **{k: v for k, v in asdict(stats).items() if k != "samples"},
+                ))
                 console.print(
-                    f"version {version} -> {version + 1}: reward {reward_mean:.3f} over {len(samples)} samples, "
-                    f"wait {waited:.1f}s, train {stats.busy_seconds:.1f}s, mismatch KL {stats.mismatch_kl:.4f}"
+                    f"version {version} -> {service.version}: reward {reward_mean:.3f} over {len(batch.samples)} samples "
+                    f"(staleness max {max(batch.staleness, default=0)}, {batch.dropped} dropped), wait {waited:.1f}s, "
+                    f"train {stats.busy_seconds:.1f}s, mismatch KL {stats.mismatch_kl:.4f}"
                 )
+                cycle_start = now
         finally:
             metrics.close()
+
+    async def _collect(self, service: RunService, version: int):
+        """Sequential: lease this version's seeds and wait for every group. Async: take the oldest
+        admissible groups as soon as there are enough; slow nodes never hold the trainer up."""
+        cfg = self.run_config
+        if service.mode is Mode.SEQUENTIAL:
+            base = cfg.seed * 1_000_003 + version * cfg.prompts_per_step
+            service.open_step(list(range(base, base + cfg.prompts_per_step)))
+            while not service.step_done(time.time()):
+                await asyncio.sleep(0.1)
+            return service.take_batch()
+        while service.buffered_groups() < cfg.prompts_per_step:
+            await asyncio.sleep(0.1)
+        return service.take_batch(cfg.prompts_per_step)
 
 
 def save_adapter(adapter, path: Path) -> None:

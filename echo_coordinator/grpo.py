@@ -47,6 +47,8 @@ class LossParts:
     clipped_ratio: int  # tokens whose PPO ratio was clipped
     mismatch_kl_sum: float  # sum over tokens of the k3 estimator of KL(mu || pi_old): r - 1 - log r
     log_ratio_sum: float  # sum over tokens of (old - mu)
+    row_log_ratio: list[float]  # per sequence: sum over its tokens of (old - mu)
+    row_tokens: list[int]  # per sequence: trained tokens
 
 
 def grpo_loss(
@@ -73,4 +75,6 @@ def grpo_loss(
         clipped_ratio=int(((ratio - 1).abs() > clip_eps)[on].sum()),
         mismatch_kl_sum=float((torch.exp(log_w) - 1 - log_w)[on].sum()),
         log_ratio_sum=float(log_w[on].sum()),
+        row_log_ratio=(log_w * mask).sum(dim=1).tolist(),
+        row_tokens=mask.sum(dim=1).int().tolist(),
     )

@@ -9,6 +9,7 @@ outstanding, so its seeds are reassigned at expiry and nothing accepted is ever 
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import Counter
@@ -24,7 +25,7 @@ from protocols.messages import (
     LeaseRequest, NoWork, PushReceipt, RolloutBatch, RunManifest, TaskLease, UpdateRequest, WeightUpdate,
 )
 from protocols.signing import verify_message
-from protocols.sync import LeaseBook, Mode, RolloutGate, Verdict
+from protocols.sync import LeaseBook, Mode, ReplayBuffer, RolloutGate, Verdict
 from tasks import Task
 
 REQUEST_MAX_AGE = 300.0  # seconds; older signed lease requests are replays
@@ -32,9 +33,12 @@ RETRY_AFTER = 0.5  # seconds a node waits after NoWork
 
 
 class Refused(ProtocolError):
-    """A batch judged invalid by the rollout gate (stale, wrong version, duplicate, future)."""
+    """A batch the rollout gate turned down; `code` is the verdict: stale, future, duplicate or
+    wrong_version, so ledger and metrics count each reason apart."""
 
-    code = "refused"
+    def __init__(self, verdict: Verdict, message: str):
+        super().__init__(message)
+        self.code = verdict.value
 
 
 @dataclass
@@ -43,27 +47,47 @@ class Published:
     chunks: dict[str, bytes]
 
 
+@dataclass(frozen=True)
+class Group:
+    """The G samples of one task seed from one accepted batch: GRPO's unit of comparison."""
+
+    samples: tuple[TrainSample, ...]
+    node_id: str
+    peer_id: str
+    name: str
+    tokens: int
+
+
+@dataclass
+class StepBatch:
+    samples: list[TrainSample]
+    rewards: list[float]
+    staleness: list[int]  # per sample: trainer version minus the sample's policy version
+    dropped: int  # samples dropped as too stale when the batch was assembled
+
+
 class RunService:
     def __init__(
         self, manifest: RunManifest, run_key: Ed25519PrivateKey, task: Task, render_prompt: Callable[[int], tuple[int, ...]],
         decode: Callable[[tuple[int, ...]], str], ledger: Ledger, lease_seconds: float, seeds_per_lease: int,
+        first_seed: int = 0,
     ):
         self.manifest, self.run_key, self.task, self.ledger = manifest, run_key, task, ledger
         self.render_prompt, self.decode = render_prompt, decode
+        self.mode = Mode(manifest.mode)
         self.book = LeaseBook(ttl=lease_seconds)
-        self.gate = RolloutGate(Mode(manifest.mode), manifest.staleness, version=0)
+        self.gate = RolloutGate(self.mode, manifest.staleness, version=0)
+        # Sequential mode trains only on the requested version: a replay bound of 0.
+        self.replay = ReplayBuffer(manifest.staleness if self.mode is Mode.ASYNC else 0)
         self.seeds_per_lease = seeds_per_lease
+        self.next_seed = first_seed  # async mode draws fresh seeds from here as leases drain them
         self.lock = threading.Lock()  # handlers run on the transport's loop, the step loop elsewhere
         self.prompts: dict[int, tuple[int, ...]] = {}
-        self.buffer: list[TrainSample] = []
-        self.rewards: list[float] = []
-        self.staleness: list[int] = []  # trainer version minus rollout version, per accepted batch
         self.published: dict[int, Published] = {}
         self.finished = False
         self.told_finished: set[str] = set()  # nodes that have heard the run is over
         self.names: dict[str, str] = {}  # node id -> display name from its (signed) lease requests
         self.rejections: Counter[str] = Counter()
-        self.accepted = 0
 
     @property
     def version(self) -> int:
@@ -72,21 +96,48 @@ class RunService:
     # -- driven by the step loop -------------------------------------------------------------
 
     def open_step(self, seeds: list[int]) -> None:
+        """Sequential mode: lease exactly these seeds at the current version."""
         with self.lock:
-            for seed in seeds:
-                self.prompts[seed] = self.render_prompt(seed)
-            self.book.add_seeds(seeds)
+            self._add_seeds(seeds)
+
+    def _add_seeds(self, seeds: list[int]) -> None:
+        for seed in seeds:
+            self.prompts[seed] = self.render_prompt(seed)
+        self.book.add_seeds(seeds)
 
     def step_done(self, now: float) -> bool:
+        """Sequential mode: every seed of the step has been answered."""
         with self.lock:
             self.book.expire(now)
             return self.book.pending_count == 0 and not self.book.outstanding
 
-    def take_batch(self) -> tuple[list[TrainSample], list[float], list[int]]:
+    def buffered_groups(self) -> int:
         with self.lock:
-            taken = self.buffer, self.rewards, self.staleness
-            self.buffer, self.rewards, self.staleness = [], [], []
-            return taken
+            self._drop(self.replay.prune(self.version))
+            return len(self.replay)
+
+    def take_batch(self, groups: int | None = None) -> StepBatch:
+        """Take up to `groups` groups (all if None) that the staleness bound still admits; credit
+        their nodes now, so a group that goes stale in the buffer is never credited."""
+        with self.lock:
+            taken, dropped = self.replay.take(len(self.replay) if groups is None else groups, self.version)
+            self._drop(dropped)
+            batch = StepBatch([], [], [], sum(len(e.item.samples) for e in dropped))
+            for entry in taken:
+                staleness = self.version - entry.version
+                batch.samples += [dataclasses.replace(s, staleness=staleness) for s in entry.item.samples]
+                batch.rewards += [s.reward for s in entry.item.samples]
+                batch.staleness += [staleness] * len(entry.item.samples)
+        for entry in taken:
+            g = entry.item
+            self.ledger.credit(g.node_id, g.peer_id, g.name, len(g.samples), g.tokens)
+        return batch
+
+    def _drop(self, entries) -> None:
+        for entry in entries:
+            g = entry.item
+            self.rejections["stale"] += len(g.samples)
+            self.ledger.reject(g.node_id, g.peer_id, g.name, "stale", len(g.samples))
 
     def publish(self, update: WeightUpdate, chunks: dict[str, bytes], keep: int = 2) -> None:
         """Make `update` the latest version; older manifests beyond `keep` are forgotten."""
@@ -96,6 +147,16 @@ class RunService:
                 del self.published[old]
             if update.to_version > self.gate.version:
                 self.gate.advance(update.to_version)
+
+    def state(self) -> dict:
+        """What must survive a trainer restart for the staleness bound to hold across it."""
+        with self.lock:
+            return {"gate": self.gate.to_dict(), "next_seed": self.next_seed}
+
+    def restore(self, state: dict) -> None:
+        with self.lock:
+            self.gate = RolloutGate.from_dict(state["gate"])
+            self.next_seed = int(state["next_seed"])
 
     def all_told_finished(self) -> bool:
         with self.lock:
@@ -115,7 +176,12 @@ class RunService:
             if self.finished:
                 self.told_finished.add(request.node_id)
                 return NoWork(self.version, RETRY_AFTER, finished=True)
-            lease = self.book.issue(request.node_id, min(request.max_seeds, self.seeds_per_lease), self.version, now)
+            count = min(request.max_seeds, self.seeds_per_lease)
+            if self.mode is Mode.ASYNC and self.book.pending_count < count:
+                fresh = list(range(self.next_seed, self.next_seed + count))
+                self.next_seed += count
+                self._add_seeds(fresh)
+            lease = self.book.issue(request.node_id, count, self.version, now)
             if lease is None:
                 return NoWork(self.version, RETRY_AFTER)
             return TaskLease(
@@ -124,20 +190,24 @@ class RunService:
             )
 
     def handle_push(self, batch: RolloutBatch, peer_id: str, now: float | None = None) -> PushReceipt:
+        """Judge a batch and buffer its groups. Credit comes later, when a step trains on them."""
         now = time.time() if now is None else now
         node_id = batch.node_id
         name = self.names.get(node_id, node_id[:8])
         try:
-            receipt = self._accept(batch, now)
+            groups = self._accept(batch, now)
         except ProtocolError as e:
             with self.lock:
                 self.rejections[e.code] += len(batch.samples)
             self.ledger.reject(node_id, peer_id, name, e.code, len(batch.samples), now)
             raise
-        self.ledger.credit(node_id, peer_id, name, receipt.accepted, batch.num_tokens, now)
-        return receipt
+        with self.lock:
+            for seed_samples in groups:
+                tokens = sum(len(s.completion_ids) for s in seed_samples)
+                self.replay.add(node_id, batch.version, Group(tuple(seed_samples), node_id, peer_id, name, tokens))
+        return PushReceipt(accepted=len(batch.samples), rejected=0, latest_version=self.version)
 
-    def _accept(self, batch: RolloutBatch, now: float) -> PushReceipt:
+    def _accept(self, batch: RolloutBatch, now: float) -> list[list[TrainSample]]:
         verify_message(batch, batch.node_key)
         if batch.run_id != self.manifest.run_id:
             raise InvalidValue(f"batch for run {batch.run_id!r}, this is {self.manifest.run_id!r}")
@@ -153,21 +223,15 @@ class RunService:
             self._check_samples(batch, lease.seeds)
             verdict = self.gate.offer(batch.node_id, batch.lease_id, batch.version)
             if verdict is not Verdict.ACCEPT:
-                raise Refused(f"batch of version {batch.version} refused at version {self.version}: {verdict.value}")
+                raise Refused(verdict, f"batch of version {batch.version} refused at version {self.version}: {verdict.value}")
             self.book.complete(batch.lease_id, batch.node_id, now)
-            staleness = self.gate.staleness_of(batch.version)
         # Rewards are recomputed here from the seed; nothing the node says about reward counts.
-        samples, rewards = [], []
+        groups: dict[int, list[TrainSample]] = {}
         for s in batch.samples:
             reward = self.task.reward(self.task.generate(s.seed), self.decode(s.completion_ids))
-            samples.append(TrainSample(s.prompt_ids, s.completion_ids, s.logprobs, s.loss_mask, reward, s.seed))
-            rewards.append(reward)
-        with self.lock:
-            self.buffer.extend(samples)
-            self.rewards.extend(rewards)
-            self.staleness.append(staleness)
-            self.accepted += len(samples)
-        return PushReceipt(accepted=len(samples), rejected=0, latest_version=self.version)
+            sample = TrainSample(s.prompt_ids, s.completion_ids, s.logprobs, s.loss_mask, reward, s.seed)
+            groups.setdefault(s.seed, []).append(sample)
+        return list(groups.values())
 
     def _check_samples(self, batch: RolloutBatch, seeds: tuple[int, ...]) -> None:
         group = self.manifest.group_size

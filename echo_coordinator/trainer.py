@@ -14,7 +14,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from safetensors.numpy import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from echo_coordinator.config import TrainerConfig
@@ -32,6 +33,7 @@ class TrainSample:
     loss_mask: tuple[int, ...]
     reward: float
     group: int  # samples of the same prompt share a group
+    staleness: int = 0  # trainer version minus the version that generated it
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,7 @@ class StepStats:
     ratio_clipped_fraction: float
     mismatch_kl: float  # mean per token, k3 estimator of KL(behaviour || trainer)
     mean_log_ratio: float  # mean per token of log pi_trainer - log mu
+    log_ratio_by_staleness: dict[int, float]  # the same mean, per staleness (trained samples only)
     busy_seconds: float  # forward, backward and optimiser time
 
 
@@ -86,6 +89,7 @@ class LoraTrainer:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         sums = dict(loss=0.0, tokens=0, clipped_tis=0, clipped_ratio=0, kl=0.0, log_ratio=0.0)
+        by_staleness: dict[int, list[float]] = {}  # staleness -> [log-ratio sum, tokens]
         micro = self.config.micro_batch
         for i in range(0, len(trained), micro):
             part = trained[i : i + micro]
@@ -100,6 +104,10 @@ class LoraTrainer:
             sums["clipped_ratio"] += out.clipped_ratio
             sums["kl"] += out.mismatch_kl_sum
             sums["log_ratio"] += out.log_ratio_sum
+            for (s, _), ratio, n in zip(part, out.row_log_ratio, out.row_tokens):
+                bucket = by_staleness.setdefault(s.staleness, [0.0, 0])
+                bucket[0] += ratio
+                bucket[1] += n
         if trained:
             self.optimizer.step()
         tokens = max(sums["tokens"], 1)
@@ -107,6 +115,7 @@ class LoraTrainer:
             samples=len(samples), trained_samples=len(trained), tokens=sums["tokens"], loss=sums["loss"],
             tis_clipped_fraction=sums["clipped_tis"] / tokens, ratio_clipped_fraction=sums["clipped_ratio"] / tokens,
             mismatch_kl=sums["kl"] / tokens, mean_log_ratio=sums["log_ratio"] / tokens,
+            log_ratio_by_staleness={k: r / max(n, 1) for k, (r, n) in sorted(by_staleness.items())},
             busy_seconds=time.perf_counter() - started,
         )
 
@@ -137,6 +146,20 @@ class LoraTrainer:
         lp = self._logprobs(ids)
         return [lp[row, len(s.prompt_ids) - 1 : len(s.prompt_ids) - 1 + len(s.completion_ids)].numpy()
                 for row, s in enumerate(samples)]
+
+    def save(self, directory: Path) -> None:
+        """Adapter and optimiser state, so a restarted trainer continues the same trajectory.
+        (torch.save is fine here: a local file we wrote, never peer data.)"""
+        directory.mkdir(parents=True, exist_ok=True)
+        save_file(self.adapter_tensors(), str(directory / "adapter.safetensors.tmp"))
+        torch.save(self.optimizer.state_dict(), directory / "optimizer.pt.tmp")
+        (directory / "adapter.safetensors.tmp").replace(directory / "adapter.safetensors")
+        (directory / "optimizer.pt.tmp").replace(directory / "optimizer.pt")
+
+    def load(self, directory: Path) -> None:
+        adapter = {k: torch.from_numpy(v) for k, v in load_file(str(directory / "adapter.safetensors")).items()}
+        set_peft_model_state_dict(self.model, adapter)
+        self.optimizer.load_state_dict(torch.load(directory / "optimizer.pt", weights_only=True))
 
     def adapter_tensors(self) -> dict[str, np.ndarray]:
         """The LoRA adapter as float32 arrays under peft's names (`...q_proj.lora_A.weight`)."""

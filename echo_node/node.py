@@ -28,6 +28,7 @@ from protocols.messages import (
 from protocols.signing import (
     FINGERPRINT_CHARS, fingerprint, load_or_create_key, public_bytes, sha256_file, sign_message, verify_message,
 )
+from protocols.sync import must_update
 from protocols.wire import decode_one_of
 
 log = logging.getLogger(__name__)
@@ -193,7 +194,7 @@ class Node:
                         return
                     await self._sleep(reply.retry_after)
                     continue
-                await self._bring_to(reply.version)
+                await self._bring_to(self._target_version(reply))
                 try:
                     batch = await asyncio.to_thread(self._generate, reply)
                 except Stopped:
@@ -221,8 +222,14 @@ class Node:
         raw = await self.endpoint.call_one(self.trainer, "echo.lease", request.to_wire(), CALL_TIMEOUT, TaskLease.MAX_BYTES)
         return decode_one_of(raw, (TaskLease, NoWork))
 
+    def _target_version(self, lease: TaskLease) -> int:
+        """Sequential pull: sample with exactly the lease's version. Async: keep what we hold
+        unless we are S or more versions behind the trainer (the node-side staleness gate)."""
+        if self.manifest.mode == "sequential" or must_update(self.version, lease.version, self.manifest.staleness):
+            return lease.version
+        return self.version
+
     async def _bring_to(self, version: int) -> None:
-        """Sequential pull: the lease names the version to sample with; fetch it if we lack it."""
         if version == self.version:
             return
         started = time.perf_counter()

@@ -13,6 +13,7 @@ process in our measurements); tensors and batches travel over streams.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 # hivemind reads these once at import; keep its and p2pd's logs to warnings unless asked.
 os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
@@ -38,11 +39,17 @@ class SwarmDHT:
         self.dht = dht
 
     @classmethod
-    def start(cls, host: str = "127.0.0.1", port: int = 0, initial_peers: list[str] | None = None) -> SwarmDHT:
-        """Blocking (~0.5 s): start a DHT listening on host:port, joining `initial_peers` if given."""
+    def start(
+        cls, host: str = "127.0.0.1", port: int = 0, initial_peers: list[str] | None = None,
+        identity: Path | None = None,
+    ) -> SwarmDHT:
+        """Blocking (~0.5 s): start a DHT listening on host:port, joining `initial_peers` if given.
+        `identity` (a key file, created if missing) keeps the peer id, hence the address nodes
+        dialled, the same across restarts."""
+        extra = {"identity_path": str(identity)} if identity is not None else {}
         try:
             dht = hivemind.DHT(
-                initial_peers=initial_peers or None, start=True, host_maddrs=[f"/ip4/{host}/tcp/{port}"],
+                initial_peers=initial_peers or None, start=True, host_maddrs=[f"/ip4/{host}/tcp/{port}"], **extra,
             )
         except Exception as e:  # hivemind raises bare Exception subclasses of its own for dial failures
             raise TransportError(f"could not start or join the DHT ({type(e).__name__}: {e})") from None

@@ -57,15 +57,16 @@ def test_lease_push_and_rewards_recomputed(service):
     lease = service.handle_lease(lease_request(node), now=NOW)
     assert isinstance(lease, TaskLease) and lease.seeds == (10, 11) and lease.prompts == ((1, 2, 13), (1, 2, 14))
     receipt = service.handle_push(answer_batch(service, node, lease), "QmNode", now=NOW)
-    assert receipt.accepted == 4
-    samples, rewards, staleness = service.take_batch()
-    assert rewards == [1.0] * 4 and staleness == [0] and [s.group for s in samples] == [10, 10, 11, 11]
+    assert receipt.accepted == 4 and service.ledger.peers() == []  # credit comes when trained on
+    batch = service.take_batch()
+    assert batch.rewards == [1.0] * 4 and batch.staleness == [0] * 4 and batch.dropped == 0
+    assert [s.group for s in batch.samples] == [10, 10, 11, 11]
     peer = service.ledger.peers()[0]
     assert (peer["name"], peer["accepted"], peer["tokens"], peer["rejected"]) == ("alice", 4, 4, 0)
     assert not service.step_done(NOW)  # seed 12 still pending
     second = service.handle_lease(lease_request(node), now=NOW)
     service.handle_push(answer_batch(service, node, second, right=False), "QmNode", now=NOW)
-    assert service.take_batch()[1] == [0.0, 0.0] and service.step_done(NOW)
+    assert service.take_batch().rewards == [0.0, 0.0] and service.step_done(NOW)
     assert isinstance(service.handle_lease(lease_request(node), now=NOW), NoWork)
 
 
@@ -109,8 +110,9 @@ def test_bad_pushes_are_refused_counted_and_lose_nothing(service, tamper, error,
         service.handle_push(bad, "QmNode", now=NOW)
     peer = service.ledger.peers()[0]
     assert peer["accepted"] == 0 and peer["rejected"] == len(bad.samples) and sum(service.rejections.values()) > 0
+    assert service.buffered_groups() == 0
     # The lease survived the bad push: the honest batch is still accepted.
-    assert service.handle_push(good, "QmNode", now=NOW).accepted == 4
+    assert service.handle_push(good, "QmNode", now=NOW).accepted == 4 and service.buffered_groups() == 2
 
 
 def test_lease_of_another_node_double_push_and_expiry(service):
@@ -139,3 +141,65 @@ def test_update_handler_serves_published_versions(service):
     assert service.version == 1 and service.handle_update(UpdateRequest(0)) == update == service.handle_update(UpdateRequest(1))
     assert all(service.chunk(d) == data for d, data in chunks.items())
     assert service.chunk("0" * 64) is None
+
+
+@pytest.fixture
+def async_service(tmp_path):
+    run_key = generate_key()
+    manifest = factories.manifest(run_key=public_bytes(run_key), group_size=GROUP, max_new_tokens=8, vocab_size=1000,
+                                  mode="async", staleness=1)
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    svc = RunService(manifest, run_key, make_task("arithmetic"), render_prompt=lambda seed: (1, 2, 3 + seed % 50),
+                     decode=lambda ids: " ".join(str(i) for i in ids), ledger=ledger, lease_seconds=60,
+                     seeds_per_lease=1, first_seed=100)
+    yield svc
+    ledger.close()
+
+
+def advance(service, version):
+    adapter = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": np.zeros((2, 4), np.float32)}
+    service.publish(*build_lora_update("run-1", version, adapter, {"alpha": 8.0}, service.run_key))
+
+
+def test_async_leases_never_run_dry_and_stale_groups_are_dropped_not_credited(async_service):
+    svc, fast, slow = async_service, generate_key(), generate_key()
+    slow_lease = svc.handle_lease(lease_request(slow, name="slow"), now=NOW)  # at version 0
+    leases = [svc.handle_lease(lease_request(fast, name="fast"), now=NOW) for _ in range(3)]
+    assert [x.seeds for x in [slow_lease, *leases]] == [(100,), (101,), (102,), (103,)]  # fresh seeds on demand
+
+    svc.handle_push(answer_batch(svc, fast, leases[0]), "QmFast", now=NOW)  # version 0, buffered
+    advance(svc, 1)
+    svc.handle_push(answer_batch(svc, slow, slow_lease, version=1), "QmSlow", now=NOW)  # generated with v1
+    advance(svc, 2)
+    # Both buffered groups are now 2 and 1 versions old: the version-0 one is dropped, not credited.
+    assert svc.buffered_groups() == 1
+    batch = svc.take_batch(4)
+    assert batch.staleness == [1, 1] and all(s.staleness == 1 for s in batch.samples)
+    by_name = {p["name"]: p for p in svc.ledger.peers()}
+    assert by_name["fast"]["accepted"] == 0 and by_name["fast"]["rejected_by_reason"] == {"stale": 2}
+    assert by_name["slow"]["accepted"] == 2
+
+    late = answer_batch(svc, fast, leases[1])  # still tagged version 0, pushed at version 2
+    with pytest.raises(Refused) as e:
+        svc.handle_push(late, "QmFast", now=NOW)
+    assert e.value.code == "stale" and svc.gate.counts(late.node_id)["dropped_stale"] == 1
+    by_name = {p["name"]: p for p in svc.ledger.peers()}
+    assert by_name["fast"]["rejected_by_reason"] == {"stale": 4}  # 2 dropped in the buffer + 2 refused
+
+
+def test_state_survives_a_restart(async_service, tmp_path):
+    svc, node = async_service, generate_key()
+    lease = svc.handle_lease(lease_request(node), now=NOW)
+    advance(svc, 1)
+    advance(svc, 2)
+    batch = answer_batch(svc, node, lease, version=2)
+    svc.handle_push(batch, "QmNode", now=NOW)
+    state = svc.state()
+
+    ledger = Ledger(tmp_path / "ledger2.sqlite")
+    restarted = RunService(svc.manifest, svc.run_key, svc.task, svc.render_prompt, svc.decode, ledger, 60, 1)
+    restarted.restore(state)
+    assert restarted.version == 2 and restarted.next_seed == svc.next_seed
+    assert restarted.gate.is_accepted(lease.lease_id)  # the same batch cannot be counted twice
+    assert restarted.gate.offer(batch.node_id, "new-lease", 0).value == "stale"  # the bound holds after restart
+    ledger.close()
