@@ -91,7 +91,7 @@ class Coordinator:
         trainer = await asyncio.to_thread(LoraTrainer, self.model, self.trainer_config, cfg.temperature, cfg.seed)
         base_sha = await asyncio.to_thread(sha256_file, self.model)
         # A persistent libp2p identity keeps our address stable, so nodes reconnect after a restart.
-        dht = await asyncio.to_thread(SwarmDHT.start, cfg.host, cfg.port, None, self.data_dir / "p2p.id")
+        dht = SwarmDHT.start(cfg.host, cfg.port, None, self.data_dir / "p2p.id")  # main thread: see SwarmDHT.start
         try:
             await self._serve(dht, trainer, base_sha)
         finally:

@@ -3,13 +3,15 @@
 Transport-free: every handler takes a decoded message and returns one, raising a
 `ProtocolError` subclass for anything it refuses (the transport turns that into an ErrorReply
 and the ledger counts it). The step loop in `coordinator` drives `open_step` / `take_batch`.
-A batch is judged whole, before its lease is consumed: a refused batch leaves the lease
-outstanding, so its seeds are reassigned at expiry and nothing accepted is ever lost.
+A batch is judged whole, before its lease is consumed: when the lease holder's signed batch is
+refused, the lease is released and its seeds go straight to the next node that asks; a batch
+that fails its signature never touches the lease. Nothing accepted is ever lost.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import secrets
 import threading
 import time
 from collections import Counter
@@ -75,7 +77,8 @@ class RunService:
         self.manifest, self.run_key, self.task, self.ledger = manifest, run_key, task, ledger
         self.render_prompt, self.decode = render_prompt, decode
         self.mode = Mode(manifest.mode)
-        self.book = LeaseBook(ttl=lease_seconds)
+        # Lease ids must never repeat across restarts: the restored gate remembers accepted ones.
+        self.book = LeaseBook(ttl=lease_seconds, id_prefix=f"{secrets.token_hex(3)}-")
         self.gate = RolloutGate(self.mode, manifest.staleness, version=0)
         # Sequential mode trains only on the requested version: a replay bound of 0.
         self.replay = ReplayBuffer(manifest.staleness if self.mode is Mode.ASYNC else 0)
@@ -211,7 +214,6 @@ class RunService:
         verify_message(batch, batch.node_key)
         if batch.run_id != self.manifest.run_id:
             raise InvalidValue(f"batch for run {batch.run_id!r}, this is {self.manifest.run_id!r}")
-        batch.check_vocab(self.manifest.vocab_size)
         with self.lock:
             self.book.expire(now)
             lease = next((x for x in self.book.outstanding if x.lease_id == batch.lease_id), None)
@@ -220,10 +222,16 @@ class RunService:
                 raise LeaseError(f"lease {batch.lease_id} is not outstanding")
             if lease.node_id != batch.node_id:
                 raise LeaseError(f"lease {batch.lease_id} belongs to another node")
-            self._check_samples(batch, lease.seeds)
-            verdict = self.gate.offer(batch.node_id, batch.lease_id, batch.version)
-            if verdict is not Verdict.ACCEPT:
-                raise Refused(verdict, f"batch of version {batch.version} refused at version {self.version}: {verdict.value}")
+            try:
+                self._check_samples(batch, lease.seeds)
+                verdict = self.gate.offer(batch.node_id, batch.lease_id, batch.version)
+                if verdict is not Verdict.ACCEPT:
+                    raise Refused(verdict, f"batch of version {batch.version} refused at version {self.version}: "
+                                           f"{verdict.value}")
+            except ProtocolError:
+                # The holder's (signed) attempt failed: its seeds go straight back to other nodes.
+                self.book.release(batch.lease_id, batch.node_id)
+                raise
             self.book.complete(batch.lease_id, batch.node_id, now)
         # Rewards are recomputed here from the seed; nothing the node says about reward counts.
         groups: dict[int, list[TrainSample]] = {}
@@ -234,6 +242,7 @@ class RunService:
         return list(groups.values())
 
     def _check_samples(self, batch: RolloutBatch, seeds: tuple[int, ...]) -> None:
+        batch.check_vocab(self.manifest.vocab_size)
         group = self.manifest.group_size
         per_seed = Counter(s.seed for s in batch.samples)
         if set(per_seed) != set(seeds) or any(n != group for n in per_seed.values()):

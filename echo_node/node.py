@@ -96,7 +96,7 @@ class Node:
     async def run(self) -> None:
         from protocols.transport.dht import SwarmDHT
 
-        dht = await asyncio.to_thread(SwarmDHT.start, "127.0.0.1", 0, [self.config.address])
+        dht = SwarmDHT.start("127.0.0.1", 0, [self.config.address])  # main thread: see SwarmDHT.start
         try:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):

@@ -173,12 +173,24 @@ class LeaseBook:
     def expire(self, now: float) -> list[Lease]:
         """Close leases with `expires_at <= now`, oldest first; their seeds go back to the front."""
         expired = [lease for lease in self._outstanding.values() if lease.expires_at <= now]
-        for lease in expired:
-            del self._outstanding[lease.lease_id]
-            self._closed[lease.lease_id] = "expired"
-        # extendleft reverses its input; reversing first keeps the oldest lease's seeds first.
-        self._pending.extendleft(reversed([s for lease in expired for s in lease.seeds]))
+        self._reopen(expired, "expired")
         return expired
+
+    def release(self, lease_id: str, node_id: str) -> Lease:
+        """The holder's attempt failed (its batch was refused): close the lease and put its seeds
+        back at the front now, rather than leaving them idle until it expires."""
+        lease = self._outstanding.get(lease_id)
+        if lease is None or lease.node_id != node_id:
+            raise LeaseError(f"lease {lease_id!r} is not outstanding for this node")
+        self._reopen([lease], "released")
+        return lease
+
+    def _reopen(self, leases: list[Lease], reason: str) -> None:
+        for lease in leases:
+            del self._outstanding[lease.lease_id]
+            self._closed[lease.lease_id] = reason
+        # extendleft reverses its input; reversing first keeps the oldest lease's seeds first.
+        self._pending.extendleft(reversed([s for lease in leases for s in lease.seeds]))
 
 
 # ----------------------------------------------------------------------------- staleness

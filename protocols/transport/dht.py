@@ -12,7 +12,10 @@ process in our measurements); tensors and batches travel over streams.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
+import sys
 from pathlib import Path
 
 # hivemind reads these once at import; keep its and p2pd's logs to warnings unless asked.
@@ -25,7 +28,17 @@ from hivemind.utils import get_dht_time  # noqa: E402
 from protocols.errors import TransportError  # noqa: E402
 from protocols.transport.streams import Endpoint  # noqa: E402
 
-MAX_RECORD_BYTES = 64 * 1024
+# Every DHT call is pickled through a pipe to the DHT process; past ~15.6 KiB pickled that process
+# can die and a caller waits forever (measured). Our records are a few hundred bytes.
+MAX_RECORD_BYTES = 8 * 1024
+PR_SET_PDEATHSIG = 1
+
+
+async def _die_with_parent(_dht, _node) -> None:
+    """Runs inside the DHT process: without this, a coordinator or node killed with SIGKILL leaves
+    the DHT process and its p2pd daemon running forever, still holding the port and identity."""
+    if sys.platform == "linux":
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def record_key(fingerprint: str, name: str) -> str:
@@ -45,7 +58,8 @@ class SwarmDHT:
     ) -> SwarmDHT:
         """Blocking (~0.5 s): start a DHT listening on host:port, joining `initial_peers` if given.
         `identity` (a key file, created if missing) keeps the peer id, hence the address nodes
-        dialled, the same across restarts."""
+        dialled, the same across restarts. Call from the main thread: the DHT process is told to
+        die when the thread that forked it ends."""
         extra = {"identity_path": str(identity)} if identity is not None else {}
         try:
             dht = hivemind.DHT(
@@ -53,6 +67,7 @@ class SwarmDHT:
             )
         except Exception as e:  # hivemind raises bare Exception subclasses of its own for dial failures
             raise TransportError(f"could not start or join the DHT ({type(e).__name__}: {e})") from None
+        dht.run_coroutine(_die_with_parent)
         return cls(dht)
 
     @property

@@ -500,3 +500,15 @@ def test_replay_buffer_rejects_bad_arguments():
         ReplayBuffer(-1)
     with pytest.raises(InvalidValue):
         ReplayBuffer(2).add("p", -3, None)
+
+
+def test_release_puts_seeds_back_first_and_is_holder_only():
+    book = LeaseBook(ttl=10)
+    book.add_seeds([1, 2, 3, 4])
+    lease = book.issue("a", 2, 0, now=0)
+    with pytest.raises(LeaseError):
+        book.release(lease.lease_id, "b")
+    assert book.release(lease.lease_id, "a") == lease
+    assert book.pending_seeds == (1, 2, 3, 4)
+    with pytest.raises(LeaseError, match="released"):
+        book.complete(lease.lease_id, "a", now=1)

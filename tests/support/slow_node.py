@@ -1,0 +1,22 @@
+"""`echo-node` whose pushes are held back by SLOW_NODE_DELAY seconds: a deliberately slow
+volunteer, with every other code path the real node's."""
+
+import asyncio
+import os
+
+from echo_node.node import Node
+
+_push = Node._push
+
+
+async def _slow_push(self, batch):
+    await asyncio.sleep(float(os.environ["SLOW_NODE_DELAY"]))
+    return await _push(self, batch)
+
+
+Node._push = _slow_push
+
+if __name__ == "__main__":
+    from echo_node.cli import main
+
+    main()
