@@ -154,6 +154,7 @@ class Coordinator:
         print(f"  {line}", flush=True)  # never wrapped: people copy this line
         try:
             await self._wait_for_nodes(dht, record_key(self.fp, "peers"), cfg.min_nodes, refresher)
+            service.started = True
             await self._step_loop(service, trainer, ledger, dht, manifest)
             service.finished = True
             # Linger until every node has heard the run is over (and can fetch the final version).

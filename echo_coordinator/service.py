@@ -87,6 +87,7 @@ class RunService:
         self.lock = threading.Lock()  # handlers run on the transport's loop, the step loop elsewhere
         self.prompts: dict[int, tuple[int, ...]] = {}
         self.published: dict[int, Published] = {}
+        self.started = False  # no work is handed out before the step loop starts (min_nodes reached)
         self.finished = False
         self.told_finished: set[str] = set()  # nodes that have heard the run is over
         self.names: dict[str, str] = {}  # node id -> display name from its (signed) lease requests
@@ -184,6 +185,8 @@ class RunService:
                 fresh = list(range(self.next_seed, self.next_seed + count))
                 self.next_seed += count
                 self._add_seeds(fresh)
+            if not self.started:
+                return NoWork(self.version, RETRY_AFTER)
             lease = self.book.issue(request.node_id, count, self.version, now)
             if lease is None:
                 return NoWork(self.version, RETRY_AFTER)

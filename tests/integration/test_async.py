@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import signal
 import socket
@@ -53,8 +52,8 @@ def start_node(processes, join_line: str, tmp_path: Path, name: str, slow_delay:
     args = [*argv[1:], "--name", name, "--data-dir", str(tmp_path / name), "--threads", "1"]
     if slow_delay is None:
         return spawn(processes, [str(VENV_BIN / "echo-node"), *args], tmp_path / f"{name}.log")
-    os.environ["SLOW_NODE_DELAY"] = str(slow_delay)  # read by the slow node's process only
-    return spawn(processes, [sys.executable, "-m", "tests.support.slow_node", *args], tmp_path / f"{name}.log")
+    return spawn(processes, [sys.executable, "-m", "tests.support.slow_node", *args], tmp_path / f"{name}.log",
+                 SLOW_NODE_DELAY=str(slow_delay))
 
 
 def metrics(run_dir: Path) -> list[dict]:

@@ -54,8 +54,8 @@ def processes():
             p.kill()
 
 
-def spawn(processes, args, log: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+def spawn(processes, args, log: Path, **extra_env: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200", **extra_env}
     proc = subprocess.Popen(args, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, cwd=Path(__file__).parents[2])
     processes.append(proc)
     return proc

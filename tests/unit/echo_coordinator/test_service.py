@@ -29,6 +29,7 @@ def service(tmp_path):
         manifest, run_key, task, render_prompt=lambda seed: (1, 2, 3 + seed % 50),
         decode=lambda ids: " ".join(str(i) for i in ids), ledger=ledger, lease_seconds=60, seeds_per_lease=2,
     )
+    svc.started = True
     yield svc
     ledger.close()
 
@@ -158,6 +159,7 @@ def async_service(tmp_path):
     svc = RunService(manifest, run_key, make_task("arithmetic"), render_prompt=lambda seed: (1, 2, 3 + seed % 50),
                      decode=lambda ids: " ".join(str(i) for i in ids), ledger=ledger, lease_seconds=60,
                      seeds_per_lease=1, first_seed=100)
+    svc.started = True
     yield svc
     ledger.close()
 
