@@ -83,12 +83,14 @@ class Coordinator:
         self.task = make_task(run.task, run.task_params)
 
     async def run(self) -> None:
-        from echo_coordinator.trainer import LoraTrainer  # heavy: torch, transformers
+        from echo_coordinator.trainer import Trainer  # heavy: torch, transformers
         from protocols.transport.dht import SwarmDHT
 
         cfg = self.run_config
         console.print(f"loading the trainer on {self.model.name} ...")
-        trainer = await asyncio.to_thread(LoraTrainer, self.model, self.trainer_config, cfg.temperature, cfg.seed)
+        if cfg.update != "lora":
+            raise EchoError(f"update = {cfg.update!r} is not available yet; use update = \"lora\"")
+        trainer = await asyncio.to_thread(Trainer, self.model, self.trainer_config, cfg.temperature, cfg.seed, cfg.update)
         base_sha = await asyncio.to_thread(sha256_file, self.model)
         # A persistent libp2p identity keeps our address stable, so nodes reconnect after a restart.
         dht = SwarmDHT.start(cfg.host, cfg.port, None, self.data_dir / "p2p.id")  # main thread: see SwarmDHT.start
@@ -167,10 +169,10 @@ class Coordinator:
             ledger.close()
 
     def _publish(self, service: RunService, trainer, manifest: RunManifest, version: int) -> None:
-        adapter = trainer.adapter_tensors()
+        adapter = trainer.weights()
         update, chunk_store = publish.build_lora_update(manifest.run_id, version, adapter, dict(manifest.update_params), self.key)
         save_adapter(adapter, self.data_dir / "adapters" / f"v{version}.safetensors")
-        service.publish(update, chunk_store)
+        service.publish([(update, chunk_store)])
 
     async def _register_handlers(self, endpoint, service: RunService, ledger: Ledger) -> None:
         async def manifest(request: bytes, peer: str):
@@ -187,6 +189,9 @@ class Coordinator:
         async def update(request: bytes, peer: str):
             yield service.handle_update(UpdateRequest.from_wire(request)).to_wire()
 
+        async def updates(request: bytes, peer: str):
+            yield service.handle_index().to_wire()
+
         async def chunks(request: bytes, peer: str):
             for digest in ChunkRequest.from_wire(request).digests:
                 data = service.chunk(digest)
@@ -197,6 +202,7 @@ class Coordinator:
         await endpoint.serve("echo.lease", lease, 8 * 1024, HANDLER_TIMEOUT)
         await endpoint.serve("echo.push", push, MAX_MESSAGE_BYTES, HANDLER_TIMEOUT)
         await endpoint.serve("echo.update", update, 1024, HANDLER_TIMEOUT)
+        await endpoint.serve("echo.updates", updates, 1024, HANDLER_TIMEOUT)
         await endpoint.serve("echo.chunks", chunks, 1024 * 1024, HANDLER_TIMEOUT)
         self.endpoint = endpoint
 

@@ -29,6 +29,6 @@ def build_lora_update(
         ))
     update = WeightUpdate(
         run_id=run_id, from_version=0, to_version=version, mode="lora", tensors=tuple(entries), chunk_size=chunk_size,
-        params=params, created=time.time(),
+        replaces=True, params=params, created=time.time(),
     )
     return sign_message(update, key), store

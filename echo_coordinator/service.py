@@ -24,7 +24,8 @@ from echo_coordinator.ledger import Ledger
 from echo_coordinator.trainer import TrainSample
 from protocols.errors import InvalidValue, LeaseError, ProtocolError
 from protocols.messages import (
-    LeaseRequest, NoWork, PushReceipt, RolloutBatch, RunManifest, TaskLease, UpdateRequest, WeightUpdate,
+    LeaseRequest, NoWork, PushReceipt, RolloutBatch, RunManifest, TaskLease, UpdateIndex, UpdateInfo, UpdateRequest,
+    WeightUpdate,
 )
 from protocols.signing import verify_message
 from protocols.sync import LeaseBook, Mode, ReplayBuffer, RolloutGate, Verdict
@@ -143,14 +144,21 @@ class RunService:
             self.rejections["stale"] += len(g.samples)
             self.ledger.reject(g.node_id, g.peer_id, g.name, "stale", len(g.samples))
 
-    def publish(self, update: WeightUpdate, chunks: dict[str, bytes], keep: int = 2) -> None:
-        """Make `update` the latest version; older manifests beyond `keep` are forgotten."""
+    def publish(self, updates: list[tuple[WeightUpdate, dict[str, bytes]]], keep_versions: int = 2) -> None:
+        """Serve `updates` (all ending at one new version: a delta and maybe a snapshot) and make
+        that version current. Updates ending more than `keep_versions` back are forgotten, except
+        the newest snapshot, which late joiners start from."""
         with self.lock:
-            self.published[update.to_version] = Published(update, chunks)
-            for old in sorted(self.published)[:-keep]:
-                del self.published[old]
-            if update.to_version > self.gate.version:
-                self.gate.advance(update.to_version)
+            for update, chunks in updates:
+                self.published[update.from_version, update.to_version] = Published(update, chunks)
+            latest = max(to for _, to in self.published)
+            snapshots = [k for k, p in self.published.items() if p.update.replaces]
+            newest_snapshot = max(snapshots, key=lambda k: k[1], default=None)
+            for key in list(self.published):
+                if key[1] <= latest - keep_versions and key != newest_snapshot:
+                    del self.published[key]
+            if latest > self.gate.version:
+                self.gate.advance(latest)
 
     def state(self) -> dict:
         """What must survive a trainer restart for the staleness bound to hold across it."""
@@ -258,10 +266,17 @@ class RunService:
 
     def handle_update(self, request: UpdateRequest) -> WeightUpdate:
         with self.lock:
-            version = request.to_version or max(self.published, default=0)
-            if version not in self.published:
-                raise InvalidValue(f"no update to version {version} here (have {sorted(self.published)})")
-            return self.published[version].update
+            key = (request.from_version, request.to_version)
+            if key not in self.published:
+                raise InvalidValue(f"no update {key[0]}->{key[1]} here (have {sorted(self.published)})")
+            return self.published[key].update
+
+    def handle_index(self) -> UpdateIndex:
+        with self.lock:
+            return UpdateIndex(self.version, tuple(
+                UpdateInfo(u.from_version, u.to_version, sum(t.nbytes for t in u.tensors), u.replaces)
+                for u in (p.update for p in self.published.values())
+            ))
 
     def chunk(self, digest: str) -> bytes | None:
         with self.lock:

@@ -1,5 +1,6 @@
-"""The learner: a LoRA adapter (peft) over the base model, loaded by transformers from the same
-GGUF file the nodes run, trained with the objective in `grpo`.
+"""The learner: the base model loaded by transformers from the same GGUF file the nodes run,
+trained with the objective in `grpo` (its docstring states the exact loss) either as a LoRA
+adapter (peft; `update = "lora"`) or in full (`update = "full"`).
 
 One optimiser step per batch, so the trainer's policy at the start of the step (`old`) equals
 the weights being differentiated; `old` is `new.detach()` and the PPO ratio is 1 at the point
@@ -62,20 +63,23 @@ def prompt_ids(tokenizer, problem: Problem) -> tuple[int, ...]:
     return tuple(tokenizer(text, add_special_tokens=False).input_ids)
 
 
-class LoraTrainer:
-    def __init__(self, model_path: Path, config: TrainerConfig, temperature: float, seed: int = 0):
+class Trainer:
+    def __init__(self, model_path: Path, config: TrainerConfig, temperature: float, seed: int = 0, update: str = "lora"):
         torch.manual_seed(seed)
         if config.threads:
             torch.set_num_threads(config.threads)
         model_path = Path(model_path)
-        self.config, self.temperature = config, temperature
+        self.config, self.temperature, self.update = config, temperature, update
         self.tokenizer = load_tokenizer(model_path)
         base = AutoModelForCausalLM.from_pretrained(model_path.parent, gguf_file=model_path.name, dtype=torch.float32)
-        lora = LoraConfig(
-            r=config.lora_rank, lora_alpha=config.lora_alpha, target_modules=list(LORA_TARGETS), lora_dropout=0.0,
-            bias="none", init_lora_weights=config.lora_init == "zero",
-        )
-        self.model = get_peft_model(base, lora)
+        if update == "lora":
+            lora = LoraConfig(
+                r=config.lora_rank, lora_alpha=config.lora_alpha, target_modules=list(LORA_TARGETS), lora_dropout=0.0,
+                bias="none", init_lora_weights=config.lora_init == "zero",
+            )
+            self.model = get_peft_model(base, lora)
+        else:
+            self.model = base
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=0.0)
 
@@ -148,20 +152,28 @@ class LoraTrainer:
                 for row, s in enumerate(samples)]
 
     def save(self, directory: Path) -> None:
-        """Adapter and optimiser state, so a restarted trainer continues the same trajectory.
+        """Weights and optimiser state, so a restarted trainer continues the same trajectory.
         (torch.save is fine here: a local file we wrote, never peer data.)"""
         directory.mkdir(parents=True, exist_ok=True)
-        save_file(self.adapter_tensors(), str(directory / "adapter.safetensors.tmp"))
+        save_file(self.weights(), str(directory / "weights.safetensors.tmp"))
         torch.save(self.optimizer.state_dict(), directory / "optimizer.pt.tmp")
-        (directory / "adapter.safetensors.tmp").replace(directory / "adapter.safetensors")
+        (directory / "weights.safetensors.tmp").replace(directory / "weights.safetensors")
         (directory / "optimizer.pt.tmp").replace(directory / "optimizer.pt")
 
     def load(self, directory: Path) -> None:
-        adapter = {k: torch.from_numpy(v) for k, v in load_file(str(directory / "adapter.safetensors")).items()}
-        set_peft_model_state_dict(self.model, adapter)
+        weights = {k: torch.from_numpy(v) for k, v in load_file(str(directory / "weights.safetensors")).items()}
+        if self.update == "lora":
+            set_peft_model_state_dict(self.model, weights)
+        else:
+            self.model.load_state_dict(weights, strict=False)  # a tied lm_head follows embed_tokens
         self.optimizer.load_state_dict(torch.load(directory / "optimizer.pt", weights_only=True))
 
-    def adapter_tensors(self) -> dict[str, np.ndarray]:
-        """The LoRA adapter as float32 arrays under peft's names (`...q_proj.lora_A.weight`)."""
-        state = get_peft_model_state_dict(self.model)
+    def weights(self) -> dict[str, np.ndarray]:
+        """What a WeightUpdate carries, as float32 arrays: the LoRA adapter under peft's names
+        (`...q_proj.lora_A.weight`), or in full mode every distinct weight under HF names."""
+        if self.update == "lora":
+            state = get_peft_model_state_dict(self.model)
+        else:
+            tied = self.model.config.tie_word_embeddings
+            state = {k: v for k, v in self.model.state_dict().items() if not (tied and k == "lm_head.weight")}
         return {name: t.detach().float().numpy().copy() for name, t in state.items()}

@@ -20,10 +20,11 @@ from pathlib import Path
 
 from rich.console import Console
 
-from echo_node.updates import UpdateError, fetch_lora_update
+from echo_node.updates import UpdateError, apply_lora, catch_up
 from protocols.errors import EchoError, ProtocolError, RemoteError, SignatureError, TransportError
 from protocols.messages import (
     LeaseRequest, NoWork, PeerAnnouncement, PushReceipt, RolloutBatch, RolloutSample, RunManifest, TaskLease,
+    WeightUpdate,
 )
 from protocols.signing import (
     FINGERPRINT_CHARS, fingerprint, load_or_create_key, public_bytes, sha256_file, sign_message, verify_message,
@@ -124,12 +125,22 @@ class Node:
                       f"task {manifest.task.name}, mode {manifest.mode}")
         peers_key = record_key(self.config.run_key, "peers")
         announcer = asyncio.create_task(self._announce(dht, peers_key), name="announce")
+        work = asyncio.create_task(self._work_loop(announcer), name="work")
+        stop = asyncio.create_task(self.stopping.wait(), name="stop")
         try:
-            await self._work_loop(announcer)
+            # Ctrl-C cancels whatever call is in flight instead of waiting out its timeout.
+            await asyncio.wait({work, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if work.done():
+                work.result()  # re-raise what ended the work loop
         finally:
-            announcer.cancel()
-            # Withdraw: a tombstone outlives the announcement (the DHT keeps the later expiry).
-            await dht.put(peers_key, b"", ANNOUNCE_TTL * 2, subkey=fingerprint(self.node_key))
+            for task in (work, stop, announcer):
+                task.cancel()
+            await asyncio.gather(work, stop, announcer, return_exceptions=True)
+            try:
+                # Withdraw: a tombstone outlives the announcement (the DHT keeps the later expiry).
+                await dht.put(peers_key, b"", ANNOUNCE_TTL * 2, subkey=fingerprint(self.node_key), timeout=5.0)
+            except TransportError as e:
+                log.warning("could not withdraw the announcement: %s", e)
             console.print(f"left the run at version {self.version}")
 
     def _request_stop(self) -> None:
@@ -182,7 +193,7 @@ class Node:
 
     async def _work_loop(self, announcer: asyncio.Task) -> None:
         backoff = 0.5
-        while not self.stopping.is_set():
+        while True:
             if announcer.done():
                 announcer.result()  # re-raise why announcing failed
             try:
@@ -192,27 +203,18 @@ class Node:
                         await self._bring_to(reply.latest_version)  # leave with the run's final policy
                         console.print(f"the run is finished at version {reply.latest_version}")
                         return
-                    await self._sleep(reply.retry_after)
+                    await asyncio.sleep(reply.retry_after)
                     continue
                 await self._bring_to(self._target_version(reply))
-                try:
-                    batch = await asyncio.to_thread(self._generate, reply)
-                except Stopped:
-                    return
+                batch = await asyncio.to_thread(self._generate, reply)
                 receipt = await self._push(batch)
                 console.print(f"lease {reply.lease_id}: {receipt.accepted} samples accepted at version {batch.version}, "
                               f"{self.backend.throughput:.0f} tok/s")
                 backoff = 0.5
             except (TransportError, RemoteError, ProtocolError, UpdateError) as e:
                 log.warning("%s; retrying in %.1f s", e, backoff)
-                await self._sleep(backoff)
+                await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF)
-
-    async def _sleep(self, seconds: float) -> None:
-        try:
-            await asyncio.wait_for(self.stopping.wait(), seconds)
-        except TimeoutError:
-            pass
 
     async def _request_lease(self) -> TaskLease | NoWork:
         request = sign_message(LeaseRequest(
@@ -233,11 +235,12 @@ class Node:
         if version == self.version:
             return
         started = time.perf_counter()
-        path = await fetch_lora_update(
-            self.endpoint, self.trainer, self.manifest, version, self.data_dir / "adapters", self.backend, CALL_TIMEOUT
-        )
-        self.version = version
-        console.print(f"updated to version {version} ({path.name}) in {time.perf_counter() - started:.2f}s")
+        await catch_up(self.endpoint, self.trainer, self.manifest, self.version, version, self._apply, CALL_TIMEOUT)
+        console.print(f"updated to version {version} in {time.perf_counter() - started:.2f}s")
+
+    async def _apply(self, update: WeightUpdate, payloads: dict[str, bytes]) -> None:
+        await apply_lora(update, payloads, self.backend, self.data_dir / "adapters")
+        self.version = update.to_version
 
     def _generate(self, lease: TaskLease) -> RolloutBatch:
         samples = []

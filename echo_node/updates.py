@@ -1,38 +1,46 @@
-"""Fetching, verifying and applying a weight update. Nothing is applied until everything checked:
-the manifest's signature against the pinned run key, its run and version, every chunk's sha256,
-every tensor's payload against its shape and encoding. Any failure raises `UpdateError` and
-leaves the backend on the version it had.
+"""Reaching a version: plan the cheapest chain of updates, then fetch, verify and apply each.
+
+Nothing is applied until it is checked: the manifest's signature against the pinned run key,
+its run, its step and kind against the plan, every chunk's sha256, every payload against its
+tensor's shape and encoding. Any failure raises `UpdateError` and leaves the node on the last
+version it fully applied, still serving.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-import numpy as np
-
 from echo_node.gguf_io import write_lora_adapter
-from protocols import chunks, delta
-from protocols.errors import EchoError, ProtocolError
-from protocols.messages import Chunk, ChunkRequest, RunManifest, UpdateRequest, WeightUpdate
+from protocols import catchup, chunks, delta
+from protocols.errors import EchoError, ProtocolError, TransportError
+from protocols.messages import Chunk, ChunkRequest, RunManifest, UpdateIndex, UpdateRequest, WeightUpdate
 from protocols.signing import verify_message
 
 CHUNKS_PER_CALL = 64
+
+# Applies one verified update: (manifest, payload bytes per tensor name) -> None.
+Applier = Callable[[WeightUpdate, dict[str, bytes]], Awaitable[None]]
 
 
 class UpdateError(EchoError):
     """An update could not be fetched or verified; the node stays on its old version."""
 
 
-async def fetch_update_manifest(endpoint, provider: str, manifest: RunManifest, version: int, timeout: float) -> WeightUpdate:
-    raw = await endpoint.call_one(provider, "echo.update", UpdateRequest(version).to_wire(), timeout, WeightUpdate.MAX_BYTES)
-    update = WeightUpdate.from_wire(raw)
-    verify_message(update, manifest.run_key)  # before any chunk is fetched
-    if update.run_id != manifest.run_id or update.to_version != version or update.mode != manifest.update:
-        raise UpdateError(
-            f"update {update.run_id}:{update.from_version}->{update.to_version} ({update.mode}) is not the "
-            f"requested {manifest.run_id} version {version} ({manifest.update})"
-        )
+async def fetch_index(endpoint, provider: str, timeout: float) -> UpdateIndex:
+    return UpdateIndex.from_wire(await endpoint.call_one(provider, "echo.updates", b"", timeout, UpdateIndex.MAX_BYTES))
+
+
+async def fetch_manifest(endpoint, provider: str, run: RunManifest, step: catchup.Step, timeout: float) -> WeightUpdate:
+    request = UpdateRequest(step.from_version, step.to_version).to_wire()
+    update = WeightUpdate.from_wire(await endpoint.call_one(provider, "echo.update", request, timeout, WeightUpdate.MAX_BYTES))
+    verify_message(update, run.run_key)  # before any chunk is fetched
+    wanted = (run.run_id, step.from_version, step.to_version, step.replaces, run.update)
+    got = (update.run_id, update.from_version, update.to_version, update.replaces, update.mode)
+    if got != wanted:
+        # A validly signed manifest for another step: a replayed or misfiled update.
+        raise UpdateError(f"asked for update {wanted}, got {got}")
     return update
 
 
@@ -52,30 +60,32 @@ async def fetch_chunks(endpoint, provider: str, digests: list[str], timeout: flo
     return found
 
 
-def decode_tensors(update: WeightUpdate, store: dict[str, bytes]) -> dict[str, np.ndarray]:
-    return {
-        t.name: delta.decode(chunks.assemble(t, store.__getitem__), t.encoding, t.shape, name=t.name)
-        for t in update.tensors
-    }
-
-
-async def fetch_lora_update(endpoint, provider: str, manifest: RunManifest, version: int, adapter_dir: Path, backend,
-                            timeout: float) -> Path:
-    """LoRA mode: fetch the adapter of `version`, write it as a GGUF adapter, hot-swap it in."""
+async def catch_up(endpoint, provider: str, run: RunManifest, held: int, target: int, apply: Applier,
+                   timeout: float) -> int:
+    """Bring the node from `held` to `target`; returns the version reached (== target)."""
     try:
-        update = await fetch_update_manifest(endpoint, provider, manifest, version, timeout)
-        digests = [d for t in update.tensors for d in t.chunks]
-        store = await fetch_chunks(endpoint, provider, digests, timeout)
-        tensors = decode_tensors(update, store)
-        alpha = update.params.get("alpha")
-        if not isinstance(alpha, (int, float)) or alpha <= 0:
-            raise UpdateError(f"update {version} carries no positive LoRA alpha")
-        path = adapter_dir / f"v{version}.gguf"
-        await asyncio.to_thread(
-            write_lora_adapter, tensors, float(alpha), path, backend.n_layers, backend.n_head, backend.n_head_kv
-        )
-        await asyncio.to_thread(backend.set_adapter, path)
-    except (ProtocolError, ValueError) as e:
-        # ValueError: tensor names that are no LoRA of this model, or llama.cpp refusing the file.
-        raise UpdateError(f"update to version {version} rejected: {e}") from None
+        index = await fetch_index(endpoint, provider, timeout)
+        offered = [catchup.Step(u.from_version, u.to_version, u.nbytes, u.replaces) for u in index.updates]
+        for step in catchup.plan(held, target, offered):
+            update = await fetch_manifest(endpoint, provider, run, step, timeout)
+            store = await fetch_chunks(endpoint, provider, [d for t in update.tensors for d in t.chunks], timeout)
+            payloads = {t.name: chunks.assemble(t, store.__getitem__) for t in update.tensors}
+            await apply(update, payloads)  # the applier records the new version
+            held = update.to_version
+    except (ProtocolError, TransportError, ValueError) as e:
+        # ValueError: tensor names that are no weights of this model, or a backend refusing a file.
+        raise UpdateError(f"update to version {target} stopped at version {held}: {e}") from None
+    return held
+
+
+async def apply_lora(update: WeightUpdate, payloads: dict[str, bytes], backend, adapter_dir: Path) -> Path:
+    """LoRA mode: the update is the whole adapter; write it as a GGUF adapter and hot-swap it in."""
+    tensors = {t.name: delta.decode(payloads[t.name], t.encoding, t.shape, name=t.name) for t in update.tensors}
+    alpha = update.params.get("alpha")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0:
+        raise UpdateError(f"update {update.to_version} carries no positive LoRA alpha")
+    path = adapter_dir / f"v{update.to_version}.gguf"
+    await asyncio.to_thread(write_lora_adapter, tensors, float(alpha), path, backend.n_layers, backend.n_head,
+                            backend.n_head_kv)
+    await asyncio.to_thread(backend.set_adapter, path)
     return path

@@ -458,6 +458,7 @@ class WeightUpdate(WireMessage):
     mode: str  # one of UPDATE_MODES
     tensors: tuple[TensorEntry, ...]
     chunk_size: int
+    replaces: bool = False  # True: payloads are the weights themselves (snapshot, LoRA adapter), not deltas
     params: dict[str, Any] = field(default_factory=dict)  # e.g. LoRA alpha
     created: float = 0.0
     signature: bytes = b""
@@ -466,6 +467,7 @@ class WeightUpdate(WireMessage):
         return {
             "run_id": self.run_id, "from_version": self.from_version, "to_version": self.to_version,
             "mode": self.mode, "tensors": [t.to_dict() for t in self.tensors], "chunk_size": self.chunk_size,
+            "replaces": self.replaces,
             "params": dict(self.params), "created": self.created, "signature": self.signature,
         }
 
@@ -484,26 +486,62 @@ class WeightUpdate(WireMessage):
             raise InvalidValue(f"{cls.KIND}: duplicate tensor names")
         return cls(
             run_id=f.text("run_id"), from_version=from_version, to_version=to_version,
-            mode=f.text("mode", choices=UPDATE_MODES), tensors=tensors, chunk_size=chunk_size,
+            mode=f.text("mode", choices=UPDATE_MODES), tensors=tensors, chunk_size=chunk_size, replaces=f.flag("replaces"),
             params=_params(f, "params"), created=f.number("created", 0.0), signature=_signature(f),
         )
 
 
 @dataclass(frozen=True)
 class UpdateRequest(WireMessage):
-    """Ask a provider for the WeightUpdate manifest that ends at `to_version` (0: the latest)."""
+    """Ask a provider for the WeightUpdate manifest of one step `from_version -> to_version`."""
 
     KIND = "update_request"
     MAX_BYTES = 1024
 
+    from_version: int
     to_version: int
 
     def to_dict(self) -> dict[str, Any]:
-        return {"to_version": self.to_version}
+        return {"from_version": self.from_version, "to_version": self.to_version}
 
     @classmethod
     def from_dict(cls, body: dict[str, Any]) -> UpdateRequest:
-        return cls(Fields(body, cls.KIND).integer("to_version"))
+        f = Fields(body, cls.KIND)
+        return cls(f.integer("from_version"), f.integer("to_version"))
+
+
+@dataclass(frozen=True)
+class UpdateInfo:
+    from_version: int
+    to_version: int
+    nbytes: int  # payload bytes to fetch
+    replaces: bool  # a snapshot (or LoRA adapter): applies from any version
+
+
+@dataclass(frozen=True)
+class UpdateIndex(WireMessage):
+    """Which updates a provider can serve. A hint for planning: every manifest is still verified."""
+
+    KIND = "update_index"
+    MAX_BYTES = 256 * 1024
+
+    latest_version: int
+    updates: tuple[UpdateInfo, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"latest_version": self.latest_version,
+                "updates": [[u.from_version, u.to_version, u.nbytes, u.replaces] for u in self.updates]}
+
+    @classmethod
+    def from_dict(cls, body: dict[str, Any]) -> UpdateIndex:
+        f = Fields(body, cls.KIND)
+        updates = []
+        for i, raw in enumerate(f.items("updates", 8192)):
+            if not (isinstance(raw, list) and len(raw) == 4):
+                raise MalformedMessage(f"{cls.KIND}.updates[{i}]: expected [from, to, nbytes, replaces]")
+            u = Fields(dict(zip(("from", "to", "nbytes", "replaces"), raw)), f"{cls.KIND}.updates[{i}]")
+            updates.append(UpdateInfo(u.integer("from"), u.integer("to"), u.integer("nbytes"), u.flag("replaces")))
+        return cls(f.integer("latest_version"), tuple(updates))
 
 
 @dataclass(frozen=True)

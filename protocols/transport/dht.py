@@ -12,6 +12,7 @@ process in our measurements); tensors and batches travel over streams.
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import os
 import signal
@@ -81,15 +82,16 @@ class SwarmDHT:
         """Stream endpoint in the caller's event loop, sharing the DHT's p2pd daemon."""
         return Endpoint(await self.dht.replicate_p2p())
 
-    async def put(self, key: str, value: bytes, ttl: float, subkey: str | None = None) -> bool:
+    async def put(self, key: str, value: bytes, ttl: float, subkey: str | None = None, timeout: float = 15.0) -> bool:
         if len(value) > MAX_RECORD_BYTES:
             raise ValueError(f"DHT record {key} of {len(value)} bytes exceeds {MAX_RECORD_BYTES}")
-        return await self.dht.store(key, value, get_dht_time() + ttl, subkey=subkey, return_future=True)
+        future = self.dht.store(key, value, get_dht_time() + ttl, subkey=subkey, return_future=True)
+        return await self._wait(future, f"store {key}", timeout)
 
-    async def get(self, key: str) -> bytes | dict[str, bytes] | None:
+    async def get(self, key: str, timeout: float = 15.0) -> bytes | dict[str, bytes] | None:
         """The value (bytes), or {subkey: bytes} for a subkeyed record, or None. Entries of
         unexpected types are dropped here: the DHT is untrusted."""
-        found = await self.dht.get(key, latest=True, return_future=True)
+        found = await self._wait(self.dht.get(key, latest=True, return_future=True), f"get {key}", timeout)
         if found is None:
             return None
         value = found.value
@@ -98,6 +100,14 @@ class SwarmDHT:
         if isinstance(value, dict):
             return {k: v.value for k, v in value.items() if isinstance(k, str) and isinstance(v.value, bytes)}
         return None
+
+    @staticmethod
+    async def _wait(future, what: str, timeout: float):
+        # If the DHT process has died, its futures never resolve: never wait on one unbounded.
+        try:
+            return await asyncio.wait_for(future, timeout)
+        except TimeoutError:
+            raise TransportError(f"DHT {what}: no answer within {timeout:.0f} s (is the DHT process alive?)") from None
 
     def shutdown(self) -> None:
         self.dht.shutdown()

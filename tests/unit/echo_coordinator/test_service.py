@@ -8,7 +8,7 @@ from echo_coordinator.ledger import Ledger
 from echo_coordinator.publish import build_lora_update
 from echo_coordinator.service import RunService, Refused
 from protocols.errors import InvalidValue, LeaseError, SignatureError
-from protocols.messages import LeaseRequest, NoWork, RolloutBatch, RolloutSample, TaskLease, UpdateRequest
+from protocols.messages import LeaseRequest, NoWork, RolloutBatch, RolloutSample, TaskLease, UpdateInfo, UpdateRequest
 from protocols.signing import generate_key, public_bytes, sign_message
 from tasks import make_task
 from tests.unit.protocols import factories
@@ -140,12 +140,13 @@ def test_lease_of_another_node_double_push_and_expiry(service):
 
 
 def test_update_handler_serves_published_versions(service):
-    with pytest.raises(InvalidValue, match="no update to version 0"):
-        service.handle_update(UpdateRequest(0))
+    with pytest.raises(InvalidValue, match="no update 0->1"):
+        service.handle_update(UpdateRequest(0, 1))
     adapter = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": np.ones((2, 4), np.float32)}
     update, chunks = build_lora_update("run-1", 1, adapter, {"alpha": 8.0}, service.run_key)
-    service.publish(update, chunks)
-    assert service.version == 1 and service.handle_update(UpdateRequest(0)) == update == service.handle_update(UpdateRequest(1))
+    service.publish([(update, chunks)])
+    assert service.version == 1 and service.handle_update(UpdateRequest(0, 1)) == update
+    assert service.handle_index().updates == (UpdateInfo(0, 1, 32, True),)
     assert all(service.chunk(d) == data for d, data in chunks.items())
     assert service.chunk("0" * 64) is None
 
@@ -166,7 +167,7 @@ def async_service(tmp_path):
 
 def advance(service, version):
     adapter = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": np.zeros((2, 4), np.float32)}
-    service.publish(*build_lora_update("run-1", version, adapter, {"alpha": 8.0}, service.run_key))
+    service.publish([build_lora_update("run-1", version, adapter, {"alpha": 8.0}, service.run_key)])
 
 
 def test_async_leases_never_run_dry_and_stale_groups_are_dropped_not_credited(async_service):

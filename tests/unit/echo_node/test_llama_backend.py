@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from echo_coordinator.config import TrainerConfig
-from echo_coordinator.trainer import LoraTrainer, TrainSample, prompt_ids
+from echo_coordinator.trainer import Trainer, TrainSample, prompt_ids
 from echo_node.gguf_io import write_lora_adapter
 from echo_node.llama_backend import LlamaBackend
 from tasks import make_task
@@ -16,7 +16,7 @@ from tests.support.tiny_model import build_tiny_gguf
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     path = build_tiny_gguf(tmp_path_factory.mktemp("m") / "tiny.gguf")
-    trainer = LoraTrainer(path, TrainerConfig(lora_rank=4, lora_init="random", threads=1), temperature=0.7)
+    trainer = Trainer(path, TrainerConfig(lora_rank=4, lora_init="random", threads=1), temperature=0.7)
     backend = LlamaBackend(path, threads=1, n_ctx=256)
     prompt = list(prompt_ids(trainer.tokenizer, make_task("arithmetic").generate(5)))
     return trainer, backend, prompt, tmp_path_factory.mktemp("adapters")
@@ -40,7 +40,7 @@ def test_behaviour_logprobs_match_the_trainer_with_and_without_adapter(setup):
         assert np.abs(trainer_logprobs(trainer, prompt, base) - np.array(base.logprobs)).max() < 1e-4
 
     path = adapters / "v1.gguf"
-    write_lora_adapter(trainer.adapter_tensors(), trainer.config.lora_alpha, path, backend.n_layers, backend.n_head,
+    write_lora_adapter(trainer.weights(), trainer.config.lora_alpha, path, backend.n_layers, backend.n_head,
                        backend.n_head_kv)
     backend.set_adapter(path)
     adapted = backend.generate(prompt, 12, 0.7, seed=3)
@@ -60,7 +60,7 @@ def test_same_seed_same_sample_and_group_prefix_reuse_is_exact(setup):
 def test_a_bad_adapter_file_leaves_the_old_adapter_active(setup, tmp_path):
     trainer, backend, prompt, adapters = setup
     path = adapters / "good.gguf"
-    write_lora_adapter(trainer.adapter_tensors(), trainer.config.lora_alpha, path, backend.n_layers, backend.n_head,
+    write_lora_adapter(trainer.weights(), trainer.config.lora_alpha, path, backend.n_layers, backend.n_head,
                        backend.n_head_kv)
     backend.set_adapter(path)
     before = backend.generate(prompt, 6, 1.0, seed=1)

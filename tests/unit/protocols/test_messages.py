@@ -9,7 +9,7 @@ from protocols import wire
 from protocols.errors import InvalidValue, MalformedMessage, MessageTooLarge, ProtocolError, UnsupportedVersion
 from protocols.messages import (
     MAX_SAMPLE_TOKENS, Chunk, ErrorReply, LeaseRequest, NoWork, PeerAnnouncement, PushReceipt,
-    ChunkRequest, UpdateRequest, RolloutBatch, RolloutSample, RunManifest, TaskLease,
+    ChunkRequest, UpdateIndex, UpdateInfo, UpdateRequest, RolloutBatch, RolloutSample, RunManifest, TaskLease,
     WeightUpdate,
 )
 from tests.unit.protocols import factories
@@ -18,7 +18,8 @@ EXAMPLES = [
     factories.manifest(), factories.batch(), factories.update(), factories.announcement(), factories.lease(),
     factories.chunk(), ErrorReply("bad_lease", "lease L1 expired"), factories.lease_request(),
     NoWork(latest_version=4, retry_after=1.5, finished=False), PushReceipt(3, 1, {"stale": 1}, 5),
-    UpdateRequest(7), ChunkRequest((factories.SHA,)),
+    UpdateRequest(6, 7), ChunkRequest((factories.SHA,)),
+    UpdateIndex(9, (UpdateInfo(8, 9, 1000, False), UpdateInfo(0, 8, 50_000, True))),
 ]
 
 
