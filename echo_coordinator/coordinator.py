@@ -88,8 +88,6 @@ class Coordinator:
 
         cfg = self.run_config
         console.print(f"loading the trainer on {self.model.name} ...")
-        if cfg.update != "lora":
-            raise EchoError(f"update = {cfg.update!r} is not available yet; use update = \"lora\"")
         trainer = await asyncio.to_thread(Trainer, self.model, self.trainer_config, cfg.temperature, cfg.seed, cfg.update)
         base_sha = await asyncio.to_thread(sha256_file, self.model)
         # A persistent libp2p identity keeps our address stable, so nodes reconnect after a restart.
@@ -106,6 +104,8 @@ class Coordinator:
     def _save_state(self, run_id: str, service: RunService, trainer) -> None:
         """After each publish: checkpoint, then the state that points at it (atomic replace)."""
         trainer.save(self.data_dir / "checkpoint")
+        if self.publisher is not None:
+            save_adapter(self.publisher.view(), self.data_dir / "checkpoint" / "view.safetensors")
         tmp = self.data_dir / "state.json.tmp"
         tmp.write_text(json.dumps({"run_id": run_id, "version": service.version, "service": service.state()}))
         tmp.replace(self.data_dir / "state.json")
@@ -132,12 +132,13 @@ class Coordinator:
             lease_seconds=cfg.lease_seconds, seeds_per_lease=max(1, cfg.prompts_per_step // 4),
             first_seed=cfg.seed * 1_000_003 + 500_000,
         )
+        self.publisher = self._make_publisher(trainer, manifest.run_id, resuming=bool(state))
         if state:
             # Version, accepted rollouts and counters come back with the trainer's weights, so the
             # staleness bound and single-use leases hold across the restart (cf. AReaL #1388).
             service.restore(state["service"])
             await asyncio.to_thread(trainer.load, self.data_dir / "checkpoint")
-            self._publish(service, trainer, manifest, service.version)
+            self._publish(service, trainer, manifest, service.version, resumed=True)
             console.print(f"resuming run {manifest.run_id} at version {service.version}")
         ledger.set_run(run_id=manifest.run_id, mode=cfg.mode, version=service.version, run_key=self.fp, steps=cfg.steps)
         endpoint = await dht.endpoint()
@@ -168,11 +169,27 @@ class Coordinator:
             refresher.cancel()
             ledger.close()
 
-    def _publish(self, service: RunService, trainer, manifest: RunManifest, version: int) -> None:
-        adapter = trainer.weights()
-        update, chunk_store = publish.build_lora_update(manifest.run_id, version, adapter, dict(manifest.update_params), self.key)
-        save_adapter(adapter, self.data_dir / "adapters" / f"v{version}.safetensors")
-        service.publish([(update, chunk_store)])
+    def _publish(self, service: RunService, trainer, manifest: RunManifest, version: int, resumed: bool = False) -> None:
+        weights = trainer.weights()
+        if manifest.update == "lora":
+            published = [publish.build_lora_update(manifest.run_id, version, weights, dict(manifest.update_params), self.key)]
+            save_adapter(weights, self.data_dir / "adapters" / f"v{version}.safetensors")
+        elif resumed:
+            # The delta into this version died with the old process; a snapshot serves everyone.
+            published = [self.publisher.snapshot(version)]
+        else:
+            published = self.publisher.publish(version, weights)
+        service.publish(published)
+
+    def _make_publisher(self, trainer, run_id: str, resuming: bool):
+        """Full mode: the publisher tracks what nodes hold; a restart restores that view."""
+        if self.run_config.update != "full":
+            return None
+        from safetensors.numpy import load_file
+
+        cfg = self.run_config
+        base = load_file(str(self.data_dir / "checkpoint" / "view.safetensors")) if resuming else trainer.weights()
+        return publish.FullPublisher(run_id, self.key, base, cfg.update_encoding, cfg.update_density, cfg.snapshot_every)
 
     async def _register_handlers(self, endpoint, service: RunService, ledger: Ledger) -> None:
         async def manifest(request: bytes, peer: str):
@@ -277,7 +294,7 @@ class Coordinator:
         return service.take_batch(cfg.prompts_per_step)
 
 
-def save_adapter(adapter, path: Path) -> None:
+def save_adapter(adapter, path: Path) -> None:  # also the publisher's view: any float32 tensors
     from safetensors.numpy import save_file
 
     tmp = path.with_name(path.name + ".tmp")

@@ -22,13 +22,18 @@ def join(
     model: Path = typer.Option(..., exists=True, dir_okay=False, help="Your copy of the run's base model GGUF."),
     name: Optional[str] = typer.Option(None, help="Public display name (default: from your key)."),
     data_dir: Path = typer.Option(Path("~/.echo-node"), help="Node key, adapters, logs."),
-    threads: int = typer.Option(0, help="llama.cpp threads (0 = all cores)."),
+    threads: int = typer.Option(0, help="Generation threads (0 = all cores)."),
+    backend: str = typer.Option("llama_cpp", help="llama_cpp (GGUF, any machine) or transformers (full-mode runs, "
+                                                  "CUDA when present)."),
 ) -> None:
     """Join a run: verify it, then generate rollouts until Ctrl-C."""
+    if backend not in ("llama_cpp", "transformers"):
+        raise typer.BadParameter(f"--backend must be llama_cpp or transformers, got {backend!r}")
     from echo_node.node import NodeConfig, run_node
 
     config = NodeConfig(
-        address=address, run_key=run_key, model=model, name=name, data_dir=data_dir.expanduser(), threads=threads
+        address=address, run_key=run_key, model=model, name=name, data_dir=data_dir.expanduser(), threads=threads,
+        backend=backend,
     )
     raise typer.Exit(run_node(config))
 

@@ -36,12 +36,10 @@ class LlamaBackend:
     name = "llama_cpp"
 
     def __init__(self, model_path: Path, threads: int = 0, n_ctx: int = 2048):
-        kwargs = dict(n_threads=threads) if threads else {}
-        self.llm = llama_cpp.Llama(
-            str(model_path), logits_all=True, n_ctx=n_ctx, verbose=False,
-            type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32, **kwargs,
-        )
+        self.threads, self.n_ctx = threads, n_ctx
+        self.llm = self._load(model_path)
         meta = self.llm.metadata
+        self.file_type = int(meta.get("general.file_type", 0))  # the quant type to requantize to
         self.n_layers = int(meta["llama.block_count"])
         self.n_head = int(meta["llama.attention.head_count"])
         self.n_head_kv = int(meta.get("llama.attention.head_count_kv", self.n_head))
@@ -50,6 +48,18 @@ class LlamaBackend:
         self._adapter = None
         self.tokens_generated = 0
         self.seconds_generating = 0.0
+
+    def _load(self, path: Path) -> llama_cpp.Llama:
+        kwargs = dict(n_threads=self.threads) if self.threads else {}
+        return llama_cpp.Llama(str(path), logits_all=True, n_ctx=self.n_ctx, verbose=False,
+                               type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32, **kwargs)
+
+    def reload(self, path: Path) -> None:
+        """Full mode: switch to re-exported weights. The old model serves until the new one loaded."""
+        new = self._load(path)
+        if self._adapter is not None:
+            raise ValueError("a LoRA adapter is active; full-mode reloads do not combine with adapters")
+        self.llm = new
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int) -> Completion:
         started = time.perf_counter()

@@ -20,6 +20,8 @@ from pathlib import Path
 
 from rich.console import Console
 
+from echo_node.full_weights import apply_update, export_quantized, load_master
+from echo_node.relay import Relay
 from echo_node.updates import UpdateError, apply_lora, catch_up
 from protocols.errors import EchoError, ProtocolError, RemoteError, SignatureError, TransportError
 from protocols.messages import (
@@ -35,7 +37,8 @@ from protocols.wire import decode_one_of
 log = logging.getLogger(__name__)
 console = Console(soft_wrap=True)
 
-ANNOUNCE_TTL = 60.0  # seconds; refreshed every third of it
+ANNOUNCE_TTL = 60.0  # seconds
+PEER_REFRESH = 5.0  # seconds between re-announcing and re-reading peers' versions
 MANIFEST_WAIT = 60.0  # seconds to find the run's manifest in the DHT before giving up
 CALL_TIMEOUT = 60.0
 PUSH_TIMEOUT = 300.0
@@ -57,7 +60,8 @@ class NodeConfig:
     model: Path  # this node's copy of the base model GGUF
     name: str | None = None  # public display name
     data_dir: Path = Path("~/.echo-node")
-    threads: int = 0  # llama.cpp threads; 0 = all cores
+    threads: int = 0  # generation threads; 0 = all cores
+    backend: str = "llama_cpp"  # "llama_cpp" (GGUF, any machine) or "transformers" (full mode, CUDA if present)
 
 
 def run_node(config: NodeConfig) -> int:
@@ -71,6 +75,20 @@ def run_node(config: NodeConfig) -> int:
         console.print(f"[red]error:[/] {e}")
         return 1
     return 0
+
+
+def verified_versions(records) -> dict[str, int]:
+    """{libp2p peer id: announced version} from the DHT's announcement records, keeping only
+    those whose signature verifies (the DHT is open to anyone)."""
+    versions = {}
+    for value in (records or {}).values() if isinstance(records, dict) else ():
+        try:
+            announcement = PeerAnnouncement.from_wire(value)
+            verify_message(announcement, announcement.public_key)
+        except ProtocolError:
+            continue  # tombstones and junk
+        versions[announcement.peer_id] = announcement.version
+    return versions
 
 
 def trainer_peer(manifest: RunManifest) -> str:
@@ -90,8 +108,12 @@ class Node:
         self.key = load_or_create_key(self.data_dir / "node.key")
         self.node_key = public_bytes(self.key)
         self.name = config.name or f"node-{fingerprint(self.node_key)[:6]}"
-        self.version = 0
+        self.version = 0  # the last version whose update was fully verified and applied
+        self.loaded = 0  # full mode: the version the backend serves (master weights may be ahead mid-chain)
         self.stopping = asyncio.Event()
+        self.relay = Relay()
+        self.version_changed = asyncio.Event()
+        self.peer_versions: dict[str, int] = {}  # libp2p peer id -> version it announced
         self.stop_requested = threading.Event()  # seen by the generation thread between samples
 
     async def run(self) -> None:
@@ -106,8 +128,24 @@ class Node:
         finally:
             dht.shutdown()
 
-    async def _run(self, dht) -> None:
+    def _load_backend(self) -> None:
+        """The generation backend, and in full mode the float32 master weights updates apply to."""
+        if self.config.backend == "transformers":
+            from echo_node.transformers_backend import TransformersBackend
+
+            if self.manifest.update != "full":
+                raise JoinRefused("the transformers backend takes full-parameter runs (update = \"full\") only")
+            self.backend = TransformersBackend(self.config.model, self.config.threads)
+            self.master, self.hf_config = self.backend.master, self.backend.config
+            return
         from echo_node.llama_backend import LlamaBackend
+
+        n_ctx = 4096 if self.manifest.max_new_tokens > 2048 else 2048
+        self.backend = LlamaBackend(self.config.model, self.config.threads, n_ctx)
+        if self.manifest.update == "full":
+            self.hf_config, self.master = load_master(self.config.model)
+
+    async def _run(self, dht) -> None:
         from protocols.transport.dht import record_key
 
         self.endpoint = await dht.endpoint()
@@ -119,8 +157,8 @@ class Node:
                 f"{manifest.base_model} (sha256 {manifest.base_sha256[:12]})"
             )
         self.manifest, self.trainer = manifest, trainer_peer(manifest)
-        n_ctx = 4096 if manifest.max_new_tokens > 2048 else 2048
-        self.backend = await asyncio.to_thread(LlamaBackend, self.config.model, self.config.threads, n_ctx)
+        await asyncio.to_thread(self._load_backend)
+        await self.relay.serve(self.endpoint)
         console.print(f"joined run {manifest.run_id} as {self.name} ({fingerprint(self.node_key)[:8]}); "
                       f"task {manifest.task.name}, mode {manifest.mode}")
         peers_key = record_key(self.config.run_key, "peers")
@@ -182,14 +220,24 @@ class Node:
         return manifest
 
     async def _announce(self, dht, key: str) -> None:
+        """Keep our announcement fresh (at once when our version changes) and learn which peers
+        hold which version, for the relay."""
         while True:
             announcement = sign_message(PeerAnnouncement(
                 peer_id=self.endpoint.peer_id, name=self.name, role="node", backend=self.backend.name,
                 model_sha256=self.manifest.base_sha256, version=self.version, throughput=self.backend.throughput,
                 public_key=self.node_key, time=time.time(),
             ), self.key)
-            await dht.put(key, announcement.to_wire(), ANNOUNCE_TTL, subkey=fingerprint(self.node_key))
-            await asyncio.sleep(ANNOUNCE_TTL / 3)
+            try:
+                await dht.put(key, announcement.to_wire(), ANNOUNCE_TTL, subkey=fingerprint(self.node_key))
+                self.peer_versions = verified_versions(await dht.get(key))
+            except TransportError as e:
+                log.warning("announcing failed, will retry: %s", e)
+            self.version_changed.clear()
+            try:
+                await asyncio.wait_for(self.version_changed.wait(), PEER_REFRESH)
+            except TimeoutError:
+                pass
 
     async def _work_loop(self, announcer: asyncio.Task) -> None:
         backoff = 0.5
@@ -235,12 +283,40 @@ class Node:
         if version == self.version:
             return
         started = time.perf_counter()
-        await catch_up(self.endpoint, self.trainer, self.manifest, self.version, version, self._apply, CALL_TIMEOUT)
+        try:
+            await catch_up(self.endpoint, self.trainer, self._providers, self.manifest, self.version, version,
+                           self._apply, CALL_TIMEOUT)
+        finally:
+            if self.manifest.update == "full" and self.loaded != self.version:
+                await asyncio.to_thread(self._load_full_weights)  # whatever verified prefix we reached
         console.print(f"updated to version {version} in {time.perf_counter() - started:.2f}s")
 
-    async def _apply(self, update: WeightUpdate, payloads: dict[str, bytes]) -> None:
-        await apply_lora(update, payloads, self.backend, self.data_dir / "adapters")
+    def _providers(self, version: int) -> list[str]:
+        """Peers that announced holding `version` or later; the trainer is added after them."""
+        return [peer for peer, held in self.peer_versions.items() if held >= version and peer != self.endpoint.peer_id]
+
+    async def _apply(self, update: WeightUpdate, store: dict[str, bytes], payloads: dict[str, bytes]) -> None:
+        if update.mode == "lora":
+            await apply_lora(update, payloads, self.backend, self.data_dir / "adapters")
+        else:
+            self.master.update(await asyncio.to_thread(apply_update, self.master, update, payloads))
         self.version = update.to_version
+        self.relay.remember(update, store)
+        self.version_changed.set()
+
+    def _load_full_weights(self) -> None:
+        """Full mode: bring the backend to the master weights (after a whole chain, once)."""
+        if self.config.backend == "transformers":
+            self.backend.load_weights(self.master)
+        else:
+            out = self.data_dir / "weights" / f"v{self.version}.gguf"
+            out.parent.mkdir(exist_ok=True)
+            export_quantized(self.hf_config, self.master, self.config.model, out, self.backend.file_type)
+            self.backend.reload(out)
+            for old in out.parent.glob("v*.gguf"):
+                if old != out:
+                    old.unlink()
+        self.loaded = self.version
 
     def _generate(self, lease: TaskLease) -> RolloutBatch:
         samples = []

@@ -9,6 +9,7 @@ version it fully applied, still serving.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -18,10 +19,12 @@ from protocols.errors import EchoError, ProtocolError, TransportError
 from protocols.messages import Chunk, ChunkRequest, RunManifest, UpdateIndex, UpdateRequest, WeightUpdate
 from protocols.signing import verify_message
 
+log = logging.getLogger(__name__)
+
 CHUNKS_PER_CALL = 64
 
-# Applies one verified update: (manifest, payload bytes per tensor name) -> None.
-Applier = Callable[[WeightUpdate, dict[str, bytes]], Awaitable[None]]
+# Applies one verified update: (manifest, chunks by digest, payload bytes per tensor name) -> None.
+Applier = Callable[[WeightUpdate, dict[str, bytes], dict[str, bytes]], Awaitable[None]]
 
 
 class UpdateError(EchoError):
@@ -44,38 +47,61 @@ async def fetch_manifest(endpoint, provider: str, run: RunManifest, step: catchu
     return update
 
 
-async def fetch_chunks(endpoint, provider: str, digests: list[str], timeout: float) -> dict[str, bytes]:
-    """Verified chunk bytes by digest; raises UpdateError if the provider withholds any."""
+async def fetch_chunks(endpoint, providers: list[str], digests: list[str], timeout: float) -> dict[str, bytes]:
+    """Verified chunk bytes by digest, fetched from several providers in parallel. Digests a
+    provider withholds, corrupts or loses mid-stream are asked of the next provider; only when
+    every provider has failed does this raise UpdateError."""
     found: dict[str, bytes] = {}
-    for i in range(0, len(digests), CHUNKS_PER_CALL):
-        wanted = digests[i : i + CHUNKS_PER_CALL]
-        for raw in await endpoint.call(provider, "echo.chunks", ChunkRequest(tuple(wanted)).to_wire(), timeout,
-                                       Chunk.MAX_BYTES):
-            chunk = Chunk.from_wire(raw)
-            if chunk.digest in wanted:
-                found[chunk.digest] = chunks.check(chunk.digest, chunk.data)
-    missing = [d for d in digests if d not in found]
-    if missing:
-        raise UpdateError(f"provider {provider[-8:]} did not send {len(missing)} of {len(digests)} chunks")
+    remaining, live = list(digests), list(providers)
+    while remaining and live:
+        shares = {p: remaining[i :: len(live)] for i, p in enumerate(live)}
+        results = await asyncio.gather(*(_fetch_from(endpoint, p, share, timeout) for p, share in shares.items()),
+                                       return_exceptions=True)
+        for provider, result in zip(shares, results):
+            if isinstance(result, (ProtocolError, TransportError)):
+                log.info("provider %s failed: %s", provider[-8:], result)
+                live.remove(provider)
+            elif isinstance(result, BaseException):
+                raise result
+            else:
+                found.update(result)
+                if len(result) < len(shares[provider]):
+                    live.remove(provider)  # it does not hold everything it was asked for
+        remaining = [d for d in remaining if d not in found]
+    if remaining:
+        raise UpdateError(f"{len(remaining)} of {len(digests)} chunks unavailable from {len(providers)} providers")
     return found
 
 
-async def catch_up(endpoint, provider: str, run: RunManifest, held: int, target: int, apply: Applier,
-                   timeout: float) -> int:
-    """Bring the node from `held` to `target`; returns the version reached (== target)."""
+async def _fetch_from(endpoint, provider: str, digests: list[str], timeout: float) -> dict[str, bytes]:
+    found: dict[str, bytes] = {}
+    for i in range(0, len(digests), CHUNKS_PER_CALL):
+        wanted = set(digests[i : i + CHUNKS_PER_CALL])
+        request = ChunkRequest(tuple(digests[i : i + CHUNKS_PER_CALL])).to_wire()
+        for raw in await endpoint.call(provider, "echo.chunks", request, timeout, Chunk.MAX_BYTES):
+            chunk = Chunk.from_wire(raw)
+            if chunk.digest in wanted:
+                found[chunk.digest] = chunks.check(chunk.digest, chunk.data)
+    return found
+
+
+async def catch_up(endpoint, trainer: str, peers: Callable[[int], list[str]], run: RunManifest, held: int, target: int,
+                   apply: Applier, timeout: float) -> None:
+    """Bring the node from `held` to `target`, one verified update at a time. Manifests come from
+    the trainer; chunks from `peers(version)` (nodes that announced holding it) and the trainer."""
     try:
-        index = await fetch_index(endpoint, provider, timeout)
+        index = await fetch_index(endpoint, trainer, timeout)
         offered = [catchup.Step(u.from_version, u.to_version, u.nbytes, u.replaces) for u in index.updates]
         for step in catchup.plan(held, target, offered):
-            update = await fetch_manifest(endpoint, provider, run, step, timeout)
-            store = await fetch_chunks(endpoint, provider, [d for t in update.tensors for d in t.chunks], timeout)
+            update = await fetch_manifest(endpoint, trainer, run, step, timeout)
+            digests = list(dict.fromkeys(d for t in update.tensors for d in t.chunks))
+            store = await fetch_chunks(endpoint, [*peers(step.to_version), trainer], digests, timeout)
             payloads = {t.name: chunks.assemble(t, store.__getitem__) for t in update.tensors}
-            await apply(update, payloads)  # the applier records the new version
+            await apply(update, store, payloads)  # the applier records the new version
             held = update.to_version
     except (ProtocolError, TransportError, ValueError) as e:
         # ValueError: tensor names that are no weights of this model, or a backend refusing a file.
         raise UpdateError(f"update to version {target} stopped at version {held}: {e}") from None
-    return held
 
 
 async def apply_lora(update: WeightUpdate, payloads: dict[str, bytes], backend, adapter_dir: Path) -> Path:

@@ -1,0 +1,77 @@
+"""Full-parameter mode on a node: the float32 master weights an update applies to.
+
+Every node starts from the base model dequantized exactly as the trainer loads it
+(transformers from the same GGUF), and applies each update with `protocols.delta.apply`, the
+function the trainer's publisher used to advance its view: so after every version the master
+weights equal the publisher's view bit for bit. A llama.cpp node then re-exports the master
+weights to GGUF and requantizes to the quant type it joined with; the old model keeps serving
+until the new one has loaded.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import numpy as np
+
+from echo_node.gguf_io import write_llama_model
+from protocols import delta
+from protocols.errors import CodecError
+from protocols.messages import WeightUpdate
+
+ALL_F32 = 0  # llama.cpp file type of an unquantized fp32 model
+
+
+def load_master(model_path: Path):
+    """(HF config, {name: float32 array}) of the base model, as the trainer loads it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path.parent, gguf_file=model_path.name, dtype=torch.float32)
+    return model.config, distinct_weights(model)
+
+
+def distinct_weights(model) -> dict[str, np.ndarray]:
+    """Every weight once: a tied lm_head is embed_tokens and travels under that name only."""
+    tied = model.config.tie_word_embeddings
+    return {k: v.detach().cpu().float().numpy().copy() for k, v in model.state_dict().items()
+            if not (tied and k == "lm_head.weight")}
+
+
+def apply_update(master: dict[str, np.ndarray], update: WeightUpdate, payloads: dict[str, bytes]) -> dict[str, np.ndarray]:
+    """The new weights of every tensor the update touches; `master` itself is not modified, so a
+    failure part-way leaves nothing half-applied. A snapshot must cover every weight."""
+    new = {}
+    for t in update.tensors:
+        if t.name not in master:
+            raise CodecError(f"update {update.to_version} names tensor {t.name!r}, which this model does not have")
+        if tuple(t.shape) != master[t.name].shape:
+            raise CodecError(f"update {update.to_version}: tensor {t.name!r} has shape {tuple(t.shape)}, "
+                             f"this model's is {master[t.name].shape}")
+        if update.replaces:
+            new[t.name] = delta.decode(payloads[t.name], t.encoding, t.shape, name=t.name)
+        else:
+            new[t.name] = delta.apply(master[t.name], payloads[t.name], t.encoding, name=t.name)
+    if update.replaces and set(new) != set(master):
+        raise CodecError(f"snapshot {update.to_version} lacks {len(set(master) - set(new))} tensors")
+    return new
+
+
+def export_quantized(config, master: dict[str, np.ndarray], tokenizer_from: Path, out: Path, ftype: int) -> Path:
+    """Write the master weights as GGUF, requantized to `ftype` (the joined model's file type)."""
+    import llama_cpp
+
+    f32 = out.with_name(out.stem + ".f32.gguf")
+    write_llama_model(config, master, f32, tokenizer_from=tokenizer_from)
+    if ftype == ALL_F32:
+        return f32.replace(out)
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    try:
+        rc = llama_cpp.llama_model_quantize(str(f32).encode(), str(out).encode(), ctypes.byref(params))
+    finally:
+        f32.unlink(missing_ok=True)
+    if rc != 0:
+        raise ValueError(f"llama.cpp could not requantize to file type {ftype} (rc={rc})")
+    return out
