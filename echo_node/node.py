@@ -284,12 +284,13 @@ class Node:
             return
         started = time.perf_counter()
         try:
-            await catch_up(self.endpoint, self.trainer, self._providers, self.manifest, self.version, version,
-                           self._apply, CALL_TIMEOUT)
+            chain = await catch_up(self.endpoint, self.trainer, self._providers, self.manifest, self.version, version,
+                                   self._apply, CALL_TIMEOUT)
         finally:
             if self.manifest.update == "full" and self.loaded != self.version:
                 await asyncio.to_thread(self._load_full_weights)  # whatever verified prefix we reached
-        console.print(f"updated to version {version} in {time.perf_counter() - started:.2f}s")
+        route = " + ".join(f"{'snapshot' if s.replaces else 'delta'} {s.from_version}->{s.to_version}" for s in chain)
+        console.print(f"updated to version {version} via {route} in {time.perf_counter() - started:.2f}s")
 
     def _providers(self, version: int) -> list[str]:
         """Peers that announced holding `version` or later; the trainer is added after them."""

@@ -86,13 +86,15 @@ async def _fetch_from(endpoint, provider: str, digests: list[str], timeout: floa
 
 
 async def catch_up(endpoint, trainer: str, peers: Callable[[int], list[str]], run: RunManifest, held: int, target: int,
-                   apply: Applier, timeout: float) -> None:
-    """Bring the node from `held` to `target`, one verified update at a time. Manifests come from
-    the trainer; chunks from `peers(version)` (nodes that announced holding it) and the trainer."""
+                   apply: Applier, timeout: float) -> list[catchup.Step]:
+    """Bring the node from `held` to `target`, one verified update at a time, and return the chain
+    taken. Manifests come from the trainer; chunks from `peers(version)` (nodes that announced
+    holding it) and the trainer."""
     try:
         index = await fetch_index(endpoint, trainer, timeout)
         offered = [catchup.Step(u.from_version, u.to_version, u.nbytes, u.replaces) for u in index.updates]
-        for step in catchup.plan(held, target, offered):
+        chain = catchup.plan(held, target, offered)
+        for step in chain:
             update = await fetch_manifest(endpoint, trainer, run, step, timeout)
             digests = list(dict.fromkeys(d for t in update.tensors for d in t.chunks))
             store = await fetch_chunks(endpoint, [*peers(step.to_version), trainer], digests, timeout)
@@ -102,6 +104,7 @@ async def catch_up(endpoint, trainer: str, peers: Callable[[int], list[str]], ru
     except (ProtocolError, TransportError, ValueError) as e:
         # ValueError: tensor names that are no weights of this model, or a backend refusing a file.
         raise UpdateError(f"update to version {target} stopped at version {held}: {e}") from None
+    return chain
 
 
 async def apply_lora(update: WeightUpdate, payloads: dict[str, bytes], backend, adapter_dir: Path) -> Path:
