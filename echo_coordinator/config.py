@@ -29,6 +29,8 @@ class RunConfig:
     update_encoding: str = "topk-int8"  # full mode: delta codec encoding (dense-fp32/fp16/bf16, topk-int8)
     update_density: float = 0.01  # full mode, topk-int8: fraction of each tensor's entries sent per update
     snapshot_every: int = 10  # full mode: publish a full snapshot every K versions, for late joiners
+    trainer_upload_copies: int = 2  # nodes the trainer sends each update to itself; the rest fetch it
+    # from peers that hold it (peer relay); 0 = no limit, every node may fetch from the trainer
     steps: int = 20  # trainer steps (versions published) before the run ends
     prompts_per_step: int = 8  # distinct task seeds per trainer step
     group_size: int = 8  # completions per prompt (GRPO group)
@@ -49,6 +51,7 @@ class RunConfig:
         _check(self.update_encoding in encodings, "update_encoding", f"must be one of {', '.join(encodings)}")
         _check(0 < self.update_density <= 1, "update_density", f"must be in (0, 1], got {self.update_density}")
         _check(self.snapshot_every >= 1, "snapshot_every", f"must be at least 1, got {self.snapshot_every}")
+        _check(self.trainer_upload_copies >= 0, "trainer_upload_copies", "must be >= 0 (0 = no limit)")
         _check(self.steps >= 1, "steps", f"must be at least 1, got {self.steps}")
         _check(1 <= self.prompts_per_step <= 4096, "prompts_per_step", f"must be 1..4096, got {self.prompts_per_step}")
         _check(2 <= self.group_size <= 256, "group_size", f"must be 2..256 (GRPO needs a group), got {self.group_size}")

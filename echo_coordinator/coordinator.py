@@ -27,11 +27,12 @@ from echo_coordinator.ledger import Ledger, MetricsLog
 from echo_coordinator.service import RunService
 from protocols.errors import EchoError, TransportError
 from protocols.messages import (
-    MAX_CHUNK_BYTES, Chunk, ChunkRequest, LeaseRequest, PeerAnnouncement, RolloutBatch, RunManifest, TaskSpec,
-    UpdateRequest,
+    LeaseRequest, RolloutBatch, RunManifest, TaskSpec, verified_announcements,
 )
 from protocols.signing import fingerprint, load_or_create_key, public_bytes, sha256_file, sign_message
 from protocols.sync import Mode
+from protocols.transport.relay import Relay
+from protocols.uploads import UploadBudget
 from protocols.wire import MAX_MESSAGE_BYTES
 from tasks import make_task
 
@@ -40,6 +41,7 @@ console = Console(soft_wrap=True)
 
 RECORD_TTL = 120.0  # seconds; DHT records are refreshed at a third of this
 HANDLER_TIMEOUT = 120.0
+PEER_REFRESH = 1.0  # seconds between reads of the nodes' announcements (who can relay what)
 LINGER_SECONDS = 15.0  # after the last step, how long to keep serving nodes that have not heard
 
 
@@ -81,6 +83,7 @@ class Coordinator:
         self.key = load_or_create_key(self.data_dir / "run.key")
         self.fp = fingerprint(public_bytes(self.key))
         self.task = make_task(run.task, run.task_params)
+        self.peer_versions: dict[str, int] = {}  # libp2p peer id -> version it announced
 
     async def run(self) -> None:
         from echo_coordinator.trainer import Trainer  # heavy: torch, transformers
@@ -126,11 +129,14 @@ class Coordinator:
             created=time.time(),
         ), self.key)
         ledger = Ledger(self.data_dir / "ledger.sqlite")
+        # The trainer sends about `trainer_upload_copies` of each update; nodes relay the rest.
+        budget = UploadBudget(cfg.trainer_upload_copies) if cfg.trainer_upload_copies > 0 else None
+        relay = Relay(budget=budget, peers_holding=lambda v: sum(held >= v for held in self.peer_versions.values()))
         service = RunService(
             manifest, self.key, self.task, render_prompt=lambda seed: prompt_ids(trainer.tokenizer, self.task.generate(seed)),
             decode=lambda ids: trainer.tokenizer.decode(list(ids), skip_special_tokens=True), ledger=ledger,
             lease_seconds=cfg.lease_seconds, seeds_per_lease=max(1, cfg.prompts_per_step // 4),
-            first_seed=cfg.seed * 1_000_003 + 500_000,
+            relay=relay, first_seed=cfg.seed * 1_000_003 + 500_000,
         )
         self.publisher = self._make_publisher(trainer, manifest.run_id, resuming=bool(state))
         if state:
@@ -145,10 +151,19 @@ class Coordinator:
         await self._register_handlers(endpoint, service, ledger)
 
         async def refresh_records() -> None:
+            last_put = -RECORD_TTL
             while True:
-                await dht.put(record_key(self.fp, "manifest"), manifest.to_wire(), RECORD_TTL)
-                await dht.put(record_key(self.fp, "version"), str(service.version).encode(), RECORD_TTL)
-                await asyncio.sleep(RECORD_TTL / 3)
+                try:
+                    if time.monotonic() - last_put > RECORD_TTL / 3:
+                        await dht.put(record_key(self.fp, "manifest"), manifest.to_wire(), RECORD_TTL)
+                        await dht.put(record_key(self.fp, "version"), str(service.version).encode(), RECORD_TTL)
+                        last_put = time.monotonic()
+                    # Who holds which version: the relay's budget lets them serve before we do.
+                    announced = verified_announcements(await dht.get(record_key(self.fp, "peers")))
+                    self.peer_versions = {a.peer_id: a.version for a in announced}
+                except TransportError as e:
+                    log.warning("DHT refresh failed, will retry: %s", e)
+                await asyncio.sleep(PEER_REFRESH)
 
         refresher = asyncio.create_task(refresh_records(), name="dht-refresh")
         line = join_command(addresses[0], self.fp, self.model)
@@ -156,7 +171,7 @@ class Coordinator:
         console.print(f"[bold]run {manifest.run_id}[/] ({cfg.mode}, {cfg.task}); volunteers join with:")
         print(f"  {line}", flush=True)  # never wrapped: people copy this line
         try:
-            await self._wait_for_nodes(dht, record_key(self.fp, "peers"), cfg.min_nodes, refresher)
+            await self._wait_for_nodes(dht, record_key(self.fp, "peers"), cfg.min_nodes, refresher, service)
             service.started = True
             await self._step_loop(service, trainer, ledger, dht, manifest)
             service.finished = True
@@ -203,38 +218,21 @@ class Coordinator:
             receipt = await asyncio.to_thread(service.handle_push, batch, peer)
             yield receipt.to_wire()
 
-        async def update(request: bytes, peer: str):
-            yield service.handle_update(UpdateRequest.from_wire(request)).to_wire()
-
-        async def updates(request: bytes, peer: str):
-            yield service.handle_index().to_wire()
-
-        async def chunks(request: bytes, peer: str):
-            for digest in ChunkRequest.from_wire(request).digests:
-                data = service.chunk(digest)
-                if data is not None:
-                    yield Chunk(digest, data).to_wire()
-
         await endpoint.serve("echo.manifest", manifest, 1024, HANDLER_TIMEOUT)
         await endpoint.serve("echo.lease", lease, 8 * 1024, HANDLER_TIMEOUT)
         await endpoint.serve("echo.push", push, MAX_MESSAGE_BYTES, HANDLER_TIMEOUT)
-        await endpoint.serve("echo.update", update, 1024, HANDLER_TIMEOUT)
-        await endpoint.serve("echo.updates", updates, 1024, HANDLER_TIMEOUT)
-        await endpoint.serve("echo.chunks", chunks, 1024 * 1024, HANDLER_TIMEOUT)
+        await service.relay.serve(endpoint)  # echo.update, echo.updates, echo.chunks
         self.endpoint = endpoint
 
-    async def _wait_for_nodes(self, dht, key: str, count: int, refresher: asyncio.Task) -> None:
+    async def _wait_for_nodes(self, dht, key: str, count: int, refresher: asyncio.Task, service: RunService) -> None:
+        """Until `count` nodes are known: announced in the DHT, or asking us for work (a signed
+        lease request is proof of life even when a restart has cost the DHT its routes)."""
         shown = -1
         while True:
             if refresher.done():
                 refresher.result()  # re-raise why the DHT refresh died
-            records = await dht.get(key)
-            nodes = set()
-            for value in (records or {}).values() if isinstance(records, dict) else ():
-                try:
-                    nodes.add(PeerAnnouncement.from_wire(value).node_id)
-                except EchoError:
-                    continue  # tombstones and junk: the DHT is open to anyone
+            announced = {a.node_id for a in verified_announcements(await dht.get(key)) if a.role == "node"}
+            nodes = announced | set(service.names)
             if len(nodes) >= count:
                 return
             if len(nodes) != shown:

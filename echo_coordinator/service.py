@@ -1,4 +1,4 @@
-"""What the coordinator answers to nodes: leases, rollout pushes, update manifests, chunks.
+"""What the coordinator answers to nodes: leases and rollout pushes (updates are served by its relay).
 
 Transport-free: every handler takes a decoded message and returns one, raising a
 `ProtocolError` subclass for anything it refuses (the transport turns that into an ErrorReply
@@ -24,10 +24,10 @@ from echo_coordinator.ledger import Ledger
 from echo_coordinator.trainer import TrainSample
 from protocols.errors import InvalidValue, LeaseError, ProtocolError
 from protocols.messages import (
-    LeaseRequest, NoWork, PushReceipt, RolloutBatch, RunManifest, TaskLease, UpdateIndex, UpdateInfo, UpdateRequest,
-    WeightUpdate,
+    LeaseRequest, NoWork, PushReceipt, RolloutBatch, RunManifest, TaskLease, WeightUpdate,
 )
 from protocols.signing import verify_message
+from protocols.transport.relay import Relay
 from protocols.sync import LeaseBook, Mode, ReplayBuffer, RolloutGate, Verdict
 from tasks import Task
 
@@ -42,12 +42,6 @@ class Refused(ProtocolError):
     def __init__(self, verdict: Verdict, message: str):
         super().__init__(message)
         self.code = verdict.value
-
-
-@dataclass
-class Published:
-    update: WeightUpdate
-    chunks: dict[str, bytes]
 
 
 @dataclass(frozen=True)
@@ -73,7 +67,7 @@ class RunService:
     def __init__(
         self, manifest: RunManifest, run_key: Ed25519PrivateKey, task: Task, render_prompt: Callable[[int], tuple[int, ...]],
         decode: Callable[[tuple[int, ...]], str], ledger: Ledger, lease_seconds: float, seeds_per_lease: int,
-        first_seed: int = 0,
+        relay: Relay | None = None, first_seed: int = 0,
     ):
         self.manifest, self.run_key, self.task, self.ledger = manifest, run_key, task, ledger
         self.render_prompt, self.decode = render_prompt, decode
@@ -87,12 +81,13 @@ class RunService:
         self.next_seed = first_seed  # async mode draws fresh seeds from here as leases drain them
         self.lock = threading.Lock()  # handlers run on the transport's loop, the step loop elsewhere
         self.prompts: dict[int, tuple[int, ...]] = {}
-        self.published: dict[int, Published] = {}
+        self.relay = relay or Relay()  # serves published updates (manifests, index, chunks) to nodes
         self.started = False  # no work is handed out before the step loop starts (min_nodes reached)
         self.finished = False
         self.told_finished: set[str] = set()  # nodes that have heard the run is over
         self.names: dict[str, str] = {}  # node id -> display name from its (signed) lease requests
         self.rejections: Counter[str] = Counter()
+        self._dropped = 0  # samples dropped from the buffer as stale since the last take_batch
 
     @property
     def version(self) -> int:
@@ -127,7 +122,8 @@ class RunService:
         with self.lock:
             taken, dropped = self.replay.take(len(self.replay) if groups is None else groups, self.version)
             self._drop(dropped)
-            batch = StepBatch([], [], [], sum(len(e.item.samples) for e in dropped))
+            batch = StepBatch([], [], [], self._dropped)
+            self._dropped = 0
             for entry in taken:
                 staleness = self.version - entry.version
                 batch.samples += [dataclasses.replace(s, staleness=staleness) for s in entry.item.samples]
@@ -141,24 +137,18 @@ class RunService:
     def _drop(self, entries) -> None:
         for entry in entries:
             g = entry.item
+            self._dropped += len(g.samples)
             self.rejections["stale"] += len(g.samples)
             self.ledger.reject(g.node_id, g.peer_id, g.name, "stale", len(g.samples))
 
-    def publish(self, updates: list[tuple[WeightUpdate, dict[str, bytes]]], keep_versions: int = 2) -> None:
+    def publish(self, updates: list[tuple[WeightUpdate, dict[str, bytes]]]) -> None:
         """Serve `updates` (all ending at one new version: a delta and maybe a snapshot) and make
-        that version current. Updates ending more than `keep_versions` back are forgotten, except
-        the newest snapshot, which late joiners start from."""
+        that version current."""
         with self.lock:
             for update, chunks in updates:
-                self.published[update.from_version, update.to_version] = Published(update, chunks)
-            latest = max(to for _, to in self.published)
-            snapshots = [k for k, p in self.published.items() if p.update.replaces]
-            newest_snapshot = max(snapshots, key=lambda k: k[1], default=None)
-            for key in list(self.published):
-                if key[1] <= latest - keep_versions and key != newest_snapshot:
-                    del self.published[key]
-            if latest > self.gate.version:
-                self.gate.advance(latest)
+                self.relay.remember(update, chunks)
+            if self.relay.latest_version > self.gate.version:
+                self.gate.advance(self.relay.latest_version)
 
     def state(self) -> dict:
         """What must survive a trainer restart for the staleness bound to hold across it."""
@@ -263,24 +253,3 @@ class RunService:
                 raise InvalidValue(f"sample for seed {s.seed} does not use the leased prompt")
             if len(s.completion_ids) > self.manifest.max_new_tokens:
                 raise InvalidValue(f"completion of {len(s.completion_ids)} tokens exceeds {self.manifest.max_new_tokens}")
-
-    def handle_update(self, request: UpdateRequest) -> WeightUpdate:
-        with self.lock:
-            key = (request.from_version, request.to_version)
-            if key not in self.published:
-                raise InvalidValue(f"no update {key[0]}->{key[1]} here (have {sorted(self.published)})")
-            return self.published[key].update
-
-    def handle_index(self) -> UpdateIndex:
-        with self.lock:
-            return UpdateIndex(self.version, tuple(
-                UpdateInfo(u.from_version, u.to_version, sum(t.nbytes for t in u.tensors), u.replaces)
-                for u in (p.update for p in self.published.values())
-            ))
-
-    def chunk(self, digest: str) -> bytes | None:
-        with self.lock:
-            for p in self.published.values():
-                if digest in p.chunks:
-                    return p.chunks[digest]
-        return None

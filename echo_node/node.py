@@ -21,12 +21,12 @@ from pathlib import Path
 from rich.console import Console
 
 from echo_node.full_weights import apply_update, export_quantized, load_master
-from echo_node.relay import Relay
+from protocols.transport.relay import Relay
 from echo_node.updates import UpdateError, apply_lora, catch_up
 from protocols.errors import EchoError, ProtocolError, RemoteError, SignatureError, TransportError
 from protocols.messages import (
     LeaseRequest, NoWork, PeerAnnouncement, PushReceipt, RolloutBatch, RolloutSample, RunManifest, TaskLease,
-    WeightUpdate,
+    WeightUpdate, verified_announcements,
 )
 from protocols.signing import (
     FINGERPRINT_CHARS, fingerprint, load_or_create_key, public_bytes, sha256_file, sign_message, verify_message,
@@ -43,6 +43,7 @@ MANIFEST_WAIT = 60.0  # seconds to find the run's manifest in the DHT before giv
 CALL_TIMEOUT = 60.0
 PUSH_TIMEOUT = 300.0
 MAX_BACKOFF = 30.0
+BUSY_RETRY = 0.3  # seconds; the trainer's copy went to a peer that will relay it shortly
 
 
 class JoinRefused(EchoError):
@@ -75,20 +76,6 @@ def run_node(config: NodeConfig) -> int:
         console.print(f"[red]error:[/] {e}")
         return 1
     return 0
-
-
-def verified_versions(records) -> dict[str, int]:
-    """{libp2p peer id: announced version} from the DHT's announcement records, keeping only
-    those whose signature verifies (the DHT is open to anyone)."""
-    versions = {}
-    for value in (records or {}).values() if isinstance(records, dict) else ():
-        try:
-            announcement = PeerAnnouncement.from_wire(value)
-            verify_message(announcement, announcement.public_key)
-        except ProtocolError:
-            continue  # tombstones and junk
-        versions[announcement.peer_id] = announcement.version
-    return versions
 
 
 def trainer_peer(manifest: RunManifest) -> str:
@@ -171,9 +158,11 @@ class Node:
             if work.done():
                 work.result()  # re-raise what ended the work loop
         finally:
+            self.stopping.set()
             for task in (work, stop, announcer):
                 task.cancel()
-            await asyncio.gather(work, stop, announcer, return_exceptions=True)
+            # Bounded: a generation thread finishes its current sample before the work task ends.
+            await asyncio.wait({work, stop, announcer}, timeout=10.0)
             try:
                 # Withdraw: a tombstone outlives the announcement (the DHT keeps the later expiry).
                 await dht.put(peers_key, b"", ANNOUNCE_TTL * 2, subkey=fingerprint(self.node_key), timeout=5.0)
@@ -222,7 +211,7 @@ class Node:
     async def _announce(self, dht, key: str) -> None:
         """Keep our announcement fresh (at once when our version changes) and learn which peers
         hold which version, for the relay."""
-        while True:
+        while not self.stopping.is_set():
             announcement = sign_message(PeerAnnouncement(
                 peer_id=self.endpoint.peer_id, name=self.name, role="node", backend=self.backend.name,
                 model_sha256=self.manifest.base_sha256, version=self.version, throughput=self.backend.throughput,
@@ -230,12 +219,13 @@ class Node:
             ), self.key)
             try:
                 await dht.put(key, announcement.to_wire(), ANNOUNCE_TTL, subkey=fingerprint(self.node_key))
-                self.peer_versions = verified_versions(await dht.get(key))
+                self.peer_versions = {a.peer_id: a.version for a in verified_announcements(await dht.get(key))}
             except TransportError as e:
                 log.warning("announcing failed, will retry: %s", e)
             self.version_changed.clear()
             try:
-                await asyncio.wait_for(self.version_changed.wait(), PEER_REFRESH)
+                async with asyncio.timeout(PEER_REFRESH):
+                    await self.version_changed.wait()
             except TimeoutError:
                 pass
 
@@ -284,8 +274,18 @@ class Node:
             return
         started = time.perf_counter()
         try:
-            chain = await catch_up(self.endpoint, self.trainer, self._providers, self.manifest, self.version, version,
-                                   self._apply, CALL_TIMEOUT)
+            while True:
+                try:
+                    chain = await catch_up(self.endpoint, self.trainer, self._providers, self.manifest, self.version,
+                                           version, self._apply, CALL_TIMEOUT)
+                    break
+                except UpdateError as e:
+                    if not e.busy:
+                        raise
+                    # The trainer sent its copy to another node (its upload budget; it lets one more
+                    # in if nobody relays): learn who holds it and retry soon, keeping our lease.
+                    self.version_changed.set()
+                    await asyncio.sleep(BUSY_RETRY)
         finally:
             if self.manifest.update == "full" and self.loaded != self.version:
                 await asyncio.to_thread(self._load_full_weights)  # whatever verified prefix we reached

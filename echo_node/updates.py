@@ -28,7 +28,12 @@ Applier = Callable[[WeightUpdate, dict[str, bytes], dict[str, bytes]], Awaitable
 
 
 class UpdateError(EchoError):
-    """An update could not be fetched or verified; the node stays on its old version."""
+    """An update could not be fetched or verified; the node stays on its old version. `busy`:
+    the only refusal was the trainer's upload budget, so peers will have it in a moment."""
+
+    def __init__(self, message: str, busy: bool = False):
+        super().__init__(message)
+        self.busy = busy
 
 
 async def fetch_index(endpoint, provider: str, timeout: float) -> UpdateIndex:
@@ -49,40 +54,40 @@ async def fetch_manifest(endpoint, provider: str, run: RunManifest, step: catchu
 
 async def fetch_chunks(endpoint, providers: list[str], digests: list[str], timeout: float) -> dict[str, bytes]:
     """Verified chunk bytes by digest, fetched from several providers in parallel. Digests a
-    provider withholds, corrupts or loses mid-stream are asked of the next provider; only when
-    every provider has failed does this raise UpdateError."""
+    provider withholds, corrupts, refuses ("busy") or loses mid-stream are asked of the others;
+    chunks received before a failure are kept. Raises UpdateError only when every provider failed."""
     found: dict[str, bytes] = {}
-    remaining, live = list(digests), list(providers)
+    remaining, live, busy = list(digests), list(providers), False
     while remaining and live:
         shares = {p: remaining[i :: len(live)] for i, p in enumerate(live)}
-        results = await asyncio.gather(*(_fetch_from(endpoint, p, share, timeout) for p, share in shares.items()),
+        results = await asyncio.gather(*(_fetch_from(endpoint, p, share, timeout, found) for p, share in shares.items()),
                                        return_exceptions=True)
         for provider, result in zip(shares, results):
             if isinstance(result, (ProtocolError, TransportError)):
                 log.info("provider %s failed: %s", provider[-8:], result)
+                busy |= getattr(result, "code", None) == "busy"
                 live.remove(provider)
             elif isinstance(result, BaseException):
                 raise result
-            else:
-                found.update(result)
-                if len(result) < len(shares[provider]):
-                    live.remove(provider)  # it does not hold everything it was asked for
+            elif any(d not in found for d in shares[provider]):
+                live.remove(provider)  # it does not hold everything it was asked for
         remaining = [d for d in remaining if d not in found]
     if remaining:
-        raise UpdateError(f"{len(remaining)} of {len(digests)} chunks unavailable from {len(providers)} providers")
+        raise UpdateError(f"{len(remaining)} of {len(digests)} chunks unavailable from {len(providers)} providers",
+                          busy=busy)
     return found
 
 
-async def _fetch_from(endpoint, provider: str, digests: list[str], timeout: float) -> dict[str, bytes]:
-    found: dict[str, bytes] = {}
+async def _fetch_from(endpoint, provider: str, digests: list[str], timeout: float, found: dict[str, bytes]) -> None:
+    async def keep(raw: bytes) -> None:
+        chunk = Chunk.from_wire(raw)
+        if chunk.digest in wanted:
+            found[chunk.digest] = chunks.check(chunk.digest, chunk.data)
+
     for i in range(0, len(digests), CHUNKS_PER_CALL):
         wanted = set(digests[i : i + CHUNKS_PER_CALL])
         request = ChunkRequest(tuple(digests[i : i + CHUNKS_PER_CALL])).to_wire()
-        for raw in await endpoint.call(provider, "echo.chunks", request, timeout, Chunk.MAX_BYTES):
-            chunk = Chunk.from_wire(raw)
-            if chunk.digest in wanted:
-                found[chunk.digest] = chunks.check(chunk.digest, chunk.data)
-    return found
+        await endpoint.call(provider, "echo.chunks", request, timeout, Chunk.MAX_BYTES, on_reply=keep)
 
 
 async def catch_up(endpoint, trainer: str, peers: Callable[[int], list[str]], run: RunManifest, held: int, target: int,
@@ -101,6 +106,8 @@ async def catch_up(endpoint, trainer: str, peers: Callable[[int], list[str]], ru
             payloads = {t.name: chunks.assemble(t, store.__getitem__) for t in update.tensors}
             await apply(update, store, payloads)  # the applier records the new version
             held = update.to_version
+    except UpdateError as e:
+        raise UpdateError(f"update to version {target} stopped at version {held}: {e}", busy=e.busy) from None
     except (ProtocolError, TransportError, ValueError) as e:
         # ValueError: tensor names that are no weights of this model, or a backend refusing a file.
         raise UpdateError(f"update to version {target} stopped at version {held}: {e}") from None

@@ -6,7 +6,10 @@
               WeightUpdate, Chunk, ErrorReply
 - `signing`   Ed25519 keys, fingerprints, canonical signatures, sha256 content hashes
 - `delta`     weight-update codec (dense / top-k int8) with error feedback
-- `sync`      lease book, staleness gate and the trainer's acceptance rule, as pure state machines
+- `chunks`    content-addressed chunking of update payloads
+- `catchup`   the cheapest chain of updates (deltas, snapshots) from one version to another
+- `uploads`   the trainer's upload budget: how much of an update it sends before peers relay it
+- `sync`      lease book, staleness gate, acceptance rule and replay buffer, as pure state machines
 - `transport` the hivemind adapter (DHT records, streams); the only importer of hivemind and
               never imported from here, so `import protocols` stays light.
 """

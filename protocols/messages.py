@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from protocols.errors import InvalidValue, MalformedMessage, MessageTooLarge
-from protocols.signing import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, fingerprint
+from protocols.errors import InvalidValue, MalformedMessage, MessageTooLarge, ProtocolError
+from protocols.signing import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, fingerprint, verify_message
 from protocols.wire import Fields, WireMessage, array_bytes, scalar
 
 MODES = ("sequential", "async")
@@ -164,6 +164,20 @@ class PeerAnnouncement(WireMessage):
             public_key=f.blob("public_key", PUBLIC_KEY_BYTES, exact=PUBLIC_KEY_BYTES),
             time=f.number("time", 0.0), signature=_signature(f),
         )
+
+
+def verified_announcements(records: Any) -> list[PeerAnnouncement]:
+    """The announcements among DHT records ({subkey: bytes}) that parse and verify against their
+    own key. The DHT is open to anyone: tombstones (withdrawn peers) and junk are skipped."""
+    found = []
+    for value in records.values() if isinstance(records, dict) else ():
+        try:
+            announcement = PeerAnnouncement.from_wire(value)
+            verify_message(announcement, announcement.public_key)
+        except ProtocolError:
+            continue
+        found.append(announcement)
+    return found
 
 
 @dataclass(frozen=True)

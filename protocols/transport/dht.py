@@ -104,8 +104,10 @@ class SwarmDHT:
     @staticmethod
     async def _wait(future, what: str, timeout: float):
         # If the DHT process has died, its futures never resolve: never wait on one unbounded.
+        # (asyncio.timeout, not wait_for: in 3.11 wait_for can swallow a cancellation.)
         try:
-            return await asyncio.wait_for(future, timeout)
+            async with asyncio.timeout(timeout):
+                return await future
         except TimeoutError:
             raise TransportError(f"DHT {what}: no answer within {timeout:.0f} s (is the DHT process alive?)") from None
 

@@ -56,7 +56,9 @@ class Endpoint:
         async def on_stream(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             peer = info.peer_id.to_base58()
             try:
-                status, request = await asyncio.wait_for(read_frame(reader, max_request_bytes), timeout)
+                # asyncio.timeout, not wait_for: in 3.11 wait_for can swallow a cancellation.
+                async with asyncio.timeout(timeout):
+                    status, request = await read_frame(reader, max_request_bytes)
                 if status != OK:
                     raise ProtocolError(f"request frame has status {status!r}")
                 async with asyncio.timeout(timeout):
@@ -82,7 +84,8 @@ class Endpoint:
     @staticmethod
     async def _try_send_error(writer: asyncio.StreamWriter, reply: ErrorReply) -> None:
         try:
-            await asyncio.wait_for(write_frame(writer, ERROR, reply.to_wire()), 5.0)
+            async with asyncio.timeout(5.0):
+                await write_frame(writer, ERROR, reply.to_wire())
         except (ConnectionError, TimeoutError):
             pass  # the caller is gone; nothing left to tell
 

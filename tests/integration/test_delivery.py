@@ -9,7 +9,7 @@ import pytest
 
 from echo_coordinator.publish import FullPublisher
 from echo_node.full_weights import apply_update
-from echo_node.relay import Relay
+from protocols.transport.relay import Relay
 from echo_node.updates import UpdateError, catch_up
 from protocols.signing import generate_key, public_bytes, sign_message
 from protocols.transport.dht import SwarmDHT

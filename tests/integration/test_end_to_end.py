@@ -19,8 +19,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from echo_node.gguf_io import lora_pairs, permute_qk
-from protocols.messages import PeerAnnouncement
-from protocols.signing import verify_message
+from protocols.messages import verified_announcements
 from protocols.transport.dht import SwarmDHT
 from tests.support.tiny_model import build_tiny_gguf
 
@@ -188,12 +187,5 @@ def test_wrong_run_key_or_base_model_is_refused(tmp_path, tiny_model, processes)
 
 
 def announcements(dht: SwarmDHT, key: str) -> dict:
-    """Live (non-withdrawn) announcements under `key`, verified."""
-    records = asyncio.run(dht.get(key)) or {}
-    live = {}
-    for subkey, value in records.items():
-        if value:
-            a = PeerAnnouncement.from_wire(value)
-            verify_message(a, a.public_key)
-            live[subkey] = a
-    return live
+    """Live (non-withdrawn) announcements under `key`, verified, by node id."""
+    return {a.node_id: a for a in verified_announcements(asyncio.run(dht.get(key)))}

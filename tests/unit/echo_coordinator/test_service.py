@@ -8,7 +8,7 @@ from echo_coordinator.ledger import Ledger
 from echo_coordinator.publish import build_lora_update
 from echo_coordinator.service import RunService, Refused
 from protocols.errors import InvalidValue, LeaseError, SignatureError
-from protocols.messages import LeaseRequest, NoWork, RolloutBatch, RolloutSample, TaskLease, UpdateInfo, UpdateRequest
+from protocols.messages import LeaseRequest, NoWork, RolloutBatch, RolloutSample, TaskLease, UpdateInfo
 from protocols.signing import generate_key, public_bytes, sign_message
 from tasks import make_task
 from tests.unit.protocols import factories
@@ -139,16 +139,16 @@ def test_lease_of_another_node_double_push_and_expiry(service):
     assert again.seeds == late.seeds  # the expired lease's seeds were reassigned
 
 
-def test_update_handler_serves_published_versions(service):
-    with pytest.raises(InvalidValue, match="no update 0->1"):
-        service.handle_update(UpdateRequest(0, 1))
+def test_published_versions_are_served_by_the_relay(service):
+    relay = service.relay
+    assert relay.manifest(0, 1) is None and relay.index().updates == ()
     adapter = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": np.ones((2, 4), np.float32)}
     update, chunks = build_lora_update("run-1", 1, adapter, {"alpha": 8.0}, service.run_key)
     service.publish([(update, chunks)])
-    assert service.version == 1 and service.handle_update(UpdateRequest(0, 1)) == update
-    assert service.handle_index().updates == (UpdateInfo(0, 1, 32, True),)
-    assert all(service.chunk(d) == data for d, data in chunks.items())
-    assert service.chunk("0" * 64) is None
+    assert service.version == 1 and relay.manifest(0, 1) == update
+    assert relay.index().updates == (UpdateInfo(0, 1, 32, True),)
+    assert all(relay.chunk(d) == data for d, data in chunks.items())
+    assert relay.chunk("0" * 64) is None
 
 
 @pytest.fixture

@@ -69,3 +69,30 @@ def test_a_bad_adapter_file_leaves_the_old_adapter_active(setup, tmp_path):
     with pytest.raises(ValueError, match="could not load"):
         backend.set_adapter(junk)
     assert same(backend.generate(prompt, 6, 1.0, seed=1), before)
+
+
+def test_full_mode_reexport_requantizes_to_the_joined_type_and_reloads(setup, tmp_path):
+    import ctypes
+
+    import llama_cpp
+
+    from echo_node.full_weights import export_quantized, load_master
+
+    trainer, _, prompt, _ = setup
+    f32 = build_tiny_gguf(tmp_path / "f32.gguf")
+    joined = tmp_path / "q8.gguf"  # a volunteer who joined with a q8_0 copy of the base
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0
+    assert llama_cpp.llama_model_quantize(str(f32).encode(), str(joined).encode(), ctypes.byref(params)) == 0
+    backend = LlamaBackend(joined, threads=1, n_ctx=256)
+    assert backend.file_type == llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0
+    config, master = load_master(f32)
+    master = {k: v * 1.5 if k.endswith("mlp.down_proj.weight") else v for k, v in master.items()}
+    out = export_quantized(config, master, joined, tmp_path / "v1.gguf", backend.file_type)
+    before = backend.generate(prompt, 6, 1.0, seed=4)
+    backend.reload(out)
+    reloaded = LlamaBackend(out, threads=1, n_ctx=256)
+    assert reloaded.file_type == llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0 and out.stat().st_size < f32.stat().st_size / 2
+    after = backend.generate(prompt, 6, 1.0, seed=4)
+    assert after.logprobs != before.logprobs  # the new weights are live
+    assert not (tmp_path / "v1.f32.gguf").exists()  # the fp32 intermediate is cleaned up

@@ -1,0 +1,180 @@
+"""Weight-update distribution: N nodes fetching one update, with and without peer relay.
+
+Real hivemind peers on 127.0.0.1: the bench process is the trainer (a Relay serving a real
+SmolLM2-135M full-mode update, with the trainer's upload budget when relay is on); each node is
+a separate process running the node's own catch-up and relay code (verification included; no
+model, since generation is not what is measured). Also reports what an update weighs against a
+bf16 checkpoint, for LoRA (r=16, all projections) and full mode (top-k int8 deltas).
+
+    .venv/bin/python bench/broadcast.py [--sizes 1 2 4 8 16] [--density 0.01]
+
+Prints a table and a final JSON line with, per N and relay setting, `trainer_upload_bytes`,
+`update_bytes`, `all_nodes_on_version_seconds`, plus `bytes_ratio_lora` and `bytes_ratio_full`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+PEERS_KEY = "echo/bench/peers"
+
+
+def build_updates(density: float):
+    """(run manifest, key, full-mode delta update, LoRA adapter bytes, bf16 checkpoint bytes)."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from echo_coordinator.coordinator import demo_model_path
+    from echo_coordinator.publish import FullPublisher, build_lora_update
+    from echo_coordinator.trainer import LORA_TARGETS
+    from echo_node.full_weights import distinct_weights
+    from protocols.messages import RunManifest, TaskSpec
+    from protocols.signing import generate_key, public_bytes
+
+    path = demo_model_path()
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    base = distinct_weights(model)
+    checkpoint_bf16 = 2 * sum(v.size for v in base.values())
+    rng = np.random.default_rng(0)
+    # One optimiser step's worth of change (Adam at lr 1e-5 moves every weight by ~1e-5).
+    stepped = {k: v + (1e-5 * rng.standard_normal(v.shape)).astype(np.float32) for k, v in base.items()}
+    key = generate_key()
+    publisher = FullPublisher("bench", key, base, "topk-int8", density, snapshot_every=10**9)
+    (delta_update, delta_store), = publisher.publish(1, stepped)
+    lora = {}
+    for name, value in base.items():
+        if name.endswith(".weight") and name.split(".")[-2] in LORA_TARGETS:
+            stem = "base_model.model." + name[: -len(".weight")]
+            lora[stem + ".lora_A.weight"] = rng.standard_normal((16, value.shape[1])).astype(np.float32)
+            lora[stem + ".lora_B.weight"] = rng.standard_normal((value.shape[0], 16)).astype(np.float32)
+    _, lora_store = build_lora_update("bench", 1, lora, {"alpha": 32.0}, key)
+    manifest = RunManifest(
+        run_id="bench", base_model=path.name, base_sha256="0" * 64, vocab_size=model.config.vocab_size,
+        mode="sequential", update="full", staleness=1, task=TaskSpec("none"), group_size=1, max_new_tokens=1,
+        temperature=1.0, run_key=public_bytes(key), trainer_addrs=(),
+    )
+    return manifest, (delta_update, delta_store), sum(map(len, lora_store.values())), checkpoint_bf16
+
+
+async def trainer_round(n: int, relay_on: bool, update, manifest_path: Path, work: Path) -> dict:
+    from protocols.messages import verified_announcements
+    from protocols.transport.dht import SwarmDHT
+    from protocols.transport.relay import Relay
+    from protocols.uploads import UploadBudget
+
+    dht = SwarmDHT.start("127.0.0.1", 0)
+    holding = {"count": 0}
+    relay = Relay(budget=UploadBudget() if relay_on else None, peers_holding=lambda v: holding["count"])
+    relay.remember(*update)
+    endpoint = await dht.endpoint()
+    await relay.serve(endpoint)
+    go = work / f"go-{n}-{relay_on}"
+    procs = [subprocess.Popen(
+        [sys.executable, __file__, "--fetcher", dht.addresses()[0], str(manifest_path), str(go), str(int(relay_on))],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT,
+    ) for _ in range(n)]
+    try:
+        for p in procs:  # each prints READY once joined
+            assert (await asyncio.to_thread(p.stdout.readline)).startswith("READY")
+        started = time.time()
+        go.touch()
+        done = []
+        waiting = [asyncio.create_task(asyncio.to_thread(p.stdout.readline)) for p in procs]
+        while not all(w.done() for w in waiting):
+            holding["count"] = len(verified_announcements(await dht.get(PEERS_KEY)))
+            await asyncio.sleep(0.2)
+        for w in waiting:
+            line = w.result()
+            if not line.startswith("DONE"):
+                raise SystemExit(f"a fetcher failed: {line!r}")
+            done.append(float(line.split()[1]))
+        return dict(nodes=n, relay=relay_on, trainer_upload_bytes=relay.bytes_served,
+                    update_bytes=sum(map(len, update[1].values())), all_nodes_on_version_seconds=max(done) - started)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        dht.shutdown()
+
+
+async def fetcher(address: str, manifest_path: str, go: str, relay_on: bool) -> None:
+    """One node: join, wait for the go signal, catch up to version 1 (peers first when relay is
+    on), then announce holding it and keep serving until killed."""
+    from echo_node.updates import UpdateError, catch_up
+    from protocols.messages import PeerAnnouncement, RunManifest, verified_announcements
+    from protocols.signing import generate_key, public_bytes, sign_message
+    from protocols.transport.dht import SwarmDHT
+    from protocols.transport.relay import Relay
+
+    manifest = RunManifest.from_wire(Path(manifest_path).read_bytes())
+    dht = SwarmDHT.start("127.0.0.1", 0, [address])
+    endpoint = await dht.endpoint()
+    relay, key = Relay(), generate_key()
+    await relay.serve(endpoint)
+    trainer = address.rsplit("/p2p/", 1)[1]
+    print("READY", flush=True)
+    while not Path(go).exists():
+        await asyncio.sleep(0.05)
+
+    async def apply(update, store, payloads):
+        relay.remember(update, store)
+
+    while True:
+        peers = [a.peer_id for a in verified_announcements(await dht.get(PEERS_KEY)) if a.version >= 1] if relay_on else []
+        try:
+            await catch_up(endpoint, trainer, lambda v: peers, manifest, 0, 1, apply, 120)
+            break
+        except UpdateError:
+            await asyncio.sleep(0.2)  # the trainer said busy and no peer held it yet
+    done = time.time()
+    announcement = sign_message(PeerAnnouncement(
+        peer_id=endpoint.peer_id, name="bench", role="node", backend="none", model_sha256=manifest.base_sha256,
+        version=1, throughput=0.0, public_key=public_bytes(key), time=done,
+    ), key)
+    await dht.put(PEERS_KEY, announcement.to_wire(), 120, subkey=endpoint.peer_id)
+    print(f"DONE {done}", flush=True)
+    await asyncio.sleep(3600)
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--fetcher"]:
+        asyncio.run(fetcher(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5] == "1"))
+        return
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--density", type=float, default=0.01)
+    args = parser.parse_args()
+    manifest, update, lora_bytes, checkpoint = build_updates(args.density)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="echo-broadcast-") as tmp:
+        manifest_path = Path(tmp) / "manifest"
+        manifest_path.write_bytes(manifest.to_wire())
+        for n in args.sizes:
+            for relay_on in (False, True):
+                row = asyncio.run(trainer_round(n, relay_on, update, manifest_path, Path(tmp)))
+                rows.append(row)
+                print(f"N={n:<3} relay={'on ' if relay_on else 'off'} trainer upload "
+                      f"{row['trainer_upload_bytes'] / row['update_bytes']:5.2f} updates, all nodes on version in "
+                      f"{row['all_nodes_on_version_seconds']:.2f}s", flush=True)
+    update_bytes = rows[0]["update_bytes"]
+    print(json.dumps(dict(
+        runs=rows, update_bytes=update_bytes, checkpoint_bf16_bytes=checkpoint,
+        bytes_ratio_lora=round(lora_bytes / checkpoint, 4), bytes_ratio_full=round(update_bytes / checkpoint, 4),
+        upload_ratio_n16_relay=next((r["trainer_upload_bytes"] / update_bytes for r in rows
+                                     if r["nodes"] == 16 and r["relay"]), None),
+    )))
+
+
+if __name__ == "__main__":
+    main()

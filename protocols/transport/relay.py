@@ -1,0 +1,95 @@
+"""Serving verified updates: the trainer publishes through a Relay, and every node runs one for
+the updates it has verified and applied, so the trainer uploads each version about once however
+many nodes join (see `protocols.uploads`). What a relay serves is exactly what it checked (signed
+manifest, hashed chunks), and receivers check it all again: relaying adds no trust.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from protocols.errors import ProtocolError
+from protocols.messages import Chunk, ChunkRequest, UpdateIndex, UpdateInfo, UpdateRequest, WeightUpdate
+from protocols.uploads import UploadBudget
+
+HANDLER_TIMEOUT = 120.0
+
+
+class Busy(ProtocolError):
+    """This provider has sent its share of an update; fetch the rest from peers that hold it."""
+
+    code = "busy"
+
+
+class Relay:
+    def __init__(self, keep_versions: int = 2, budget: UploadBudget | None = None,
+                 peers_holding: Callable[[int], int] = lambda version: 0):
+        """`budget`: limit on what this relay uploads per update (the trainer's); None = no limit.
+        `peers_holding(version)`: how many other peers announced holding `version`."""
+        self.keep_versions, self.budget, self.peers_holding = keep_versions, budget, peers_holding
+        self.updates: dict[tuple[int, int], tuple[WeightUpdate, dict[str, bytes]]] = {}
+        self.bytes_served = 0
+
+    def remember(self, update: WeightUpdate, store: dict[str, bytes]) -> None:
+        """Serve `update`. Updates ending more than `keep_versions` back are forgotten, except the
+        newest snapshot, which late joiners start from."""
+        key = (update.from_version, update.to_version)
+        # Copy, change, swap: handlers iterating the old dict on the event loop stay safe while
+        # the trainer publishes from its worker thread.
+        updates = {**self.updates, key: (update, store)}
+        if self.budget is not None:
+            self.budget.register(key)
+        latest = max(to for _, to in updates)
+        snapshots = [k for k, (u, _) in updates.items() if u.replaces]
+        newest_snapshot = max(snapshots, key=lambda k: k[1], default=None)
+        for old in [k for k in updates if k[1] <= latest - self.keep_versions and k != newest_snapshot]:
+            del updates[old]
+            if self.budget is not None:
+                self.budget.forget(old)
+        self.updates = updates
+
+    @property
+    def latest_version(self) -> int:
+        return max((to for _, to in self.updates), default=0)
+
+    def manifest(self, from_version: int, to_version: int) -> WeightUpdate | None:
+        held = self.updates.get((from_version, to_version))
+        return held[0] if held else None
+
+    def index(self) -> UpdateIndex:
+        infos = tuple(UpdateInfo(u.from_version, u.to_version, sum(t.nbytes for t in u.tensors), u.replaces)
+                      for u, _ in self.updates.values())
+        return UpdateIndex(self.latest_version, infos)
+
+    def chunk(self, digest: str, peer: str = "", now: float | None = None) -> bytes | None:
+        for key, (update, store) in self.updates.items():
+            if digest in store:
+                data = store[digest]
+                if self.budget is not None and not self.budget.allow(
+                    key, peer, time.monotonic() if now is None else now, self.peers_holding(key[1])
+                ):
+                    raise Busy(f"sent its share of update {key[0]}->{key[1]}; fetch from peers holding it")
+                self.bytes_served += len(data)
+                return data
+        return None
+
+    async def serve(self, endpoint) -> None:
+        async def chunks(request: bytes, peer: str):
+            for digest in ChunkRequest.from_wire(request).digests:
+                data = self.chunk(digest, peer)
+                if data is not None:
+                    yield Chunk(digest, data).to_wire()
+
+        async def update(request: bytes, peer: str):
+            r = UpdateRequest.from_wire(request)
+            found = self.manifest(r.from_version, r.to_version)
+            if found is not None:
+                yield found.to_wire()
+
+        async def updates(request: bytes, peer: str):
+            yield self.index().to_wire()
+
+        await endpoint.serve("echo.chunks", chunks, 1024 * 1024, HANDLER_TIMEOUT)
+        await endpoint.serve("echo.update", update, 1024, HANDLER_TIMEOUT)
+        await endpoint.serve("echo.updates", updates, 1024, HANDLER_TIMEOUT)

@@ -1,0 +1,23 @@
+from protocols.uploads import UploadBudget
+
+
+def test_first_nodes_get_whole_copies_the_rest_fetch_from_peers():
+    budget = UploadBudget(copies=1, grace=3.0)
+    budget.register("u")
+    assert budget.allow("u", "a", now=0, peers_holding=0)
+    assert budget.allow("u", "a", now=1, peers_holding=0)  # a keeps fetching its whole copy
+    assert not budget.allow("u", "b", now=1, peers_holding=0)  # a is still at it: b waits
+    assert not budget.allow("u", "b", now=30, peers_holding=1)  # a holds it now: b fetches from a
+    assert budget.allow("u", "c", now=30, peers_holding=0)  # nobody holds it (a left): let one more in
+    assert not budget.allow("u", "d", now=31, peers_holding=0)
+    assert budget.allow("u", "d", now=33, peers_holding=0)
+
+
+def test_accounts_are_per_update_and_unknown_updates_are_not_limited():
+    budget = UploadBudget(copies=2)
+    budget.register("x")
+    budget.register("y")
+    assert budget.allow("x", "a", 0, 1) and budget.allow("x", "b", 0, 1) and not budget.allow("x", "c", 0, 1)
+    assert budget.allow("y", "c", 0, 1)
+    budget.forget("x")
+    assert budget.allow("x", "z", 0, 5)
