@@ -20,13 +20,14 @@ import argparse
 import json
 import os
 import shlex
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from echo_coordinator.demo import stop  # SIGINT our children, then kill stragglers
 
 BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,14 +85,7 @@ threads = {len(trainer_cpus)}
         if coordinator.returncode != 0:
             raise SystemExit(f"{mode}: coordinator failed; see {data / 'coordinator.log'}")
     finally:
-        for p in children:
-            if p.poll() is None:
-                p.send_signal(signal.SIGINT)
-        for p in children:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop(children)
     return [json.loads(line) for line in (data / "metrics.jsonl").read_text().splitlines()]
 
 
