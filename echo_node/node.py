@@ -21,7 +21,6 @@ from pathlib import Path
 from rich.console import Console
 
 from echo_node.full_weights import apply_update, export_quantized, load_master
-from protocols.transport.relay import Relay
 from echo_node.updates import UpdateError, apply_lora, catch_up
 from protocols.errors import EchoError, ProtocolError, RemoteError, SignatureError, TransportError
 from protocols.messages import (
@@ -32,6 +31,7 @@ from protocols.signing import (
     FINGERPRINT_CHARS, fingerprint, load_or_create_key, public_bytes, sha256_file, sign_message, verify_message,
 )
 from protocols.sync import must_update
+from protocols.transport.relay import Relay
 from protocols.wire import decode_one_of
 
 log = logging.getLogger(__name__)

@@ -12,18 +12,22 @@ never as msgpack lists of numbers: smaller, faster, and their length is checked 
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, ClassVar
 
 import msgpack
 import numpy as np
 
 from protocols.errors import InvalidValue, MalformedMessage, MessageTooLarge, UnsupportedVersion
+from protocols.signing import SIGNATURE_BYTES
 
 PROTOCOL_VERSION = 1
 # Anything bigger than this is refused before msgpack looks at it. Messages set tighter caps.
 MAX_MESSAGE_BYTES = 64 * 2**20
 MAX_NAME_CHARS = 256
 MAX_INT = 2**63 - 1
+MAX_PARAMS = 64  # entries of a free-form parameter map
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def pack(kind: str, body: dict[str, Any]) -> bytes:
@@ -148,6 +152,31 @@ class Fields:
             if type(v) is not int or not lo <= v <= hi:
                 raise InvalidValue(f"{self.where}.{name}[{i}]: expected an integer in [{lo}, {hi}], got {v!r}")
         return values
+
+    def sha256(self, name: str) -> str:
+        value = self.text(name, 64)
+        if not _SHA256.fullmatch(value):
+            raise InvalidValue(f"{self.where}.{name}: {value!r} is not a lowercase hex sha256")
+        return value
+
+    def sha256s(self, name: str, max_items: int) -> list[str]:
+        values = self.texts(name, max_items, 64)
+        if not all(_SHA256.fullmatch(v) for v in values):
+            raise InvalidValue(f"{self.where}.{name}: every entry must be a lowercase hex sha256")
+        return values
+
+    def params(self, name: str, max_items: int = MAX_PARAMS) -> dict[str, Any]:
+        """A free-form map of short string keys to scalars (task parameters, LoRA alpha, ...)."""
+        params = {}
+        for key, value in self.mapping(name, max_items).items():
+            if not isinstance(key, str) or len(key) > 64:
+                raise MalformedMessage(f"{self.where}.{name}: keys must be strings of at most 64 characters")
+            params[key] = scalar(value, f"{self.where}.{name}.{key}")
+        return params
+
+    def signature(self) -> bytes:
+        """Optional on the wire (unsigned drafts); verification rejects an empty one."""
+        return self.blob("signature", SIGNATURE_BYTES) if self.has("signature") else b""
 
     def mapping(self, name: str, max_items: int) -> dict[str, Any]:
         value = self._get(name, (dict,), "a map")

@@ -1,7 +1,5 @@
 """llama.cpp generation and LoRA hot-swap against the HF/peft trainer on a tiny real model."""
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 

@@ -1,0 +1,157 @@
+"""What a run is and who takes part: the manifest, peer announcements, error replies."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from protocols.errors import ProtocolError
+from protocols.signing import PUBLIC_KEY_BYTES, fingerprint, verify_message
+from protocols.wire import Fields, WireMessage
+
+MODES = ("sequential", "async")
+UPDATE_MODES = ("lora", "full")
+ROLES = ("node", "trainer")
+MAX_ADDRS = 16
+MAX_SAMPLE_TOKENS = 32768  # prompt + completion, per sample (also bounds max_new_tokens)
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """Which environment a run trains on, and its generator parameters (difficulty, ...)."""
+
+    name: str
+    params: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "params": dict(self.params)}
+
+    @classmethod
+    def from_dict(cls, body: Any) -> TaskSpec:
+        f = Fields(body, "task")
+        return cls(name=f.text("name"), params=f.params("params"))
+
+
+@dataclass(frozen=True)
+class RunManifest(WireMessage):
+    """What a run is. Stored in the DHT, signed by the run key; nodes pin its fingerprint."""
+
+    KIND = "run_manifest"
+    MAX_BYTES = 64 * 1024
+
+    run_id: str
+    base_model: str  # file name, for humans
+    base_sha256: str  # the base model file's sha256: version 0
+    vocab_size: int
+    mode: str  # one of MODES
+    update: str  # one of UPDATE_MODES
+    staleness: int  # S: the trainer accepts rollouts of version >= current - S
+    task: TaskSpec
+    group_size: int  # completions per prompt (GRPO group)
+    max_new_tokens: int
+    temperature: float  # nodes sample at exactly this temperature, no top-k/top-p truncation
+    run_key: bytes  # Ed25519 public key that signs this manifest and every WeightUpdate
+    trainer_addrs: tuple[str, ...]
+    update_params: dict[str, Any] = field(default_factory=dict)  # e.g. LoRA rank and alpha
+    created: float = 0.0
+    signature: bytes = b""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "run_id": self.run_id, "base_model": self.base_model, "base_sha256": self.base_sha256,
+            "vocab_size": self.vocab_size, "mode": self.mode, "update": self.update,
+            "staleness": self.staleness, "task": self.task.to_dict(), "group_size": self.group_size,
+            "max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
+            "run_key": self.run_key, "trainer_addrs": list(self.trainer_addrs),
+            "update_params": dict(self.update_params), "created": self.created, "signature": self.signature,
+        }
+
+    @classmethod
+    def from_dict(cls, body: dict[str, Any]) -> RunManifest:
+        f = Fields(body, cls.KIND)
+        return cls(
+            run_id=f.text("run_id"), base_model=f.text("base_model"), base_sha256=f.sha256("base_sha256"),
+            vocab_size=f.integer("vocab_size", 1, 2**24), mode=f.text("mode", choices=MODES),
+            update=f.text("update", choices=UPDATE_MODES), staleness=f.integer("staleness", 1, 1000),
+            task=TaskSpec.from_dict(f.mapping("task", 2)), group_size=f.integer("group_size", 1, 256),
+            max_new_tokens=f.integer("max_new_tokens", 1, MAX_SAMPLE_TOKENS),
+            temperature=f.number("temperature", 1e-3, 100.0),
+            run_key=f.blob("run_key", PUBLIC_KEY_BYTES, exact=PUBLIC_KEY_BYTES),
+            trainer_addrs=tuple(f.texts("trainer_addrs", MAX_ADDRS, 512)),
+            update_params=f.params("update_params"), created=f.number("created", 0.0),
+            signature=f.signature(),
+        )
+
+
+@dataclass(frozen=True)
+class PeerAnnouncement(WireMessage):
+    """A peer's self-description in the DHT, refreshed before its TTL runs out; signed by the peer."""
+
+    KIND = "peer_announcement"
+    MAX_BYTES = 8 * 1024
+
+    peer_id: str  # hivemind/libp2p peer id (base58), where to open streams
+    name: str  # public display name chosen by the volunteer
+    role: str  # one of ROLES
+    backend: str  # "llama_cpp", "transformers", "torch" (trainer)
+    model_sha256: str
+    version: int  # policy version the peer holds
+    throughput: float  # generated tokens per second, recent average
+    public_key: bytes
+    time: float
+    signature: bytes = b""
+
+    @property
+    def node_id(self) -> str:
+        return fingerprint(self.public_key)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "peer_id": self.peer_id, "name": self.name, "role": self.role, "backend": self.backend,
+            "model_sha256": self.model_sha256, "version": self.version, "throughput": self.throughput,
+            "public_key": self.public_key, "time": self.time, "signature": self.signature,
+        }
+
+    @classmethod
+    def from_dict(cls, body: dict[str, Any]) -> PeerAnnouncement:
+        f = Fields(body, cls.KIND)
+        return cls(
+            peer_id=f.text("peer_id"), name=f.text("name", 64), role=f.text("role", choices=ROLES),
+            backend=f.text("backend", 32), model_sha256=f.sha256("model_sha256"),
+            version=f.integer("version"), throughput=f.number("throughput", 0.0),
+            public_key=f.blob("public_key", PUBLIC_KEY_BYTES, exact=PUBLIC_KEY_BYTES),
+            time=f.number("time", 0.0), signature=f.signature(),
+        )
+
+
+def verified_announcements(records: Any) -> list[PeerAnnouncement]:
+    """The announcements among DHT records ({subkey: bytes}) that parse and verify against their
+    own key. The DHT is open to anyone: tombstones (withdrawn peers) and junk are skipped."""
+    found = []
+    for value in records.values() if isinstance(records, dict) else ():
+        try:
+            announcement = PeerAnnouncement.from_wire(value)
+            verify_message(announcement, announcement.public_key)
+        except ProtocolError:
+            continue
+        found.append(announcement)
+    return found
+
+
+@dataclass(frozen=True)
+class ErrorReply(WireMessage):
+    """What a handler sends back instead of a result: a ProtocolError code and a message."""
+
+    KIND = "error"
+    MAX_BYTES = 16 * 1024
+
+    code: str
+    message: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"code": self.code, "message": self.message[:4096]}
+
+    @classmethod
+    def from_dict(cls, body: dict[str, Any]) -> ErrorReply:
+        f = Fields(body, cls.KIND)
+        return cls(code=f.text("code", 64), message=f.text("message", 4096))
