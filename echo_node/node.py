@@ -183,7 +183,8 @@ class Node:
             raw = await dht.get(key)
             if not isinstance(raw, bytes):
                 try:
-                    raw = await self.endpoint.call_one(coordinator, "echo.manifest", b"", CALL_TIMEOUT, RunManifest.MAX_BYTES)
+                    raw = await self.endpoint.call_one(coordinator, "echo.manifest", b"", CALL_TIMEOUT,
+                                                       RunManifest.MAX_BYTES, idempotent=True)
                 except (TransportError, RemoteError) as e:
                     log.info("manifest not available yet: %s", e)
             if isinstance(raw, bytes):

@@ -37,12 +37,14 @@ class UpdateError(EchoError):
 
 
 async def fetch_index(endpoint, provider: str, timeout: float) -> UpdateIndex:
-    return UpdateIndex.from_wire(await endpoint.call_one(provider, "echo.updates", b"", timeout, UpdateIndex.MAX_BYTES))
+    raw = await endpoint.call_one(provider, "echo.updates", b"", timeout, UpdateIndex.MAX_BYTES, idempotent=True)
+    return UpdateIndex.from_wire(raw)
 
 
 async def fetch_manifest(endpoint, provider: str, run: RunManifest, step: catchup.Step, timeout: float) -> WeightUpdate:
     request = UpdateRequest(step.from_version, step.to_version).to_wire()
-    update = WeightUpdate.from_wire(await endpoint.call_one(provider, "echo.update", request, timeout, WeightUpdate.MAX_BYTES))
+    raw = await endpoint.call_one(provider, "echo.update", request, timeout, WeightUpdate.MAX_BYTES, idempotent=True)
+    update = WeightUpdate.from_wire(raw)
     verify_message(update, run.run_key)  # before any chunk is fetched
     wanted = (run.run_id, step.from_version, step.to_version, step.replaces, run.update)
     got = (update.run_id, update.from_version, update.to_version, update.replaces, update.mode)

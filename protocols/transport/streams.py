@@ -123,8 +123,17 @@ class Endpoint:
             if writer is not None:
                 writer.close()
 
-    async def call_one(self, peer: str, name: str, request: bytes, timeout: float, max_reply_bytes: int) -> bytes:
-        replies = await self.call(peer, name, request, timeout, max_reply_bytes)
+    async def call_one(self, peer: str, name: str, request: bytes, timeout: float, max_reply_bytes: int,
+                       idempotent: bool = False) -> bytes:
+        """One reply. `idempotent` requests (reads) are retried once if the stream breaks: a fresh
+        libp2p stream occasionally resets before its first frame (seen on loopback)."""
+        try:
+            replies = await self.call(peer, name, request, timeout, max_reply_bytes)
+        except TransportError as e:
+            if not idempotent or isinstance(e, RemoteError):
+                raise
+            log.info("%s on %s: %s; retrying once", name, peer[-8:], e)
+            replies = await self.call(peer, name, request, timeout, max_reply_bytes)
         if len(replies) != 1:
             raise TransportError(f"{name} on peer {peer[-8:]}: expected one reply, got {len(replies)}")
         return replies[0]
