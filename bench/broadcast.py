@@ -114,7 +114,7 @@ async def fetcher(address: str, manifest_path: str, go: str, relay_on: bool) -> 
     from echo_node.updates import UpdateError, catch_up
     from protocols.messages import PeerAnnouncement, RunManifest, verified_announcements
     from protocols.signing import generate_key, public_bytes, sign_message
-    from protocols.transport.dht import SwarmDHT
+    from protocols.transport.dht import SwarmDHT, peer_of
     from protocols.transport.relay import Relay
 
     manifest = RunManifest.from_wire(Path(manifest_path).read_bytes())
@@ -122,7 +122,7 @@ async def fetcher(address: str, manifest_path: str, go: str, relay_on: bool) -> 
     endpoint = await dht.endpoint()
     relay, key = Relay(), generate_key()
     await relay.serve(endpoint)
-    trainer = address.rsplit("/p2p/", 1)[1]
+    trainer = peer_of(address)
     print("READY", flush=True)
     while not Path(go).exists():
         await asyncio.sleep(0.05)

@@ -104,11 +104,13 @@ class Coordinator:
         path = self.data_dir / "state.json"
         return json.loads(path.read_text()) if path.exists() else None
 
-    def _save_state(self, run_id: str, service: RunService, trainer) -> None:
+    def _save_state(self, run_id: str, service: RunService, trainer, weights) -> None:
         """After each publish: checkpoint, then the state that points at it (atomic replace)."""
-        trainer.save(self.data_dir / "checkpoint")
+        from echo_coordinator.trainer import save_tensors
+
+        trainer.save(self.data_dir / "checkpoint", weights)
         if self.publisher is not None:
-            save_adapter(self.publisher.view(), self.data_dir / "checkpoint" / "view.safetensors")
+            save_tensors(self.publisher.view(), self.data_dir / "checkpoint" / "view.safetensors")
         tmp = self.data_dir / "state.json.tmp"
         tmp.write_text(json.dumps({"run_id": run_id, "version": service.version, "service": service.state()}))
         tmp.replace(self.data_dir / "state.json")
@@ -144,11 +146,11 @@ class Coordinator:
             # staleness bound and single-use leases hold across the restart (cf. AReaL #1388).
             service.restore(state["service"])
             await asyncio.to_thread(trainer.load, self.data_dir / "checkpoint")
-            self._publish(service, trainer, manifest, service.version, resumed=True)
+            self._publish(service, manifest, service.version, trainer.weights(), resumed=True)
             console.print(f"resuming run {manifest.run_id} at version {service.version}")
         ledger.set_run(run_id=manifest.run_id, mode=cfg.mode, version=service.version, run_key=self.fp, steps=cfg.steps)
         endpoint = await dht.endpoint()
-        await self._register_handlers(endpoint, service, ledger)
+        await self._register_handlers(endpoint, service)
 
         async def refresh_records() -> None:
             last_put = -RECORD_TTL
@@ -184,11 +186,13 @@ class Coordinator:
             refresher.cancel()
             ledger.close()
 
-    def _publish(self, service: RunService, trainer, manifest: RunManifest, version: int, resumed: bool = False) -> None:
-        weights = trainer.weights()
+    def _publish(self, service: RunService, manifest: RunManifest, version: int, weights, resumed: bool = False) -> None:
+        """`weights`: the trainer's `weights()` after the step (exported once, shared with the checkpoint)."""
+        from echo_coordinator.trainer import save_tensors
+
         if manifest.update == "lora":
             published = [publish.build_lora_update(manifest.run_id, version, weights, dict(manifest.update_params), self.key)]
-            save_adapter(weights, self.data_dir / "adapters" / f"v{version}.safetensors")
+            save_tensors(weights, self.data_dir / "adapters" / f"v{version}.safetensors")
         elif resumed:
             # The delta into this version died with the old process; a snapshot serves everyone.
             published = [self.publisher.snapshot(version)]
@@ -206,7 +210,7 @@ class Coordinator:
         base = load_file(str(self.data_dir / "checkpoint" / "view.safetensors")) if resuming else trainer.weights()
         return publish.FullPublisher(run_id, self.key, base, cfg.update_encoding, cfg.update_density, cfg.snapshot_every)
 
-    async def _register_handlers(self, endpoint, service: RunService, ledger: Ledger) -> None:
+    async def _register_handlers(self, endpoint, service: RunService) -> None:
         async def manifest(request: bytes, peer: str):
             yield service.manifest.to_wire()
 
@@ -222,7 +226,6 @@ class Coordinator:
         await endpoint.serve("echo.lease", lease, 8 * 1024, HANDLER_TIMEOUT)
         await endpoint.serve("echo.push", push, MAX_MESSAGE_BYTES, HANDLER_TIMEOUT)
         await service.relay.serve(endpoint)  # echo.update, echo.updates, echo.chunks
-        self.endpoint = endpoint
 
     async def _wait_for_nodes(self, dht, key: str, count: int, refresher: asyncio.Task, service: RunService) -> None:
         """Until `count` nodes are known: announced in the DHT, or asking us for work (a signed
@@ -252,8 +255,9 @@ class Coordinator:
                 batch = await self._collect(service, version)
                 waited = time.time() - cycle_start
                 stats = await asyncio.to_thread(trainer.step, batch.samples)
-                await asyncio.to_thread(self._publish, service, trainer, manifest, version + 1)
-                await asyncio.to_thread(self._save_state, manifest.run_id, service, trainer)
+                weights = await asyncio.to_thread(trainer.weights)
+                await asyncio.to_thread(self._publish, service, manifest, version + 1, weights)
+                await asyncio.to_thread(self._save_state, manifest.run_id, service, trainer, weights)
                 await dht.put(record_key(self.fp, "version"), str(service.version).encode(), RECORD_TTL)
                 ledger.set_run(version=service.version)
                 now = time.time()
@@ -290,11 +294,3 @@ class Coordinator:
         while service.buffered_groups() < cfg.prompts_per_step:
             await asyncio.sleep(0.1)
         return service.take_batch(cfg.prompts_per_step)
-
-
-def save_adapter(adapter, path: Path) -> None:  # also the publisher's view: any float32 tensors
-    from safetensors.numpy import save_file
-
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(adapter, str(tmp))
-    tmp.replace(path)

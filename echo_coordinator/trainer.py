@@ -63,6 +63,13 @@ def prompt_ids(tokenizer, problem: Problem) -> tuple[int, ...]:
     return tuple(tokenizer(text, add_special_tokens=False).input_ids)
 
 
+def save_tensors(tensors: dict[str, np.ndarray], path: Path) -> None:
+    """Write float32 tensors as safetensors; the file is complete or absent."""
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp))
+    tmp.replace(path)
+
+
 class Trainer:
     def __init__(self, model_path: Path, config: TrainerConfig, temperature: float, seed: int = 0, update: str = "lora"):
         torch.manual_seed(seed)
@@ -151,13 +158,12 @@ class Trainer:
         return [lp[row, len(s.prompt_ids) - 1 : len(s.prompt_ids) - 1 + len(s.completion_ids)].numpy()
                 for row, s in enumerate(samples)]
 
-    def save(self, directory: Path) -> None:
-        """Weights and optimiser state, so a restarted trainer continues the same trajectory.
-        (torch.save is fine here: a local file we wrote, never peer data.)"""
+    def save(self, directory: Path, weights: dict[str, np.ndarray]) -> None:
+        """`weights` (this step's `weights()`) and optimiser state, so a restarted trainer
+        continues the same trajectory. (torch.save is fine here: a local file we wrote, never peer data.)"""
         directory.mkdir(parents=True, exist_ok=True)
-        save_file(self.weights(), str(directory / "weights.safetensors.tmp"))
+        save_tensors(weights, directory / "weights.safetensors")
         torch.save(self.optimizer.state_dict(), directory / "optimizer.pt.tmp")
-        (directory / "weights.safetensors.tmp").replace(directory / "weights.safetensors")
         (directory / "optimizer.pt.tmp").replace(directory / "optimizer.pt")
 
     def load(self, directory: Path) -> None:

@@ -56,10 +56,9 @@ class LlamaBackend:
 
     def reload(self, path: Path) -> None:
         """Full mode: switch to re-exported weights. The old model serves until the new one loaded."""
-        new = self._load(path)
         if self._adapter is not None:
             raise ValueError("a LoRA adapter is active; full-mode reloads do not combine with adapters")
-        self.llm = new
+        self.llm = self._load(path)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int) -> Completion:
         started = time.perf_counter()

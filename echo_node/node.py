@@ -79,9 +79,11 @@ def run_node(config: NodeConfig) -> int:
 
 
 def trainer_peer(manifest: RunManifest) -> str:
+    from protocols.transport.dht import peer_of
+
     for address in manifest.trainer_addrs:
         if "/p2p/" in address:
-            return address.rsplit("/p2p/", 1)[1]
+            return peer_of(address)
     raise JoinRefused("the run manifest names no trainer peer")
 
 
@@ -177,8 +179,10 @@ class Node:
     async def _fetch_manifest(self, dht, key: str) -> RunManifest:
         """The manifest from the DHT record under the pinned fingerprint; failing that, straight
         from the peer at the join address, so a wrong key is reported at once, not after a wait."""
+        from protocols.transport.dht import peer_of
+
         deadline = time.monotonic() + MANIFEST_WAIT
-        coordinator = self.config.address.rsplit("/p2p/", 1)[-1]
+        coordinator = peer_of(self.config.address)
         while True:
             raw = await dht.get(key)
             if not isinstance(raw, bytes):

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from echo_coordinator.demo import stop
 from echo_node.gguf_io import lora_pairs, permute_qk
 from protocols.messages import verified_announcements
 from protocols.transport.dht import SwarmDHT
@@ -43,14 +44,7 @@ def wait_for(predicate, timeout: float, what: str, procs=()):
 def processes():
     started: list[subprocess.Popen] = []
     yield started
-    for p in started:  # only our own children, by handle
-        if p.poll() is None:
-            p.send_signal(signal.SIGINT)
-    for p in started:
-        try:
-            p.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            p.kill()
+    stop(started)  # only our own children, by handle
 
 
 def spawn(processes, args, log: Path, **extra_env: str) -> subprocess.Popen:
