@@ -72,3 +72,7 @@ def status(
 
 def main() -> None:
     app()
+
+
+if __name__ == "__main__":
+    main()

@@ -24,6 +24,7 @@ from rich.console import Console
 from echo_coordinator import publish
 from echo_coordinator.config import RunConfig, TrainerConfig
 from echo_coordinator.ledger import Ledger, MetricsLog
+from echo_coordinator.rewards import Transcripts
 from echo_coordinator.service import RunService
 from protocols.errors import EchoError, TransportError
 from protocols.messages import (
@@ -34,7 +35,7 @@ from protocols.sync import Mode
 from protocols.transport.relay import Relay
 from protocols.uploads import UploadBudget
 from protocols.wire import MAX_MESSAGE_BYTES
-from tasks import make_task
+from tasks import TaskError, make_task
 
 log = logging.getLogger(__name__)
 console = Console(soft_wrap=True)
@@ -71,6 +72,12 @@ def run_coordinator(run: RunConfig, trainer_config: TrainerConfig, demo: bool = 
     return 0
 
 
+def model_turns(sample) -> int:
+    """Model turns in a sample's transcript: the runs of trained (mask 1) tokens."""
+    mask = sample.loss_mask
+    return sum(1 for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1]))
+
+
 class Coordinator:
     def __init__(self, run: RunConfig, trainer_config: TrainerConfig, demo: bool):
         self.run_config, self.trainer_config = run, trainer_config
@@ -82,7 +89,10 @@ class Coordinator:
         (self.data_dir / "adapters").mkdir(exist_ok=True)
         self.key = load_or_create_key(self.data_dir / "run.key")
         self.fp = fingerprint(public_bytes(self.key))
-        self.task = make_task(run.task, run.task_params)
+        try:
+            self.task = make_task(run.task, run.task_params)
+        except TaskError as e:
+            raise EchoError(str(e)) from None
         self.peer_versions: dict[str, int] = {}  # libp2p peer id -> version it announced
 
     async def run(self) -> None:
@@ -116,7 +126,7 @@ class Coordinator:
         tmp.replace(self.data_dir / "state.json")
 
     async def _serve(self, dht, trainer, base_sha: str) -> None:
-        from echo_coordinator.trainer import prompt_ids
+        from echo_coordinator.trainer import prompt_ids, turn_format
         from protocols.transport.dht import record_key
 
         cfg, tcfg = self.run_config, self.trainer_config
@@ -125,18 +135,24 @@ class Coordinator:
         manifest = sign_message(RunManifest(
             run_id=state["run_id"] if state else f"run-{self.fp[:8]}-{int(time.time())}", base_model=self.model.name,
             base_sha256=base_sha, vocab_size=len(trainer.tokenizer), mode=cfg.mode, update=cfg.update,
-            staleness=cfg.staleness, task=TaskSpec(cfg.task, dict(cfg.task_params)), group_size=cfg.group_size,
-            max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, run_key=public_bytes(self.key),
-            trainer_addrs=tuple(addresses), update_params={"rank": tcfg.lora_rank, "alpha": tcfg.lora_alpha},
+            staleness=cfg.staleness, task=TaskSpec(cfg.task, dict(cfg.task_params), self.task.max_turns),
+            group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+            run_key=public_bytes(self.key), trainer_addrs=tuple(addresses),
+            update_params={"rank": tcfg.lora_rank, "alpha": tcfg.lora_alpha}, turns=turn_format(trainer.tokenizer),
             created=time.time(),
         ), self.key)
+        tokenizer = trainer.tokenizer
+        transcripts = Transcripts(
+            decode=lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False),
+            eos=tokenizer.eos_token_id, turns=manifest.turns, max_new_tokens=cfg.max_new_tokens,
+        )
         ledger = Ledger(self.data_dir / "ledger.sqlite")
         # The trainer sends about `trainer_upload_copies` of each update; nodes relay the rest.
         budget = UploadBudget(cfg.trainer_upload_copies) if cfg.trainer_upload_copies > 0 else None
         relay = Relay(budget=budget, peers_holding=lambda v: sum(held >= v for held in self.peer_versions.values()))
         service = RunService(
-            manifest, self.key, self.task, render_prompt=lambda seed: prompt_ids(trainer.tokenizer, self.task.generate(seed)),
-            decode=lambda ids: trainer.tokenizer.decode(list(ids), skip_special_tokens=True), ledger=ledger,
+            manifest, self.key, self.task, render_prompt=lambda seed: prompt_ids(tokenizer, self.task.episode(seed).messages),
+            transcripts=transcripts, ledger=ledger,
             lease_seconds=cfg.lease_seconds, seeds_per_lease=max(1, cfg.prompts_per_step // 4),
             relay=relay, first_seed=cfg.seed * 1_000_003 + 500_000,
         )
@@ -268,6 +284,7 @@ class Coordinator:
                     accepted=len(batch.samples), rejected=sum(service.rejections.values()) - rejected_before,
                     dropped_stale=batch.dropped, staleness_max=max(batch.staleness, default=0),
                     staleness_histogram={str(k): histogram[k] for k in sorted(histogram)},
+                    turns_mean=sum(map(model_turns, batch.samples)) / max(len(batch.samples), 1),
                     step_seconds=now - cycle_start, wait_seconds=waited,
                     busy_fraction=stats.busy_seconds / max(now - cycle_start, 1e-9), time=now,
                     **{k: v for k, v in asdict(stats).items() if k != "samples"},

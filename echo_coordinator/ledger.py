@@ -22,7 +22,7 @@ CREATE TABLE IF NOT EXISTS peers (
     name TEXT NOT NULL,            -- display name it announced
     accepted INTEGER NOT NULL DEFAULT 0,
     rejected INTEGER NOT NULL DEFAULT 0,
-    tokens INTEGER NOT NULL DEFAULT 0,   -- completion tokens of accepted samples
+    tokens INTEGER NOT NULL DEFAULT 0,   -- tokens it generated (model turns) in trained samples
     first_seen REAL NOT NULL,
     last_seen REAL NOT NULL
 );

@@ -21,7 +21,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from echo_coordinator.config import TrainerConfig
 from echo_coordinator.grpo import grpo_loss, group_advantages
-from tasks import Problem
+from protocols.messages import TurnFormat
+from tasks.base import Message
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -56,11 +57,25 @@ def load_tokenizer(model_path: Path):
     return AutoTokenizer.from_pretrained(model_path.parent, gguf_file=model_path.name)
 
 
-def prompt_ids(tokenizer, problem: Problem) -> tuple[int, ...]:
-    """The prompt tokens for a problem: the model's chat template, ready for the assistant."""
-    messages = [{"role": role, "content": content} for role, content in problem.messages]
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return tuple(tokenizer(text, add_special_tokens=False).input_ids)
+def prompt_ids(tokenizer, messages: tuple[Message, ...]) -> tuple[int, ...]:
+    """The prompt tokens for an episode's opening messages: the chat template, ready for the assistant."""
+    return tuple(tokenizer(_render(tokenizer, messages), add_special_tokens=False).input_ids)
+
+
+def _render(tokenizer, messages) -> str:
+    chat = [{"role": role, "content": content} for role, content in messages]
+    return tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+
+
+def turn_format(tokenizer) -> TurnFormat:
+    """Where the chat template puts an environment's reply after a model turn, found by rendering
+    a conversation with marker texts and reading what the template wrote around them."""
+    reply, observation = "ECHO_MODEL_TURN", "ECHO_ENV_TURN"
+    text = _render(tokenizer, (("user", "hi"), ("assistant", reply), ("user", observation)))
+    after_reply = text.index(reply) + len(reply)
+    at_observation = text.index(observation, after_reply)
+    end = tokenizer.decode([tokenizer.eos_token_id]) if tokenizer.eos_token_id is not None else ""
+    return TurnFormat(open=text[after_reply:at_observation], close=text[at_observation + len(observation):], end=end)
 
 
 def save_tensors(tensors: dict[str, np.ndarray], path: Path) -> None:

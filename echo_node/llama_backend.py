@@ -24,6 +24,7 @@ import numpy as np
 PURE_SAMPLING = dict(top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0, repeat_penalty=1.0,
                      frequency_penalty=0.0, presence_penalty=0.0)
 GGML_TYPE_F32 = 0
+MAX_PIECE_BYTES = 1024  # longest text of one token
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,23 @@ class LlamaBackend:
         self.tokens_generated += len(tokens)
         self.seconds_generating += time.perf_counter() - started
         return Completion(tuple(tokens), tuple(float(x) for x in logprobs))
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of text written into a transcript; special-token text becomes the special token."""
+        return self.llm.tokenize(text.encode(), add_bos=False, special=True)
+
+    def detokenize(self, ids: tuple[int, ...]) -> str:
+        """Text of token ids, special tokens written out, exactly as the trainer's tokenizer decodes
+        them. (llama-cpp-python's own detokenize silently drops pieces longer than 32 bytes.)"""
+        vocab = llama_cpp.llama_model_get_vocab(self.llm.model)
+        buffer = ctypes.create_string_buffer(MAX_PIECE_BYTES)
+        out = bytearray()
+        for token in ids:
+            n = llama_cpp.llama_token_to_piece(vocab, token, buffer, MAX_PIECE_BYTES, 0, True)
+            if n < 0:
+                raise ValueError(f"token {token} has a piece longer than {MAX_PIECE_BYTES} bytes")
+            out += buffer.raw[:n]
+        return out.decode("utf-8", errors="replace")
 
     @property
     def throughput(self) -> float:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from echo_node.episodes import play
 from echo_node.full_weights import apply_update, export_quantized, load_master
 from echo_node.updates import UpdateError, apply_lora, catch_up
 from protocols.errors import EchoError, ProtocolError, RemoteError, SignatureError, TransportError
@@ -33,6 +34,7 @@ from protocols.signing import (
 from protocols.sync import must_update
 from protocols.transport.relay import Relay
 from protocols.wire import decode_one_of
+from tasks import TaskError, make_task
 
 log = logging.getLogger(__name__)
 console = Console(soft_wrap=True)
@@ -129,7 +131,8 @@ class Node:
             return
         from echo_node.llama_backend import LlamaBackend
 
-        n_ctx = 4096 if self.manifest.max_new_tokens > 2048 else 2048
+        multi_turn = self.manifest.task.max_turns > 1
+        n_ctx = 4096 if self.manifest.max_new_tokens > 2048 or multi_turn else 2048
         self.backend = LlamaBackend(self.config.model, self.config.threads, n_ctx)
         if self.manifest.update == "full":
             self.hf_config, self.master = load_master(self.config.model)
@@ -146,6 +149,7 @@ class Node:
                 f"{manifest.base_model} (sha256 {manifest.base_sha256[:12]})"
             )
         self.manifest, self.trainer = manifest, trainer_peer(manifest)
+        self.task = self._load_task() if manifest.task.max_turns > 1 else None
         await asyncio.to_thread(self._load_backend)
         await self.relay.serve(self.endpoint)
         console.print(f"joined run {manifest.run_id} as {self.name} ({fingerprint(self.node_key)[:8]}); "
@@ -175,6 +179,15 @@ class Node:
     def _request_stop(self) -> None:
         self.stopping.set()
         self.stop_requested.set()
+
+    def _load_task(self):
+        """A multi-turn run's environment, which this node steps itself. Single-turn runs need none:
+        the trainer sends rendered prompts."""
+        try:
+            return make_task(self.manifest.task.name, self.manifest.task.params)
+        except TaskError as e:
+            raise JoinRefused(f"this run's environment is not available here ({e}); install the package "
+                              f"that provides {self.manifest.task.name!r}") from None
 
     async def _fetch_manifest(self, dht, key: str) -> RunManifest:
         """The manifest from the DHT record under the pinned fingerprint; failing that, straight
@@ -331,13 +344,20 @@ class Node:
                 if self.stop_requested.is_set():
                     raise Stopped("stopping")
                 sample_seed = int.from_bytes(hashlib.sha256(f"{lease.lease_id}/{seed}/{j}".encode()).digest()[:4], "big")
-                out = self.backend.generate(list(prompt), self.manifest.max_new_tokens, self.manifest.temperature, sample_seed)
-                samples.append(RolloutSample(seed=seed, prompt_ids=prompt, completion_ids=out.token_ids, logprobs=out.logprobs))
+                samples.append(self._sample(seed, prompt, sample_seed))
         batch = RolloutBatch(
             run_id=self.manifest.run_id, lease_id=lease.lease_id, version=self.version, node_key=self.node_key,
             samples=tuple(samples), created=time.time(),
         )
         return sign_message(batch, self.key)
+
+    def _sample(self, seed: int, prompt: tuple[int, ...], sample_seed: int) -> RolloutSample:
+        m = self.manifest
+        if self.task is not None:
+            return play(self.backend, self.task.episode(seed), seed, prompt, m.turns, m.task.max_turns, m.max_new_tokens,
+                        m.temperature, sample_seed)
+        out = self.backend.generate(list(prompt), m.max_new_tokens, m.temperature, sample_seed)
+        return RolloutSample(seed=seed, prompt_ids=prompt, completion_ids=out.token_ids, logprobs=out.logprobs)
 
     async def _push(self, batch: RolloutBatch) -> PushReceipt:
         raw = await self.endpoint.call_one(self.trainer, "echo.push", batch.to_wire(), PUSH_TIMEOUT, PushReceipt.MAX_BYTES)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from echo_node.full_weights import distinct_weights
 from echo_node.llama_backend import Completion
@@ -30,6 +30,8 @@ class TransformersBackend:
         self.config = model.config
         self.vocab_size = model.config.vocab_size
         self.eos = model.config.eos_token_id
+        self.n_ctx = model.config.max_position_embeddings
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path.parent, gguf_file=model_path.name)
         # Master copy on the CPU: updates apply here bit-exactly, then copy into the model.
         self.master = distinct_weights(self.model)
         self.tokens_generated = 0
@@ -53,6 +55,12 @@ class TransformersBackend:
         self.tokens_generated += len(tokens)
         self.seconds_generating += time.perf_counter() - started
         return Completion(tuple(tokens), tuple(float(x) for x in logprobs[:, 0].cpu()))
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def detokenize(self, ids: tuple[int, ...]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     @property
     def throughput(self) -> float:

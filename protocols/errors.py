@@ -66,6 +66,13 @@ class LeaseError(ProtocolError):
     code = "bad_lease"
 
 
+class TranscriptError(ProtocolError):
+    """A rollout's transcript does not replay: its environment turns differ from what the
+    environment says for the model's turns, or it breaks the turn rules."""
+
+    code = "bad_transcript"
+
+
 class KeyFileError(EchoError):
     """A local key file is missing, malformed or readable by other users."""
 

@@ -1,14 +1,16 @@
 """Environments the swarm trains on. Pure Python: no torch, no network.
 
-- `base`        the `Task` interface and the `Problem` a seed turns into
-- `arithmetic`  seeded arithmetic word problems with a final-integer verifier
-- `registry`    task names -> classes, so a RunManifest's TaskSpec picks the environment
+- `base`        the environment API: a `Task` makes an `Episode` from a seed; `SingleTurnTask`
+                for tasks answered in one reply (`generate` a `Problem`, `reward` a completion)
+- `registry`    task names -> classes: built-ins, `echo_swarm.tasks` entry points, `module:Class`
+- `arithmetic`  seeded arithmetic problems (the `make demo` task)
 
-Nodes build prompts from a seed; the trainer regenerates the same problem from the seed and
-re-runs the verifier, so a node's claimed reward is never trusted.
+The trainer renders every prompt and recomputes every reward by replaying the episode from the
+seed and the model's turns, so a node's claimed reward is never trusted. Nodes step multi-turn
+environments themselves, to write the environment's turns into the transcript.
 """
 
-from tasks.base import Problem, Task
-from tasks.registry import make_task
+from tasks.base import Episode, Problem, SingleTurnTask, Step, Task
+from tasks.registry import TaskError, make_task
 
-__all__ = ["Problem", "Task", "make_task"]
+__all__ = ["Episode", "Problem", "SingleTurnTask", "Step", "Task", "TaskError", "make_task"]

@@ -1,6 +1,6 @@
 """Every message that crosses a process boundary, in one package.
 
-- `run`      RunManifest (+ TaskSpec), PeerAnnouncement, ErrorReply: what a run is, who is in it
+- `run`      RunManifest (+ TaskSpec, TurnFormat), PeerAnnouncement, ErrorReply: what a run is, who is in it
 - `work`     LeaseRequest, TaskLease, NoWork, RolloutBatch (+ RolloutSample, Segment), PushReceipt
 - `updates`  WeightUpdate (+ TensorEntry), UpdateRequest, UpdateIndex, ChunkRequest, Chunk
 
@@ -14,8 +14,8 @@ known by its fingerprint, so credit and bans follow the key, not a claimed name)
 """
 
 from protocols.messages.run import (
-    MAX_ADDRS, MAX_SAMPLE_TOKENS, MODES, ROLES, UPDATE_MODES, ErrorReply, PeerAnnouncement, RunManifest, TaskSpec,
-    verified_announcements,
+    MAX_ADDRS, MAX_SAMPLE_TOKENS, MAX_TURNS, MODES, ROLES, UPDATE_MODES, ErrorReply, PeerAnnouncement, RunManifest,
+    TaskSpec, TurnFormat, verified_announcements,
 )
 from protocols.messages.updates import (
     MAX_CHUNK_BYTES, MAX_TENSORS, Chunk, ChunkRequest, TensorEntry, UpdateIndex, UpdateInfo, UpdateRequest,
@@ -28,7 +28,7 @@ from protocols.messages.work import (
 
 __all__ = [
     "MAX_ADDRS", "MAX_BATCH_TOKENS", "MAX_CHUNK_BYTES", "MAX_SAMPLES", "MAX_SAMPLE_TOKENS", "MAX_SEEDS", "MAX_TENSORS",
-    "MODES", "ROLES", "SEGMENT_ROLES", "UPDATE_MODES", "Chunk", "ChunkRequest", "ErrorReply", "LeaseRequest", "NoWork",
-    "PeerAnnouncement", "PushReceipt", "RolloutBatch", "RolloutSample", "RunManifest", "Segment", "TaskLease", "TaskSpec",
-    "TensorEntry", "UpdateIndex", "UpdateInfo", "UpdateRequest", "WeightUpdate", "verified_announcements",
+    "MAX_TURNS", "MODES", "ROLES", "SEGMENT_ROLES", "UPDATE_MODES", "Chunk", "ChunkRequest", "ErrorReply", "LeaseRequest",
+    "NoWork", "PeerAnnouncement", "PushReceipt", "RolloutBatch", "RolloutSample", "RunManifest", "Segment", "TaskLease", "TaskSpec",
+    "TensorEntry", "TurnFormat", "UpdateIndex", "UpdateInfo", "UpdateRequest", "WeightUpdate", "verified_announcements",
 ]

@@ -14,22 +14,53 @@ UPDATE_MODES = ("lora", "full")
 ROLES = ("node", "trainer")
 MAX_ADDRS = 16
 MAX_SAMPLE_TOKENS = 32768  # prompt + completion, per sample (also bounds max_new_tokens)
+MAX_TURNS = 100  # model turns per multi-turn episode
 
 
 @dataclass(frozen=True)
 class TaskSpec:
     """Which environment a run trains on, and its generator parameters (difficulty, ...)."""
 
-    name: str
+    name: str  # a built-in task, an entry point name, or "module:Class" (see tasks.registry)
     params: dict[str, Any] = field(default_factory=dict)
+    max_turns: int = 1  # model turns per episode; above 1, nodes step the environment themselves
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "params": dict(self.params)}
+        return {"name": self.name, "params": dict(self.params), "max_turns": self.max_turns}
 
     @classmethod
     def from_dict(cls, body: Any) -> TaskSpec:
         f = Fields(body, "task")
-        return cls(name=f.text("name"), params=f.params("params"))
+        return cls(name=f.text("name", 256), params=f.params("params"), max_turns=f.integer("max_turns", 1, MAX_TURNS))
+
+
+@dataclass(frozen=True)
+class TurnFormat:
+    """How an environment's reply enters a multi-turn transcript, in the base model's chat format.
+
+    After a model turn the transcript continues with `open` + observation + `close`, and `close`
+    ends by opening the model's next turn. For ChatML: open = "<|im_end|>\\n<|im_start|>user\\n",
+    close = "<|im_end|>\\n<|im_start|>assistant\\n", end = "<|im_end|>". `end` is the text of the
+    model's end-of-turn token: a turn the model ended itself already holds it, so `open` is then
+    written without it. The trainer derives all three from its tokenizer's chat template."""
+
+    open: str = ""
+    close: str = ""
+    end: str = ""
+
+    def env_text(self, observation: str, model_stopped: bool) -> str:
+        opening = self.open
+        if model_stopped and self.end and opening.startswith(self.end):
+            opening = opening[len(self.end):]
+        return opening + observation + self.close
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"open": self.open, "close": self.close, "end": self.end}
+
+    @classmethod
+    def from_dict(cls, body: Any) -> TurnFormat:
+        f = Fields(body, "turns")
+        return cls(open=f.text("open", 256), close=f.text("close", 256), end=f.text("end", 64))
 
 
 @dataclass(frozen=True)
@@ -53,6 +84,7 @@ class RunManifest(WireMessage):
     run_key: bytes  # Ed25519 public key that signs this manifest and every WeightUpdate
     trainer_addrs: tuple[str, ...]
     update_params: dict[str, Any] = field(default_factory=dict)  # e.g. LoRA rank and alpha
+    turns: TurnFormat = TurnFormat()  # multi-turn tasks: how environment replies are written
     created: float = 0.0
     signature: bytes = b""
 
@@ -63,7 +95,8 @@ class RunManifest(WireMessage):
             "staleness": self.staleness, "task": self.task.to_dict(), "group_size": self.group_size,
             "max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
             "run_key": self.run_key, "trainer_addrs": list(self.trainer_addrs),
-            "update_params": dict(self.update_params), "created": self.created, "signature": self.signature,
+            "update_params": dict(self.update_params), "turns": self.turns.to_dict(), "created": self.created,
+            "signature": self.signature,
         }
 
     @classmethod
@@ -73,12 +106,13 @@ class RunManifest(WireMessage):
             run_id=f.text("run_id"), base_model=f.text("base_model"), base_sha256=f.sha256("base_sha256"),
             vocab_size=f.integer("vocab_size", 1, 2**24), mode=f.text("mode", choices=MODES),
             update=f.text("update", choices=UPDATE_MODES), staleness=f.integer("staleness", 1, 1000),
-            task=TaskSpec.from_dict(f.mapping("task", 2)), group_size=f.integer("group_size", 1, 256),
+            task=TaskSpec.from_dict(f.mapping("task", 3)), group_size=f.integer("group_size", 1, 256),
             max_new_tokens=f.integer("max_new_tokens", 1, MAX_SAMPLE_TOKENS),
             temperature=f.number("temperature", 1e-3, 100.0),
             run_key=f.blob("run_key", PUBLIC_KEY_BYTES, exact=PUBLIC_KEY_BYTES),
             trainer_addrs=tuple(f.texts("trainer_addrs", MAX_ADDRS, 512)),
-            update_params=f.params("update_params"), created=f.number("created", 0.0),
+            update_params=f.params("update_params"), turns=TurnFormat.from_dict(f.mapping("turns", 3)),
+            created=f.number("created", 0.0),
             signature=f.signature(),
         )
 

@@ -23,7 +23,7 @@ def async_config(path: Path, model: Path, data_dir: Path, steps: int, staleness:
     path.write_text(f"""
 [run]
 model = "{model}"
-task = "letter_e"
+task = "tests.support.envs:LetterE"
 mode = "async"
 staleness = {staleness}
 steps = {steps}
@@ -44,7 +44,7 @@ threads = 1
 
 
 def start_coordinator(processes, config: Path, log: Path):
-    return spawn(processes, [sys.executable, "-m", "tests.support.coordinator_main", "start", "--config", str(config)], log)
+    return spawn(processes, [sys.executable, "-m", "echo_coordinator.cli", "start", "--config", str(config)], log)
 
 
 def start_node(processes, join_line: str, tmp_path: Path, name: str, slow_delay: float | None = None):

@@ -59,7 +59,7 @@ def tiny_model(tmp_path_factory) -> Path:
     return build_tiny_gguf(tmp_path_factory.mktemp("model") / "tiny.gguf")
 
 
-def write_config(path: Path, model: Path, data_dir: Path, task: str = "letter_e", steps: int = STEPS) -> Path:
+def write_config(path: Path, model: Path, data_dir: Path, task: str = "tests.support.envs:LetterE", steps: int = STEPS) -> Path:
     path.write_text(f"""
 [run]
 model = "{model}"
@@ -85,7 +85,7 @@ threads = 1
 def test_sequential_run_with_two_nodes(tmp_path, tiny_model, processes):
     run_dir = tmp_path / "run"
     config = write_config(tmp_path / "run.toml", tiny_model, run_dir)
-    coordinator = spawn(processes, [sys.executable, "-m", "tests.support.coordinator_main", "start", "--config", str(config)],
+    coordinator = spawn(processes, [sys.executable, "-m", "echo_coordinator.cli", "start", "--config", str(config)],
                         tmp_path / "coordinator.log")
     join_file = run_dir / "join.txt"
     wait_for(join_file.exists, 120, "the join line", [coordinator])

@@ -25,7 +25,7 @@ def test_full_mode_nodes_hold_the_broadcast_view(tmp_path, tiny_model, processes
     config.write_text(f"""
 [run]
 model = "{tiny_model}"
-task = "letter_e"
+task = "tests.support.envs:LetterE"
 update = "full"
 update_density = 0.05
 snapshot_every = 2
@@ -41,7 +41,7 @@ data_dir = "{run_dir}"
 learning_rate = 0.001
 threads = 1
 """)
-    coordinator = spawn(processes, [sys.executable, "-m", "tests.support.coordinator_main", "start", "--config",
+    coordinator = spawn(processes, [sys.executable, "-m", "echo_coordinator.cli", "start", "--config",
                                     str(config)], tmp_path / "coordinator.log")
     wait_for((run_dir / "join.txt").exists, 120, "the join line", [coordinator])
     join = (run_dir / "join.txt").read_text().strip()

@@ -5,10 +5,11 @@ import dataclasses
 import pytest
 
 from echo_coordinator.ledger import Ledger
+from echo_coordinator.rewards import Transcripts
 from echo_coordinator.publish import build_lora_update
 from echo_coordinator.service import RunService, Refused
-from protocols.errors import InvalidValue, LeaseError, SignatureError
-from protocols.messages import LeaseRequest, NoWork, RolloutBatch, RolloutSample, TaskLease, UpdateInfo
+from protocols.errors import InvalidValue, LeaseError, SignatureError, TranscriptError
+from protocols.messages import LeaseRequest, NoWork, RolloutBatch, RolloutSample, TaskLease, TurnFormat, UpdateInfo
 from protocols.signing import generate_key, public_bytes, sign_message
 from tasks import make_task
 from tests.unit.protocols import factories
@@ -17,6 +18,8 @@ import numpy as np
 
 NOW = 1000.0
 GROUP = 2
+# Token ids "decode" to their numbers, so a completion (7,) reads "7".
+TRANSCRIPTS = Transcripts(decode=lambda ids: " ".join(str(i) for i in ids), eos=999, turns=TurnFormat(), max_new_tokens=8)
 
 
 @pytest.fixture
@@ -27,7 +30,7 @@ def service(tmp_path):
     ledger = Ledger(tmp_path / "ledger.sqlite")
     svc = RunService(
         manifest, run_key, task, render_prompt=lambda seed: (1, 2, 3 + seed % 50),
-        decode=lambda ids: " ".join(str(i) for i in ids), ledger=ledger, lease_seconds=60, seeds_per_lease=2,
+        transcripts=TRANSCRIPTS, ledger=ledger, lease_seconds=60, seeds_per_lease=2,
     )
     svc.started = True
     yield svc
@@ -91,7 +94,7 @@ def test_bad_lease_requests(service):
     (lambda b, s, k: sign_message(dataclasses.replace(b, samples=tuple(
         dataclasses.replace(x, prompt_ids=(9, 9)) for x in b.samples)), k), InvalidValue, "leased prompt"),
     (lambda b, s, k: sign_message(dataclasses.replace(b, samples=tuple(
-        dataclasses.replace(x, completion_ids=(1,) * 9, logprobs=(-1.0,) * 9) for x in b.samples)), k), InvalidValue, "exceeds 8"),
+        dataclasses.replace(x, completion_ids=(1,) * 9, logprobs=(-1.0,) * 9) for x in b.samples)), k), TranscriptError, "exceeds 8"),
     (lambda b, s, k: sign_message(dataclasses.replace(b, samples=tuple(
         dataclasses.replace(x, completion_ids=(5000,)) for x in b.samples)), k), InvalidValue, "outside vocab"),
     (lambda b, s, k: sign_message(dataclasses.replace(b, lease_id="L999"), k), LeaseError, "L999"),
@@ -158,7 +161,7 @@ def async_service(tmp_path):
                                   mode="async", staleness=1)
     ledger = Ledger(tmp_path / "ledger.sqlite")
     svc = RunService(manifest, run_key, make_task("arithmetic"), render_prompt=lambda seed: (1, 2, 3 + seed % 50),
-                     decode=lambda ids: " ".join(str(i) for i in ids), ledger=ledger, lease_seconds=60,
+                     transcripts=TRANSCRIPTS, ledger=ledger, lease_seconds=60,
                      seeds_per_lease=1, first_seed=100)
     svc.started = True
     yield svc
@@ -206,7 +209,7 @@ def test_state_survives_a_restart(async_service, tmp_path):
     state = svc.state()
 
     ledger = Ledger(tmp_path / "ledger2.sqlite")
-    restarted = RunService(svc.manifest, svc.run_key, svc.task, svc.render_prompt, svc.decode, ledger, 60, 1)
+    restarted = RunService(svc.manifest, svc.run_key, svc.task, svc.render_prompt, svc.transcripts, ledger, 60, 1)
     restarted.restore(state)
     assert restarted.version == 2 and restarted.next_seed == svc.next_seed
     assert restarted.gate.is_accepted(lease.lease_id)  # the same batch cannot be counted twice

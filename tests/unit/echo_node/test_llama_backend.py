@@ -16,7 +16,7 @@ def setup(tmp_path_factory):
     path = build_tiny_gguf(tmp_path_factory.mktemp("m") / "tiny.gguf")
     trainer = Trainer(path, TrainerConfig(lora_rank=4, lora_init="random", threads=1), temperature=0.7)
     backend = LlamaBackend(path, threads=1, n_ctx=256)
-    prompt = list(prompt_ids(trainer.tokenizer, make_task("arithmetic").generate(5)))
+    prompt = list(prompt_ids(trainer.tokenizer, make_task("arithmetic").generate(5).messages))
     return trainer, backend, prompt, tmp_path_factory.mktemp("adapters")
 
 
@@ -94,3 +94,17 @@ def test_full_mode_reexport_requantizes_to_the_joined_type_and_reloads(setup, tm
     after = backend.generate(prompt, 6, 1.0, seed=4)
     assert after.logprobs != before.logprobs  # the new weights are live
     assert not (tmp_path / "v1.f32.gguf").exists()  # the fp32 intermediate is cleaned up
+
+
+def test_token_text_matches_the_trainers_tokenizer(setup):
+    """The node's action text must be the trainer's, or multi-turn replays would diverge. Token
+    40672 is 65 '=' characters, which llama-cpp-python's own detokenize drops."""
+    trainer, backend, _, _ = setup
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        ids = [int(i) for i in rng.integers(0, backend.vocab_size, rng.integers(1, 20))] + [40672, 2, 1]
+        rng.shuffle(ids)
+        expected = trainer.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        assert backend.detokenize(ids) == expected
+    text = "\n<|im_start|>user\nMoves: up, left ✓<|im_end|>\n<|im_start|>assistant\n"
+    assert backend.tokenize(text) == trainer.tokenizer(text, add_special_tokens=False).input_ids

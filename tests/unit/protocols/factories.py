@@ -2,7 +2,7 @@
 
 from protocols.messages import (
     Chunk, LeaseRequest, PeerAnnouncement, RolloutBatch, RolloutSample, RunManifest, Segment, TaskLease, TaskSpec,
-    TensorEntry, WeightUpdate,
+    TensorEntry, TurnFormat, WeightUpdate,
 )
 from protocols.signing import sha256_hex
 
@@ -16,6 +16,7 @@ def manifest(**kw) -> RunManifest:
         update="lora", staleness=4, task=TaskSpec("arithmetic", {"digits": 1, "ops": "+"}), group_size=4,
         max_new_tokens=32, temperature=1.0, run_key=KEY, trainer_addrs=("/ip4/127.0.0.1/tcp/1/p2p/Qm",),
         update_params={"rank": 8, "alpha": 16.0}, created=1.5,
+        turns=TurnFormat("<|im_end|>\n<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n", "<|im_end|>"),
     )
     return RunManifest(**{**fields, **kw})
 

@@ -140,6 +140,18 @@ def test_manifest_values_are_checked():
         RunManifest.from_wire(envelope(factories.manifest(), update_params={"rank": [1, 2]}))
     with pytest.raises(ProtocolError, match="temperature"):
         RunManifest.from_wire(envelope(factories.manifest(), temperature=True))
+    task = factories.manifest().task.to_dict()
+    with pytest.raises(InvalidValue, match="max_turns"):
+        RunManifest.from_wire(envelope(factories.manifest(), task={**task, "max_turns": 0}))
+    with pytest.raises(ProtocolError, match="turns.open"):
+        RunManifest.from_wire(envelope(factories.manifest(), turns={"open": "x" * 300, "close": "", "end": ""}))
+
+
+def test_turn_format_writes_environment_turns_in_the_chat_format():
+    turns = factories.manifest().turns
+    assert turns.env_text("3 e's", model_stopped=False) == "<|im_end|>\n<|im_start|>user\n3 e's<|im_end|>\n<|im_start|>assistant\n"
+    # A model that ended its own turn already wrote <|im_end|>.
+    assert turns.env_text("3 e's", model_stopped=True) == "\n<|im_start|>user\n3 e's<|im_end|>\n<|im_start|>assistant\n"
 
 
 def test_weight_update_values_are_checked():
