@@ -72,10 +72,22 @@ def run_coordinator(run: RunConfig, trainer_config: TrainerConfig, demo: bool = 
     return 0
 
 
-def model_turns(sample) -> int:
-    """Model turns in a sample's transcript: the runs of trained (mask 1) tokens."""
-    mask = sample.loss_mask
-    return sum(1 for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1]))
+def turns(sample) -> list[tuple[str, int, int]]:
+    """A sample's transcript as (role, start, end) spans: runs of model (mask 1) or env tokens."""
+    spans: list[tuple[str, int, int]] = []
+    for i, m in enumerate(sample.loss_mask):
+        role = "model" if m else "env"
+        if spans and spans[-1][0] == role:
+            spans[-1] = (role, spans[-1][1], i + 1)
+        else:
+            spans.append((role, i, i + 1))
+    return spans
+
+
+def transcript(sample, decode) -> dict:
+    """One trained sample as text, for `transcripts.jsonl`: what the model saw, wrote and scored."""
+    return dict(seed=sample.group, reward=sample.reward, prompt=decode(sample.prompt_ids),
+                turns=[[role, decode(sample.completion_ids[a:b])] for role, a, b in turns(sample)])
 
 
 class Coordinator:
@@ -263,6 +275,8 @@ class Coordinator:
         from protocols.transport.dht import record_key
 
         cfg, metrics = self.run_config, MetricsLog(self.data_dir / "metrics.jsonl")
+        # The best and the worst sample of each step, as text: what the policy is doing.
+        examples = MetricsLog(self.data_dir / "transcripts.jsonl")
         cycle_start = time.time()
         try:
             while service.version < cfg.steps:
@@ -279,16 +293,20 @@ class Coordinator:
                 now = time.time()
                 reward_mean = sum(batch.rewards) / max(len(batch.rewards), 1)
                 histogram = Counter(batch.staleness)
+                model_turns = [sum(role == "model" for role, _, _ in turns(s)) for s in batch.samples]
                 metrics.write(dict(
                     version=version, mode=cfg.mode, samples=len(batch.samples), reward_mean=reward_mean,
                     accepted=len(batch.samples), rejected=sum(service.rejections.values()) - rejected_before,
                     dropped_stale=batch.dropped, staleness_max=max(batch.staleness, default=0),
                     staleness_histogram={str(k): histogram[k] for k in sorted(histogram)},
-                    turns_mean=sum(map(model_turns, batch.samples)) / max(len(batch.samples), 1),
+                    turns_mean=sum(model_turns) / max(len(model_turns), 1),
                     step_seconds=now - cycle_start, wait_seconds=waited,
                     busy_fraction=stats.busy_seconds / max(now - cycle_start, 1e-9), time=now,
                     **{k: v for k, v in asdict(stats).items() if k != "samples"},
                 ))
+                ranked = sorted(batch.samples, key=lambda x: x.reward)[::-1]
+                examples.write(dict(version=version, samples=[transcript(x, service.transcripts.decode)
+                                                              for x in ranked[:1] + ranked[-1:]]))
                 console.print(
                     f"version {version} -> {service.version}: reward {reward_mean:.3f} over {len(batch.samples)} samples "
                     f"(staleness max {max(batch.staleness, default=0)}, {batch.dropped} dropped), wait {waited:.1f}s, "
@@ -297,6 +315,7 @@ class Coordinator:
                 cycle_start = now
         finally:
             metrics.close()
+            examples.close()
 
     async def _collect(self, service: RunService, version: int):
         """Sequential: lease this version's seeds and wait for every group. Async: take the oldest

@@ -55,6 +55,14 @@ threads = 1
         assert r["turns_mean"] == 3.0
         # Trained tokens are the model's 3 turns of at most 8 tokens; environment turns are masked out.
         assert 0 < r["tokens"] <= r["trained_samples"] * 3 * 8
+    # transcripts.jsonl shows the best and the worst episode of each step as text.
+    logged = [json.loads(line) for line in (run_dir / "transcripts.jsonl").read_text().splitlines()]
+    assert [x["version"] for x in logged] == list(range(STEPS))
+    for x in logged:
+        best, worst = x["samples"]
+        assert best["reward"] >= worst["reward"] and "Round 1 of game" in best["prompt"]
+        assert [role for role, _ in best["turns"]] == ["model", "env", "model", "env", "model"]
+        assert "more e!<|im_end|>" in best["turns"][1][1]
     with sqlite3.connect(run_dir / "ledger.sqlite") as db:
         accepted, credited_tokens = db.execute("SELECT SUM(accepted), SUM(tokens) FROM peers").fetchone()
     assert accepted == 8 * STEPS
