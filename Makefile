@@ -29,8 +29,10 @@ test: install
 test-all: install
 	$(BIN)/python -m pytest -q
 
+TASK ?= demo
+
 demo: install
-	$(BIN)/python -m echo_coordinator.demo
+	$(BIN)/python -m echo_coordinator.demo $(TASK)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

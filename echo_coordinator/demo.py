@@ -1,6 +1,9 @@
 """`make demo`: a coordinator and two local nodes on SmolLM2-135M, a short sequential-pull run,
 live progress, and the reward per version at the end. Every process is ours and is stopped by
-PID on the way out, Ctrl-C included."""
+PID on the way out, Ctrl-C included.
+
+`make demo TASK=sokoban` (or `python -m echo_coordinator.demo sokoban`) runs the same swarm on
+another shipped config, `echo_coordinator/configs/<TASK>.toml`: sokoban, math or kk."""
 
 from __future__ import annotations
 
@@ -18,10 +21,15 @@ BIN = Path(sys.executable).parent
 NODES = ("alice", "bob")
 
 
-def main() -> int:
-    data_dir = Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
+def main(task: str = "demo") -> int:
+    configs = resources.files("echo_coordinator") / "configs"
+    config = configs / f"{task}.toml"
+    if not config.is_file():
+        shipped = sorted(p.name.removesuffix(".toml") for p in configs.iterdir() if p.name.endswith(".toml"))
+        print(f"no shipped config {task!r}; choose one of: {', '.join(shipped)}", file=sys.stderr)
+        return 2
+    data_dir = Path("runs") / time.strftime(f"{task}-%Y%m%d-%H%M%S")
     data_dir.mkdir(parents=True)
-    config = resources.files("echo_coordinator") / "configs" / "demo.toml"
     started = time.monotonic()
     children: list[subprocess.Popen] = []
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # progress lines arrive as they happen
@@ -89,4 +97,4 @@ def print_rewards(metrics: Path, seconds: float) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(*sys.argv[1:2]))

@@ -1,4 +1,4 @@
-"""Arithmetic word problems from a seed, scored by the last integer in the answer.
+"""Arithmetic word problems from a seed, scored on the final number (`tasks.answers`).
 
 Difficulty knobs: `digits` (operand size), `terms` (numbers per problem) and `ops` (any of
 "+-*"). The demo default, one-digit addition in short word problems, starts SmolLM2-135M-Instruct
@@ -8,10 +8,10 @@ in the 10-60 % reward band that GRPO learns from fastest (see docs/tasks.md for 
 from __future__ import annotations
 
 import random
-import re
 from dataclasses import dataclass
 
-from tasks.base import Problem
+from tasks.answers import is_correct
+from tasks.base import Problem, SingleTurnTask
 
 SYSTEM = "Solve the problem. End your reply with the final answer as a number."
 TEMPLATES = (
@@ -20,12 +20,10 @@ TEMPLATES = (
     "A box holds {a} red balls and {b} blue balls. How many balls are in the box? ({expr})",
     "Sam has {a} coins and finds {b} more. How many coins does Sam have now? ({expr})",
 )
-_INTEGER = re.compile(r"-?\d[\d,]*")
-MAX_COMPLETION_CHARS = 20_000  # longer answers score 0 rather than cost regex time
 
 
 @dataclass(frozen=True)
-class ArithmeticTask:
+class ArithmeticTask(SingleTurnTask):
     digits: int = 1
     terms: int = 2
     ops: str = "+"
@@ -52,19 +50,7 @@ class ArithmeticTask:
         return Problem(seed=seed, messages=(("system", SYSTEM), ("user", text)), answer=answer)
 
     def reward(self, problem: Problem, completion: str) -> float:
-        found = extract_final_integer(completion)
-        return 1.0 if found is not None and found == int(problem.answer) else 0.0
-
-
-def extract_final_integer(text: str) -> int | None:
-    """The last integer written in `text` ("1,234" reads as 1234), or None."""
-    if len(text) > MAX_COMPLETION_CHARS:
-        return None
-    matches = _INTEGER.findall(text)
-    if not matches:
-        return None
-    digits = matches[-1].replace(",", "")
-    return int(digits) if digits.lstrip("-") else None
+        return 1.0 if is_correct(completion, problem.answer) else 0.0
 
 
 def _evaluate(numbers: list[int], ops: list[str]) -> int:

@@ -14,9 +14,12 @@ from typing import Any
 
 from tasks.arithmetic import ArithmeticTask
 from tasks.base import Task
+from tasks.knights import KnightsTask
+from tasks.maths import MathTask
+from tasks.sokoban import SokobanTask
 
 ENTRY_POINT_GROUP = "echo_swarm.tasks"
-TASKS: dict[str, type[Task]] = {"arithmetic": ArithmeticTask}
+TASKS: dict[str, type[Task]] = {"arithmetic": ArithmeticTask, "math": MathTask, "sokoban": SokobanTask, "kk": KnightsTask}
 
 
 class TaskError(ValueError):
