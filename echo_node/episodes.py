@@ -3,7 +3,7 @@
 After the trainer-rendered prompt the transcript alternates model turns (sampled, with behaviour
 logprobs; trained: loss mask 1) and environment turns (the observation written in the run's chat
 `TurnFormat` and tokenized here; logprob 0, loss mask 0). The trainer replays the episode from the
-seed and the model turns (`echo_coordinator.episodes`) and refuses a transcript whose environment
+seed and the model turns (`echo_coordinator.rewards`) and refuses a transcript whose environment
 turns differ, so this loop and that replay must agree turn for turn:
 
 - a model turn is at most `max_new_tokens` tokens; its text, without a final end-of-turn token and

@@ -11,6 +11,7 @@ from echo_node.episodes import play
 from echo_node.llama_backend import LlamaBackend
 from protocols.errors import TranscriptError
 from protocols.messages import Segment
+from tasks.sokoban import SokobanTask
 from tests.support.envs import MoreE, e_share
 from tests.support.tiny_model import build_tiny_gguf
 
@@ -34,6 +35,18 @@ def played(setup, task, seed, sample_seed=7):
     prompt = prompt_ids(tokenizer, episode.messages)
     sample = play(backend, episode, seed, prompt, rules.turns, task.max_turns, MAX_NEW, 1.0, sample_seed)
     return sample, episode
+
+
+def test_a_real_environment_replays_too(setup):
+    """Sokoban's observations (boards, newlines, unicode-free but symbol-heavy) survive the node's
+    tokenizer and the trainer's decoder unchanged, whatever the model writes."""
+    _, _, rules = setup
+    task = SokobanTask(max_turns=3)
+    for seed in range(3):
+        sample, episode = played(setup, task, seed, sample_seed=seed)
+        assert [s.role for s in sample.segments] == ["model", "env", "model", "env", "model"]
+        assert score(task, sample, rules) == episode.score()
+        assert "Boxes on goals: 0/2." in rules.decode(sample.completion_ids)
 
 
 def test_the_trainer_replays_what_the_node_played(setup):
