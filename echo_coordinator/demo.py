@@ -40,12 +40,13 @@ def main(task: str = "demo") -> int:
         )
         children.append(coordinator)
         join = data_dir / "join.txt"
+        full_log = open(data_dir / "coordinator.log", "w")  # everything, for when something goes wrong
         for line in coordinator.stdout:
-            show("coordinator", line)
+            show("coordinator", line, full_log)
             if join.exists():
                 break
         else:
-            return coordinator.wait() or 1
+            return report_exit(coordinator.wait(), data_dir)
         argv = shlex.split(join.read_text())
         for name in NODES:
             log = open(data_dir / f"{name}.log", "w")
@@ -55,10 +56,11 @@ def main(task: str = "demo") -> int:
             ))
         print(f"started nodes {', '.join(NODES)} (logs in {data_dir})", flush=True)
         for line in coordinator.stdout:
-            show("coordinator", line)
-        code = coordinator.wait()
-        for node in children[1:]:
-            node.wait(timeout=60)
+            show("coordinator", line, full_log)
+        code = report_exit(coordinator.wait(), data_dir)
+        if code == 0:
+            for node in children[1:]:
+                node.wait(timeout=60)  # they leave once told the run is over
     except KeyboardInterrupt:
         print("\ninterrupted; stopping the swarm", flush=True)
         code = 130
@@ -68,10 +70,22 @@ def main(task: str = "demo") -> int:
     return code
 
 
-def show(who: str, line: str) -> None:
+def show(who: str, line: str, log) -> None:
+    log.write(line)
+    log.flush()
     # Keep the run's own progress lines; skip library chatter (progress bars, warnings).
     if any(k in line for k in ("version", "join", "waiting", "loading", "error", "run ")):
         print(f"[{who}] {line.rstrip()}", flush=True)
+
+
+def report_exit(code: int, data_dir: Path) -> int:
+    if code < 0:
+        reason = " (killed; SIGKILL often means out of memory: see `dmesg`)" if code == -signal.SIGKILL else ""
+        print(f"the coordinator died from signal {-code}{reason}; its log: {data_dir / 'coordinator.log'}", flush=True)
+        return 1
+    if code != 0:
+        print(f"the coordinator exited with code {code}; its log: {data_dir / 'coordinator.log'}", flush=True)
+    return code
 
 
 def stop(children: list[subprocess.Popen]) -> None:

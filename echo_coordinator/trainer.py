@@ -85,6 +85,18 @@ def save_tensors(tensors: dict[str, np.ndarray], path: Path) -> None:
     tmp.replace(path)
 
 
+def micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Sample indices grouped so each group's padded size (count x longest) stays within
+    `max_tokens` (a longer sample goes alone); longest first, so similar lengths share padding."""
+    groups: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= max_tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
 class Trainer:
     def __init__(self, model_path: Path, config: TrainerConfig, temperature: float, seed: int = 0, update: str = "lora"):
         torch.manual_seed(seed)
@@ -116,9 +128,9 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         sums = dict(loss=0.0, tokens=0, clipped_tis=0, clipped_ratio=0, kl=0.0, log_ratio=0.0)
         by_staleness: dict[int, list[float]] = {}  # staleness -> [log-ratio sum, tokens]
-        micro = self.config.micro_batch
-        for i in range(0, len(trained), micro):
-            part = trained[i : i + micro]
+        lengths = [len(s.prompt_ids) + len(s.completion_ids) for s, _ in trained]
+        for indices in micro_batches(lengths, self.config.micro_batch_tokens):
+            part = [trained[i] for i in indices]
             ids, mask, behaviour = self._pack([s for s, _ in part])
             new = self._logprobs(ids)  # (B, L-1)
             adv = torch.tensor([a for _, a in part], dtype=torch.float32)

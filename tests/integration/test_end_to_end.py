@@ -76,7 +76,7 @@ lease_seconds = 60
 [trainer]
 lora_rank = 4
 learning_rate = 0.01
-micro_batch = 8
+micro_batch_tokens = 512
 threads = 1
 """)
     return path
