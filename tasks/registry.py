@@ -52,6 +52,8 @@ def _load(name: str, load) -> Any:
 def make_task(name: str, params: dict[str, Any] | None = None) -> Task:
     cls = task_class(name)
     try:
-        return cls(**(params or {}))
+        task = cls(**(params or {}))
+        task.episode(0)  # parameters no episode can satisfy fail here, at start, not in every lease
     except (TypeError, ValueError) as e:
         raise TaskError(f"bad parameters for task {name!r}: {e}") from None
+    return task

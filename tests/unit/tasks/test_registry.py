@@ -46,3 +46,6 @@ def test_bad_parameters_are_refused_clearly():
         make_task("arithmetic", {"level": 3})
     with pytest.raises(TaskError, match="digits must be 1..6"):
         make_task("arithmetic", {"digits": 0})
+    # Parameters no episode can satisfy fail at start, not in every lease of the run.
+    with pytest.raises(TaskError, match="bad parameters for task 'sokoban'.*lower min_solution"):
+        make_task("sokoban", {"size": 5, "boxes": 1, "min_solution": 12, "max_turns": 2})
