@@ -71,9 +71,9 @@ class TrainerConfig:
     clip_eps: float = 0.2  # PPO/GRPO ratio clip
     tis_cap: float = 2.0  # truncated importance sampling cap on pi_trainer / pi_behaviour per token
     # Padded tokens per forward/backward: bounds activation memory, about 2.7 MB a token on the CPU
-    # for SmolLM2-135M with LoRA (measured), so 4096 peaks near 11 GB; long multi-turn transcripts
+    # for SmolLM2-135M with LoRA (measured), so 2048 peaks near 6 GB; long multi-turn transcripts
     # are split across more micro-batches instead of running out of memory.
-    micro_batch_tokens: int = 4096
+    micro_batch_tokens: int = 2048
     threads: int = 0  # torch CPU threads; 0 = torch's default
 
     def __post_init__(self):
