@@ -50,6 +50,7 @@ _REPORT = re.compile(
     r"[^\S\n]*(?:that\b)?[^\S\n]*:?[^\S\n]*(?:\"[^\"\n]*\"?|“[^”\n]*”?|[^,;.!?\n\"“]*)",
     re.I,
 )
+_COPULA = r"(?:\b(?:is|are|was|were|be|being|been|remains?|stays?)\b|[:=(|\-–—→>])"
 _MARKER = re.compile(
     r"<answer>|\b(?:answers?|final|finally|solution|result|verdict|overall|conclusions?|conclude|summary"
     r"|summari[sz]e|summari[sz]ing|therefore|thus|hence|consequently|so)\b",
@@ -102,10 +103,14 @@ def _patterns(names: tuple[str, ...]) -> tuple[re.Pattern, re.Pattern, re.Patter
     # At most MAX_LIST names, and separators with one parse each: bounded backtracking on any text.
     separator = r"(?:\s*,\s*(?:and\s+)?|\s+and\s+|\s*[&/]\s*|\s+nor\s+)"
     name_list = rf"{name}(?:{separator}{name}){{0,{MAX_LIST - 1}}}"
-    gap = rf"(?:(?!{name}|{_ROLE})[^.!?;\n]){{0,{MAX_GAP}}}?"
+    # Between names and role there must be a copula or a separator ("is", "are ... be", ":", "=",
+    # "-", "(", "|", "->"): "Tom has no knights" or "Bob likes knaves" assign nothing.
+    free = rf"(?:(?!{name}|{_ROLE})[^.!?;\n])"
+    gap = rf"(?={free}{{0,{MAX_GAP}}}?{_COPULA}){free}{{0,{MAX_GAP}}}?"
     # A role chained to the previous one for the same names: "a knight or a knave", "knight/knave",
-    # "a knight, not a knave". Plain "and"/"," do not chain: "Bob is a knave, and knights ...".
-    chain = r"(?:\s*/\s*|,?\s*\b(?:or|nor)\b\s*|,?\s*(?:\b(?:and|but)\s+)?(?=not\b))(?:not\s+)?(?:an?\s+|the\s+)?"
+    # "knights and knaves", "a knight, not a knave". A comma before "and" does not chain: "Bob is a
+    # knave, and knights ...".
+    chain = r"(?:\s*/\s*|,?\s*\b(?:or|nor)\b\s*|\s+and\s+|,?\s*(?:\b(?:and|but)\s+)?(?=not\b))(?:not\s+)?(?:an?\s+|the\s+)?"
     role_first = re.compile(
         # Only where a subject starts ("So the knights are ..."), never after "a"/"is" ("is a knight: ...").
         r"(?:^|(?<=[,(:])|\b(?:and|while|whereas|but|so|thus|therefore|hence|then)\b)[\s\-–—•>)]*"
