@@ -26,6 +26,7 @@ from tests.support.tiny_model import build_tiny_gguf
 
 VENV_BIN = Path(sys.executable).parent
 STEPS = 3
+LETTER_E = "tests.support.envs:LetterE"  # a user environment by dotted path that a tiny model can learn
 
 
 def wait_for(predicate, timeout: float, what: str, procs=()):
@@ -59,7 +60,7 @@ def tiny_model(tmp_path_factory) -> Path:
     return build_tiny_gguf(tmp_path_factory.mktemp("model") / "tiny.gguf")
 
 
-def write_config(path: Path, model: Path, data_dir: Path, task: str = "tests.support.envs:LetterE", steps: int = STEPS) -> Path:
+def write_config(path: Path, model: Path, data_dir: Path, task: str = LETTER_E, steps: int = STEPS) -> Path:
     path.write_text(f"""
 [run]
 model = "{model}"
