@@ -108,9 +108,10 @@ def _patterns(names: tuple[str, ...]) -> tuple[re.Pattern, re.Pattern, re.Patter
     free = rf"(?:(?!{name}|{_ROLE})[^.!?;\n])"
     gap = rf"(?={free}{{0,{MAX_GAP}}}?{_COPULA}){free}{{0,{MAX_GAP}}}?"
     # A role chained to the previous one for the same names: "a knight or a knave", "knight/knave",
-    # "knights and knaves", "a knight, not a knave". A comma before "and" does not chain: "Bob is a
-    # knave, and knights ...".
-    chain = r"(?:\s*/\s*|,?\s*\b(?:or|nor)\b\s*|\s+and\s+|,?\s*(?:\b(?:and|but)\s+)?(?=not\b))(?:not\s+)?(?:an?\s+|the\s+)?"
+    # "knights and knaves", "a knight, not a knave", "a knight, who is also a knave". A comma before
+    # "and" does not chain: "Bob is a knave, and knights ...".
+    chain = (r"(?:\s*/\s*|,?\s*\b(?:or|nor)\b\s*|\s+and\s+|,?\s*(?:\b(?:and|but)\s+)?(?=not\b)"
+             r"|,?\s*\b(?:who|which|that)\s+(?:is|are|was|were)\s+(?:also\s+)?)(?:not\s+)?(?:an?\s+|the\s+)?")
     role_first = re.compile(
         # Only where a subject starts ("So the knights are ..."), never after "a"/"is" ("is a knight: ...").
         r"(?:^|(?<=[,(:])|\b(?:and|while|whereas|but|so|thus|therefore|hence|then)\b)[\s\-–—•>)]*"

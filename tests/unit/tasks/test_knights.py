@@ -197,6 +197,8 @@ def test_wrong_partial_hedged_and_adversarial_answers_score_zero():
             # read "knights and knaves" as both roles.
             "everyone both": f"{', '.join(roles)} are the knights and knaves.",
             "no identity": " and ".join(f"{n} has no {_word(k)}s" for n, k in roles.items()) + ".",
+            "relative clause": correct.replace(f"{first} is a {_word(roles[first])}",
+                                               f"{first} is a {_word(roles[first])}, who is also a {_word(not roles[first])}"),
         }
         for kind, text in bad.items():
             assert task.reward(problem, text) == 0.0, (kind, text)
