@@ -27,7 +27,8 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
-MAX_CHARS = 20_000  # longer replies read as None rather than cost regex time
+from tasks.base import MAX_REPLY_CHARS  # longer replies read as None
+
 MAX_DIGITS = 100
 
 _NUMBER = re.compile(
@@ -50,7 +51,7 @@ _LATEX_NOISE = (("{,}", ","), ("\\,", ""), ("\\!", ""), ("\\;", " "), ("\\ ", " 
 
 def extract_answer(text: str) -> Fraction | None:
     """The final answer a reply commits to (rules in the module docstring), or None."""
-    if not isinstance(text, str) or len(text) > MAX_CHARS:
+    if not isinstance(text, str) or len(text) > MAX_REPLY_CHARS:
         return None
     text = _normalize(text)
     for marked in (_boxed_values, _hash_values, _phrase_values):
@@ -63,7 +64,7 @@ def extract_answer(text: str) -> Fraction | None:
 def parse_number(text: str) -> Fraction | None:
     """The value of a short answer holding exactly one number ("72", "$1,234", "3/4", "\\frac{3}{4}",
     "26 muffins"); None when it holds none or several ("12 or 13", "x^2 = 4")."""
-    if not isinstance(text, str) or len(text) > MAX_CHARS:
+    if not isinstance(text, str) or len(text) > MAX_REPLY_CHARS:
         return None
     numbers = list(_NUMBER.finditer(_normalize(text)))
     return _value(numbers[0]) if len(numbers) == 1 else None

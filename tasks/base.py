@@ -17,6 +17,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+MAX_REPLY_CHARS = 20_000  # verifiers read no more of a reply: bounds regex work on runaway text
 Message = tuple[str, str]  # (role, content) chat turn: role is "system", "user" or "assistant"
 
 

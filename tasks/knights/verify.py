@@ -1,6 +1,6 @@
 """Grading a free-text knights-and-knaves answer: 1.0 for a clear, complete, correct assignment.
 
-The reply is read in four steps, all regex and all capped (over MAX_CHARS characters scores 0):
+The reply is read in four steps, all regex and all capped (over MAX_REPLY_CHARS characters scores 0):
 
 1. Normalise: NFKC, drop invisible format characters (zero-width, bidi controls), drop markdown
    emphasis (`*`, `_`, `` ` ``, `#`) so "**Alice** is a knave" reads as plain text.
@@ -28,7 +28,8 @@ import re
 import unicodedata
 from functools import lru_cache
 
-MAX_CHARS = 20_000  # longer replies score 0 rather than cost regex time
+from tasks.base import MAX_REPLY_CHARS  # longer replies score 0
+
 MAX_LIST = 8  # names in one list ("Alice, Bob and Carol are knights"); a puzzle has at most 8
 MAX_GAP = 60  # characters allowed between a name list and its role word ("Alice is, in fact, a knight")
 
@@ -66,7 +67,7 @@ def grade(completion: str, answer: str) -> float:
         truth = dict(part.split("=") for part in answer.split(","))
     except ValueError:
         return 0.0
-    if not isinstance(completion, str) or len(completion) > MAX_CHARS:
+    if not isinstance(completion, str) or len(completion) > MAX_REPLY_CHARS:
         return 0.0
     stated = read_assignment(completion, tuple(truth))
     return 1.0 if stated == {name: {truth[name] == "knight"} for name in truth} else 0.0
@@ -75,7 +76,7 @@ def grade(completion: str, answer: str) -> float:
 def read_assignment(text: str, names: tuple[str, ...]) -> dict[str, set[bool]] | None:
     """Name -> roles stated (True = knight) in the answer region, or None when even the whole reply
     leaves someone out. A name with two roles is a contradiction the caller scores 0."""
-    text = _normalise(text[:MAX_CHARS])[:MAX_CHARS]  # NFKC can lengthen text
+    text = _normalise(text[:MAX_REPLY_CHARS])[:MAX_REPLY_CHARS]  # NFKC can lengthen text
     found = sorted(_assignments(text, names))  # (position, name, knight)
     boundaries = sorted({m.end() for m in _MARKER.finditer(text)} | {0}, reverse=True)
     roles: dict[str, set[bool]] = {}

@@ -31,11 +31,10 @@ import random
 import re
 from dataclasses import dataclass
 
-from tasks.base import Episode, Step, Task
+from tasks.base import MAX_REPLY_CHARS, Episode, Step, Task
 from tasks.sokoban.generate import generate
 from tasks.sokoban.level import LEGEND, WORDS, Level
 
-MAX_REPLY_CHARS = 20_000  # bounds regex work on runaway replies; a real answer is a few dozen words
 PARTIAL_WEIGHT = 0.5  # all of an unsolved board's boxes on goals would still score below a solve
 
 SYSTEM = (

@@ -5,6 +5,7 @@ import dataclasses
 
 import pytest
 
+from echo_coordinator.coordinator import turns
 from echo_coordinator.rewards import Transcripts, score
 from echo_coordinator.trainer import load_tokenizer, prompt_ids, turn_format
 from echo_node.episodes import play
@@ -67,17 +68,8 @@ def test_the_trainer_replays_what_the_node_played(setup):
                 assert "more e!<|im_end|>\n<|im_start|>assistant\n" in rules.decode(sample.completion_ids[part])
             position += segment.length
     # The score is the task's, from the text the model wrote.
-    model_text = "".join(rules.decode(sample.completion_ids[slice(*span)]) for span in model_spans(sample))
+    model_text = "".join(rules.decode(sample.completion_ids[a:b]) for role, a, b in turns(sample) if role == "model")
     assert episode.score() == pytest.approx(e_share(model_text.replace("<|im_end|>", "")))
-
-
-def model_spans(sample):
-    position, spans = 0, []
-    for segment in sample.segments:
-        if segment.role == "model":
-            spans.append((position, position + segment.length))
-        position += segment.length
-    return spans
 
 
 def test_the_episode_ends_when_the_environment_says_done(setup):

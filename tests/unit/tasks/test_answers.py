@@ -5,7 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tasks.answers import MAX_CHARS, extract_answer, is_correct, parse_number
+from tasks.answers import extract_answer, is_correct, parse_number
+from tasks.base import MAX_REPLY_CHARS
 
 F = Fraction
 
@@ -126,8 +127,8 @@ def test_adversarial_text_is_fast_and_never_a_wrong_answer(text):
 
 
 def test_length_cap():
-    assert extract_answer("1 " * (MAX_CHARS // 2)) == 1
-    assert extract_answer(" " * MAX_CHARS + "1") is None
+    assert extract_answer("1 " * (MAX_REPLY_CHARS // 2)) == 1
+    assert extract_answer(" " * MAX_REPLY_CHARS + "1") is None
 
 
 @given(st.text(max_size=300))

@@ -2,9 +2,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tasks import Problem, make_task
+from tasks import Problem
 from tasks.arithmetic import ArithmeticTask
-from tasks.registry import TaskError
 
 
 def test_same_seed_same_problem_and_answers_are_right():
@@ -55,12 +54,3 @@ def test_reward_is_binary_and_adversarial_text_scores_zero():
 def test_reward_never_raises(text):
     assert ArithmeticTask().reward(ArithmeticTask().generate(0), text) in (0.0, 1.0)
 
-
-def test_registry():
-    assert make_task("arithmetic", {"digits": 2}).generate(3).seed == 3
-    with pytest.raises(TaskError, match="built-in tasks: arithmetic"):
-        make_task("chess")
-    with pytest.raises(TaskError, match="bad parameters"):
-        make_task("arithmetic", {"level": 3})
-    with pytest.raises(ValueError, match="digits"):
-        make_task("arithmetic", {"digits": 0})

@@ -42,6 +42,7 @@ def test_bad_names_are_refused_clearly(name, match):
 
 
 def test_bad_parameters_are_refused_clearly():
+    assert make_task("arithmetic", {"digits": 2}).generate(3).seed == 3
     with pytest.raises(TaskError, match="bad parameters for task 'arithmetic'"):
         make_task("arithmetic", {"level": 3})
     with pytest.raises(TaskError, match="digits must be 1..6"):
