@@ -106,6 +106,7 @@ class Node:
         self.version_changed = asyncio.Event()
         self.peer_versions: dict[str, int] = {}  # libp2p peer id -> version it announced
         self.stop_requested = threading.Event()  # seen by the generation thread between samples
+        self.task = None  # multi-turn runs: the environment this node steps (see _load_task)
 
     async def run(self) -> None:
         from protocols.transport.dht import SwarmDHT
