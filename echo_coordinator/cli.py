@@ -24,6 +24,8 @@ def start(
     data_dir: Optional[Path] = typer.Option(None, help="Run directory: key, metrics.jsonl, ledger."),
     host: Optional[str] = typer.Option(None, help="Listen address."),
     port: Optional[int] = typer.Option(None, help="Listen port (0 = any free port)."),
+    allow_keys: Optional[Path] = typer.Option(None, help="Only node keys listed in this file (fingerprints, one a line) may join."),
+    verify_fraction: Optional[float] = typer.Option(None, help="Share of a trusted node's batches whose sampling is verified."),
 ) -> None:
     """Start the coordinator and trainer; prints the `echo-node join` command for volunteers."""
     from echo_coordinator.config import ConfigError, load_config
@@ -32,6 +34,7 @@ def start(
         run, trainer = load_config(
             config, model=str(model) if model else None, task=task, mode=mode, steps=steps, min_nodes=min_nodes,
             data_dir=str(data_dir) if data_dir else None, host=host, port=port,
+            allow_keys=str(allow_keys) if allow_keys else None, verify_fraction=verify_fraction,
         )
     except ConfigError as e:
         raise typer.BadParameter(str(e)) from None
@@ -62,11 +65,14 @@ def status(
     from rich.table import Table
 
     table = Table(title=f"run {report.get('run_id')}  mode {report.get('mode')}  version {report.get('version')}")
-    for column in ("name", "node_id", "accepted", "rejected", "tokens", "last_seen"):
+    for column in ("name", "node_id", "accepted", "rejected", "tokens", "verified", "banned", "last_seen"):
         table.add_column(column)
+    now = time.time()
     for p in report["peers"]:
+        banned = f"{p['banned_until'] - now:.0f} s more" if p["banned_until"] > now else ""
         table.add_row(p["name"], p["node_id"][:12], str(p["accepted"]), str(p["rejected"]), str(p["tokens"]),
-                      f"{time.time() - p['last_seen']:.0f} s ago")
+                      f"{p['verified_batches']} ok / {p['failed_batches']} failed", banned,
+                      f"{now - p['last_seen']:.0f} s ago")
     Console().print(table)
 
 

@@ -42,6 +42,10 @@ class RunConfig:
     port: int = 31337  # DHT/stream listen port (0 = any free port)
     data_dir: str = "runs/latest"  # run key, metrics.jsonl, ledger, checkpoints
     seed: int = 0  # task seeds and torch initialisation
+    # Share of a trusted key's batches whose sampling is verified (new keys and keys that ever
+    # failed are always checked); see docs/verification.md for the detection odds and the cost.
+    verify_fraction: float = 1.0
+    allow_keys: str = ""  # a file of node key fingerprints, one a line; "" = any key may join
 
     def __post_init__(self):
         _check(self.mode in MODES, "mode", f"must be one of {', '.join(MODES)}, got {self.mode!r}")
@@ -60,6 +64,7 @@ class RunConfig:
         _check(self.min_nodes >= 1, "min_nodes", f"must be at least 1, got {self.min_nodes}")
         _check(self.lease_seconds > 0, "lease_seconds", f"must be positive, got {self.lease_seconds}")
         _check(0 <= self.port <= 65535, "port", f"must be 0..65535, got {self.port}")
+        _check(0 < self.verify_fraction <= 1, "verify_fraction", f"must be in (0, 1], got {self.verify_fraction}")
 
 
 @dataclass(frozen=True)

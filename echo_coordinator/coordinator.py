@@ -26,23 +26,23 @@ from echo_coordinator import publish
 from echo_coordinator.config import RunConfig, TrainerConfig
 from echo_coordinator.ledger import Ledger, MetricsLog
 from echo_coordinator.rewards import Transcripts
-from echo_coordinator.service import RunService
+from echo_coordinator.peers import SpotCheck, read_allow_list
+from echo_coordinator.service import Policing, RunService
+from echo_coordinator.verify import Verifier, lora_base
+from protocols import rpc
 from protocols.errors import EchoError, TransportError
-from protocols.messages import (
-    LeaseRequest, RolloutBatch, RunManifest, TaskSpec, verified_announcements,
-)
+from protocols.messages import LeaseRequest, RunManifest, TaskSpec, verified_announcements
+from protocols.sampling import SamplingRule
 from protocols.signing import fingerprint, load_or_create_key, public_bytes, sha256_file, sign_message
 from protocols.sync import Mode
 from protocols.transport.relay import Relay
 from protocols.uploads import UploadBudget
-from protocols.wire import MAX_MESSAGE_BYTES
 from tasks import TaskError, make_task
 
 log = logging.getLogger(__name__)
 console = Console(soft_wrap=True)
 
 RECORD_TTL = 120.0  # seconds; DHT records are refreshed at a third of this
-HANDLER_TIMEOUT = 120.0
 PEER_REFRESH = 1.0  # seconds between reads of the nodes' announcements (who can relay what)
 LINGER_SECONDS = 15.0  # after the last step, how long to keep serving nodes that have not heard
 
@@ -108,6 +108,10 @@ class Coordinator:
             raise EchoError(str(e)) from None
         self.peer_versions: dict[str, int] = {}  # libp2p peer id -> version it announced
         self.torch_thread = ThreadPoolExecutor(1, thread_name_prefix="trainer")
+        try:
+            self.allow = read_allow_list(Path(run.allow_keys).expanduser()) if run.allow_keys else None
+        except (OSError, ValueError) as e:
+            raise EchoError(f"allow_keys: {e}") from None
 
     async def run(self) -> None:
         from echo_coordinator.trainer import Trainer  # heavy: torch, transformers
@@ -170,10 +174,16 @@ class Coordinator:
         # The trainer sends about `trainer_upload_copies` of each update; nodes relay the rest.
         budget = UploadBudget(cfg.trainer_upload_copies) if cfg.trainer_upload_copies > 0 else None
         relay = Relay(budget=budget, peers_holding=lambda v: sum(held >= v for held in self.peer_versions.values()))
+        # Verification runs the trainer's forward pass, so on the trainer's thread; handler threads wait.
+        self.verifier = Verifier(
+            lambda samples, seeds, weights: self.torch_thread.submit(trainer.evidence, samples, seeds, weights).result(),
+            SamplingRule(), keep_versions=cfg.staleness if cfg.mode == "async" else 0,
+        )
         service = RunService(
             manifest, self.key, self.task, render_prompt=lambda seed: prompt_ids(tokenizer, self.task.episode(seed).messages),
             transcripts=transcripts, ledger=ledger,
             lease_seconds=cfg.lease_seconds, seeds_per_lease=max(1, cfg.prompts_per_step // 4),
+            policing=Policing(self.verifier, SpotCheck(cfg.verify_fraction), allow=self.allow),
             relay=relay, first_seed=cfg.seed * 1_000_003 + 500_000,
         )
         self.publisher = self._make_publisher(trainer, manifest.run_id, resuming=bool(state))
@@ -184,6 +194,9 @@ class Coordinator:
             await self._on_trainer(trainer.load, self.data_dir / "checkpoint")
             self._publish(service, manifest, service.version, trainer.weights(), resumed=True)
             console.print(f"resuming run {manifest.run_id} at version {service.version}")
+        else:
+            initial = trainer.weights()
+            self.verifier.remember(0, lora_base(initial) if cfg.update == "lora" else initial)
         ledger.set_run(run_id=manifest.run_id, mode=cfg.mode, version=service.version, run_key=self.fp, steps=cfg.steps)
         endpoint = await dht.endpoint()
         await self._register_handlers(endpoint, service)
@@ -199,6 +212,7 @@ class Coordinator:
                     # Who holds which version: the relay's budget lets them serve before we do.
                     announced = verified_announcements(await dht.get(record_key(self.fp, "peers")))
                     self.peer_versions = {a.peer_id: a.version for a in announced}
+                    service.prune(time.time())
                 except TransportError as e:
                     log.warning("DHT refresh failed, will retry: %s", e)
                 await asyncio.sleep(PEER_REFRESH)
@@ -229,11 +243,15 @@ class Coordinator:
         if manifest.update == "lora":
             published = [publish.build_lora_update(manifest.run_id, version, weights, dict(manifest.update_params), self.key)]
             save_tensors(weights, self.data_dir / "adapters" / f"v{version}.safetensors")
-        elif resumed:
-            # The delta into this version died with the old process; a snapshot serves everyone.
-            published = [self.publisher.snapshot(version)]
+            held = weights
         else:
-            published = self.publisher.publish(version, weights)
+            if resumed:
+                # The delta into this version died with the old process; a snapshot serves everyone.
+                published = [self.publisher.snapshot(version)]
+            else:
+                published = self.publisher.publish(version, weights)
+            held = {k: v.copy() for k, v in self.publisher.view().items()}  # the view changes in place
+        self.verifier.remember(version, held)  # before nodes can hear of the version
         service.publish(published)
 
     def _make_publisher(self, trainer, run_id: str, resuming: bool):
@@ -254,13 +272,12 @@ class Coordinator:
             yield service.handle_lease(LeaseRequest.from_wire(request)).to_wire()
 
         async def push(request: bytes, peer: str):
-            batch = RolloutBatch.from_wire(request, vocab_size=service.manifest.vocab_size)
-            receipt = await asyncio.to_thread(service.handle_push, batch, peer)
+            receipt = await asyncio.to_thread(service.handle_push, request, peer)
             yield receipt.to_wire()
 
-        await endpoint.serve("echo.manifest", manifest, 1024, HANDLER_TIMEOUT)
-        await endpoint.serve("echo.lease", lease, 8 * 1024, HANDLER_TIMEOUT)
-        await endpoint.serve("echo.push", push, MAX_MESSAGE_BYTES, HANDLER_TIMEOUT)
+        await endpoint.serve(rpc.MANIFEST, manifest)
+        await endpoint.serve(rpc.LEASE, lease)
+        await endpoint.serve(rpc.PUSH, push)
         await service.relay.serve(endpoint)  # echo.update, echo.updates, echo.chunks
 
     async def _wait_for_nodes(self, dht, key: str, count: int, refresher: asyncio.Task, service: RunService) -> None:

@@ -1,7 +1,9 @@
 """The contribution ledger (SQLite) and the per-step metrics file.
 
 `DIR/ledger.sqlite` holds the run's identity and current version (table `run`) and one row per
-node key (table `peers`): what it got credited for and what was refused, by reason. Every
+node key (table `peers`): what it got credited for and what was refused, by reason; and each key's
+verification record and ban (table `trust`), so a ban outlives a restart. Only a key that signed
+what it sent gets a row: a batch whose signature fails never touches the ledger. Every
 write commits at once (WAL), so a crash loses nothing accepted and `echo-coordinator status`
 can read while the trainer writes. `DIR/metrics.jsonl` gets one JSON object per trainer step.
 """
@@ -10,7 +12,9 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,28 +34,67 @@ CREATE TABLE IF NOT EXISTS rejections (
     node_id TEXT NOT NULL, reason TEXT NOT NULL, count INTEGER NOT NULL,
     PRIMARY KEY (node_id, reason)
 );
+CREATE TABLE IF NOT EXISTS trust (
+    node_id TEXT PRIMARY KEY,
+    verified INTEGER NOT NULL DEFAULT 0,   -- batches whose sampling was checked and passed
+    failed INTEGER NOT NULL DEFAULT 0,     -- batches that failed verification: strikes
+    banned_until REAL NOT NULL DEFAULT 0   -- unix seconds
+);
 """
 
 
+@dataclass(frozen=True)
+class Trust:
+    verified: int = 0
+    failed: int = 0
+    banned_until: float = 0.0
+
+
 class Ledger:
+    """One connection shared by the handler threads and the step loop; `_lock` keeps their
+    transactions from interleaving on it."""
+
     def __init__(self, path: Path):
         self.path = Path(path)
         self.db = sqlite3.connect(self.path, timeout=10, isolation_level=None, check_same_thread=False)
+        self._lock = threading.RLock()
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.executescript(SCHEMA)
+
+    def trust(self, node_id: str) -> Trust:
+        with self._lock:
+            row = self.db.execute("SELECT verified, failed, banned_until FROM trust WHERE node_id = ?",
+                                  (node_id,)).fetchone()
+        return Trust(*row) if row else Trust()
+
+    def record_check(self, node_id: str, passed: bool, ban_seconds, now: float) -> Trust:
+        """Count one verified batch; a failure is a strike and bans the key for
+        `ban_seconds(strikes)` from `now`. Returns the key's record after it."""
+        with self._lock, self.db:
+            old = self.trust(node_id)
+            new = Trust(old.verified + passed, old.failed + (not passed),
+                        old.banned_until if passed else max(old.banned_until, now + ban_seconds(old.failed + 1)))
+            self.db.execute(
+                "INSERT INTO trust (node_id, verified, failed, banned_until) VALUES (?, ?, ?, ?) "
+                "ON CONFLICT(node_id) DO UPDATE SET verified = excluded.verified, failed = excluded.failed, "
+                "banned_until = excluded.banned_until",
+                (node_id, new.verified, new.failed, new.banned_until),
+            )
+        return new
 
     def close(self) -> None:
         self.db.close()
 
     def set_run(self, **values: Any) -> None:
-        with self.db:
+        with self._lock, self.db:
             self.db.executemany(
                 "INSERT INTO run (key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = excluded.value",
                 [(k, json.dumps(v)) for k, v in values.items()],
             )
 
     def run(self) -> dict[str, Any]:
-        return {k: json.loads(v) for k, v in self.db.execute("SELECT key, value FROM run")}
+        with self._lock:
+            return {k: json.loads(v) for k, v in self.db.execute("SELECT key, value FROM run")}
 
     def _touch(self, node_id: str, peer_id: str, name: str, now: float) -> None:
         self.db.execute(
@@ -62,7 +105,7 @@ class Ledger:
         )
 
     def credit(self, node_id: str, peer_id: str, name: str, samples: int, tokens: int, now: float | None = None) -> None:
-        with self.db:
+        with self._lock, self.db:
             self._touch(node_id, peer_id, name, now or time.time())
             self.db.execute(
                 "UPDATE peers SET accepted = accepted + ?, tokens = tokens + ? WHERE node_id = ?",
@@ -70,7 +113,7 @@ class Ledger:
             )
 
     def reject(self, node_id: str, peer_id: str, name: str, reason: str, samples: int = 1, now: float | None = None) -> None:
-        with self.db:
+        with self._lock, self.db:
             self._touch(node_id, peer_id, name, now or time.time())
             self.db.execute("UPDATE peers SET rejected = rejected + ? WHERE node_id = ?", (samples, node_id))
             self.db.execute(
@@ -80,13 +123,17 @@ class Ledger:
             )
 
     def peers(self) -> list[dict[str, Any]]:
-        rows = self.db.execute(
-            "SELECT node_id, peer_id, name, accepted, rejected, tokens, last_seen FROM peers ORDER BY accepted DESC"
-        ).fetchall()
-        reasons: dict[str, dict[str, int]] = {}
-        for node_id, reason, count in self.db.execute("SELECT node_id, reason, count FROM rejections"):
-            reasons.setdefault(node_id, {})[reason] = count
-        keys = ("node_id", "peer_id", "name", "accepted", "rejected", "tokens", "last_seen")
+        with self._lock:
+            rows = self.db.execute(
+                "SELECT p.node_id, p.peer_id, p.name, p.accepted, p.rejected, p.tokens, p.last_seen, "
+                "COALESCE(t.verified, 0), COALESCE(t.failed, 0), COALESCE(t.banned_until, 0) "
+                "FROM peers p LEFT JOIN trust t ON t.node_id = p.node_id ORDER BY p.accepted DESC"
+            ).fetchall()
+            reasons: dict[str, dict[str, int]] = {}
+            for node_id, reason, count in self.db.execute("SELECT node_id, reason, count FROM rejections"):
+                reasons.setdefault(node_id, {})[reason] = count
+        keys = ("node_id", "peer_id", "name", "accepted", "rejected", "tokens", "last_seen", "verified_batches",
+                "failed_batches", "banned_until")
         return [{**dict(zip(keys, row)), "rejected_by_reason": reasons.get(row[0], {})} for row in rows]
 
 

@@ -1,16 +1,21 @@
 """What the coordinator answers to nodes: leases and rollout pushes (updates are served by its relay).
 
-Transport-free: every handler takes a decoded message and returns one, raising a
-`ProtocolError` subclass for anything it refuses (the transport turns that into an ErrorReply
-and the ledger counts it). The step loop in `coordinator` drives `open_step` / `take_batch`.
-A batch is judged whole, before its lease is consumed: when the lease holder's signed batch is
-refused, the lease is released and its seeds go straight to the next node that asks; a batch
-that fails its signature never touches the lease. Nothing accepted is ever lost.
+Transport-free: every handler takes the request and returns a message, raising a `ProtocolError`
+subclass for anything it refuses (the transport turns that into an ErrorReply and the ledger
+counts it against the key that signed the request; an unsigned or forged one touches no row).
+
+A push is judged in three parts so that a slow batch never stalls the other handlers: under the
+lock, look up its lease and bind its version to it; outside the lock, check the samples, replay
+every episode for its reward and verify the sampling (`verify`); under the lock again, commit:
+the rollout gate, the lease, the replay buffer. When the lease holder's signed batch is refused
+the lease is released and its seeds go straight to the next node that asks. Nothing accepted is
+ever lost.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import random
 import secrets
 import threading
 import time
@@ -21,19 +26,33 @@ from dataclasses import dataclass
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from echo_coordinator.ledger import Ledger
+from echo_coordinator.peers import BanRule, RateLimit, SpotCheck
 from echo_coordinator.rewards import Transcripts, score
 from echo_coordinator.trainer import TrainSample
-from protocols.errors import InvalidValue, LeaseError, ProtocolError
+from echo_coordinator.verify import Verifier
+from protocols.errors import InvalidValue, LeaseError, PeerRefused, ProtocolError, VerificationError
 from protocols.messages import (
     LeaseRequest, NoWork, PushReceipt, RolloutBatch, RunManifest, TaskLease, WeightUpdate,
 )
 from protocols.signing import verify_message
 from protocols.transport.relay import Relay
-from protocols.sync import LeaseBook, Mode, ReplayBuffer, RolloutGate, Verdict
+from protocols.sync import Lease, LeaseBook, Mode, ReplayBuffer, RolloutGate, Verdict, lease_admits
 from tasks import Task
 
 REQUEST_MAX_AGE = 300.0  # seconds; older signed lease requests are replays
 RETRY_AFTER = 0.5  # seconds a node waits after NoWork
+MAX_LEASES_PER_KEY = 2  # outstanding at once: one in generation, one whose push is being retried
+LEASE_RATE = RateLimit(rate=4.0, burst=8.0)  # lease requests per key; an honest node asks every 0.5 s at most
+
+
+@dataclass(frozen=True)
+class Policing:
+    """How the service polices peers: verification, spot checks, bans, the allow-list."""
+
+    verifier: Verifier | None  # None: sampling is not verified (tests of other rules only)
+    spot: SpotCheck = SpotCheck()
+    bans: BanRule = BanRule()
+    allow: frozenset[str] | None = None  # node key fingerprints; None = anyone may join
 
 
 class Refused(ProtocolError):
@@ -68,9 +87,12 @@ class RunService:
     def __init__(
         self, manifest: RunManifest, run_key: Ed25519PrivateKey, task: Task, render_prompt: Callable[[int], tuple[int, ...]],
         transcripts: Transcripts, ledger: Ledger, lease_seconds: float, seeds_per_lease: int,
-        relay: Relay | None = None, first_seed: int = 0,
+        policing: Policing, relay: Relay | None = None, first_seed: int = 0,
     ):
         self.manifest, self.run_key, self.task, self.ledger = manifest, run_key, task, ledger
+        self.policing = policing
+        self.lease_rate = RateLimit(LEASE_RATE.rate, LEASE_RATE.burst)
+        self._draws = random.SystemRandom()  # spot-check draws: a node must not predict them
         self.render_prompt, self.transcripts = render_prompt, transcripts
         self.mode = Mode(manifest.mode)
         # Lease ids must never repeat across restarts: the restored gate remembers accepted ones.
@@ -87,6 +109,7 @@ class RunService:
         self.finished = False
         self.told_finished: set[str] = set()  # nodes that have heard the run is over
         self.names: dict[str, str] = {}  # node id -> display name from its (signed) lease requests
+        self.last_seen: dict[str, float] = {}  # node id -> time of its last signed lease request
         self.rejections: Counter[str] = Counter()
         self._dropped = 0  # samples dropped from the buffer as stale since the last take_batch
 
@@ -165,6 +188,16 @@ class RunService:
         with self.lock:
             return set(self.names) <= self.told_finished
 
+    def prune(self, now: float, idle: float = 600.0) -> None:
+        """Forget keys that have not asked for work in `idle` seconds (names, rate buckets): keys
+        are free, so what the service keeps per key must not grow with every key ever seen."""
+        with self.lock:
+            for node_id in [n for n, at in self.last_seen.items() if now - at > idle]:
+                del self.last_seen[node_id]
+                self.names.pop(node_id, None)
+                self.told_finished.discard(node_id)
+            self.lease_rate.forget_idle(now)
+
     # -- handlers ------------------------------------------------------------------------------
 
     def handle_lease(self, request: LeaseRequest, now: float | None = None) -> TaskLease | NoWork:
@@ -174,11 +207,18 @@ class RunService:
             raise InvalidValue(f"lease request for run {request.run_id!r}, this is {self.manifest.run_id!r}")
         if abs(now - request.time) > REQUEST_MAX_AGE:
             raise InvalidValue(f"lease request time is {now - request.time:.0f} s off; check the node's clock")
+        node_id = request.node_id
+        self._admit(node_id, now)
         with self.lock:
-            self.names[request.node_id] = request.name
+            if not self.lease_rate.allow(node_id, now):
+                raise PeerRefused("rate_limited", f"more than {LEASE_RATE.rate:g} lease requests a second")
+            self.names[node_id], self.last_seen[node_id] = request.name, now
             if self.finished:
-                self.told_finished.add(request.node_id)
+                self.told_finished.add(node_id)
                 return NoWork(self.version, RETRY_AFTER, finished=True)
+            held = sum(lease.node_id == node_id for lease in self.book.outstanding)
+            if held >= MAX_LEASES_PER_KEY:
+                raise PeerRefused("lease_limit", f"this key already holds {held} leases; push or let them expire")
             count = min(request.max_seeds, self.seeds_per_lease)
             if self.mode is Mode.ASYNC and self.book.pending_count < count:
                 fresh = list(range(self.next_seed, self.next_seed + count))
@@ -186,7 +226,7 @@ class RunService:
                 self._add_seeds(fresh)
             if not self.started:
                 return NoWork(self.version, RETRY_AFTER)
-            lease = self.book.issue(request.node_id, count, self.version, now)
+            lease = self.book.issue(node_id, count, self.version, now)
             if lease is None:
                 return NoWork(self.version, RETRY_AFTER)
             return TaskLease(
@@ -194,17 +234,36 @@ class RunService:
                 prompts=tuple(self.prompts[s] for s in lease.seeds), version=lease.version, expires_at=lease.expires_at,
             )
 
-    def handle_push(self, batch: RolloutBatch, peer_id: str, now: float | None = None) -> PushReceipt:
-        """Judge a batch and buffer its groups. Credit comes later, when a step trains on them."""
+    def _admit(self, node_id: str, now: float) -> None:
+        """Refuse a key that is not on the allow-list or is serving a ban."""
+        allow = self.policing.allow
+        if allow is not None and node_id not in allow:
+            raise PeerRefused("not_allowed", f"key {node_id} is not on this run's allow-list")
+        banned_until = self.ledger.trust(node_id).banned_until
+        if banned_until > now:
+            raise PeerRefused("banned", f"key {node_id} failed verification; banned for {banned_until - now:.0f} s more")
+
+    def handle_push(self, data: bytes, peer_id: str, now: float | None = None) -> PushReceipt:
+        """Judge a pushed batch (wire bytes) and buffer its groups. Credit comes later, when a step
+        trains on them."""
         now = time.time() if now is None else now
-        node_id = batch.node_id
-        name = self.names.get(node_id, node_id[:8])
         try:
+            node_id, body = RolloutBatch.signed_body(data)
+        except ProtocolError as e:
+            # Whoever sent it cannot be named: no ledger row changes, not even the claimed key's.
+            with self.lock:
+                self.rejections[e.code] += 1
+            raise
+        name = self.names.get(node_id, node_id[:8])
+        samples = 1  # what a batch that does not even decode is counted as
+        try:
+            batch = RolloutBatch.from_dict(body)
+            samples = len(batch.samples)
             groups = self._accept(batch, now)
         except ProtocolError as e:
             with self.lock:
-                self.rejections[e.code] += len(batch.samples)
-            self.ledger.reject(node_id, peer_id, name, e.code, len(batch.samples), now)
+                self.rejections[e.code] += samples
+            self.ledger.reject(node_id, peer_id, name, e.code, samples, now)
             raise
         with self.lock:
             for seed_samples in groups:
@@ -213,42 +272,78 @@ class RunService:
         return PushReceipt(accepted=len(batch.samples), rejected=0, latest_version=self.version)
 
     def _accept(self, batch: RolloutBatch, now: float) -> list[list[TrainSample]]:
-        verify_message(batch, batch.node_key)
         if batch.run_id != self.manifest.run_id:
             raise InvalidValue(f"batch for run {batch.run_id!r}, this is {self.manifest.run_id!r}")
-        with self.lock:
-            self.book.expire(now)
-            lease = next((x for x in self.book.outstanding if x.lease_id == batch.lease_id), None)
-            if lease is None:
-                self.book.complete(batch.lease_id, batch.node_id, now)  # raises the precise LeaseError
-                raise LeaseError(f"lease {batch.lease_id} is not outstanding")
-            if lease.node_id != batch.node_id:
-                raise LeaseError(f"lease {batch.lease_id} belongs to another node")
-            try:
-                self._check_samples(batch, lease.seeds)
-                # Rewards are recomputed here by replaying each episode; nothing the node says counts.
-                rewards = [score(self.task, s, self.transcripts) for s in batch.samples]
+        self._admit(batch.node_id, now)
+        started = time.monotonic()
+        try:
+            with self.lock:
+                lease = self._held_lease(batch, now)
+                prompts = {seed: self.prompts[seed] for seed in lease.seeds}
+            # Judged without the lock: replay and verification take a while, other handlers go on.
+            self._check_samples(batch, prompts)
+            # Rewards are recomputed here by replaying each episode; nothing the node says counts.
+            rewards = [score(self.task, s, self.transcripts) for s in batch.samples]
+            self._verify(batch, now)
+            now += time.monotonic() - started  # the lease may have expired while we judged
+            with self.lock:
+                self._held_lease(batch, now)
                 verdict = self.gate.offer(batch.node_id, batch.lease_id, batch.version)
                 if verdict is not Verdict.ACCEPT:
                     raise Refused(verdict, f"batch of version {batch.version} refused at version {self.version}: "
                                            f"{verdict.value}")
-            except ProtocolError:
-                # The holder's (signed) attempt failed: its seeds go straight back to other nodes.
-                self.book.release(batch.lease_id, batch.node_id)
-                raise
-            self.book.complete(batch.lease_id, batch.node_id, now)
+                self.book.complete(batch.lease_id, batch.node_id, now)
+                for seed in lease.seeds:
+                    self.prompts.pop(seed, None)  # answered: never leased again
+        except ProtocolError:
+            # The holder's (signed) attempt failed: its seeds go straight back to other nodes.
+            with self.lock:
+                if any(x.lease_id == batch.lease_id and x.node_id == batch.node_id for x in self.book.outstanding):
+                    self.book.release(batch.lease_id, batch.node_id)
+            raise
         groups: dict[int, list[TrainSample]] = {}
         for s, reward in zip(batch.samples, rewards):
             sample = TrainSample(s.prompt_ids, s.completion_ids, s.logprobs, s.loss_mask, reward, s.seed)
             groups.setdefault(s.seed, []).append(sample)
         return list(groups.values())
 
-    def _check_samples(self, batch: RolloutBatch, seeds: tuple[int, ...]) -> None:
+    def _held_lease(self, batch: RolloutBatch, now: float) -> Lease:
+        """The outstanding lease this batch answers, held by its signer, admitting its version."""
+        self.book.expire(now)
+        lease = next((x for x in self.book.outstanding if x.lease_id == batch.lease_id), None)
+        if lease is None:
+            self.book.complete(batch.lease_id, batch.node_id, now)  # raises the precise LeaseError
+            raise LeaseError(f"lease {batch.lease_id} is not outstanding")
+        if lease.node_id != batch.node_id:
+            raise LeaseError(f"lease {batch.lease_id} belongs to another node")
+        if not lease_admits(self.mode, self.manifest.staleness, lease.version, batch.version):
+            verdict = Verdict.FUTURE if batch.version > lease.version else Verdict.WRONG_VERSION
+            raise Refused(verdict, f"{verdict.value}: batch claims version {batch.version}; its lease of version {lease.version} "
+                                   f"admits {'only that' if self.mode is Mode.SEQUENTIAL else 'the S versions up to it'}")
+        return lease
+
+    def _verify(self, batch: RolloutBatch, now: float) -> None:
+        """Check the sampling if the spot-check says so; a failure is a strike and a ban."""
+        verifier = self.policing.verifier
+        if verifier is None:
+            return
+        trust = self.ledger.trust(batch.node_id)
+        if not self.policing.spot.should_check(trust.verified, trust.failed, self._draws.random()):
+            return
+        try:
+            verifier.check(batch.lease_id, batch.version, batch.samples)
+        except VerificationError as e:
+            if e.code != "unverifiable":
+                self.ledger.record_check(batch.node_id, False, self.policing.bans.seconds, now)
+            raise
+        self.ledger.record_check(batch.node_id, True, self.policing.bans.seconds, now)
+
+    def _check_samples(self, batch: RolloutBatch, prompts: dict[int, tuple[int, ...]]) -> None:
         batch.check_vocab(self.manifest.vocab_size)
         group = self.manifest.group_size
         per_seed = Counter(s.seed for s in batch.samples)
-        if set(per_seed) != set(seeds) or any(n != group for n in per_seed.values()):
-            raise InvalidValue(f"batch must hold {group} samples for each leased seed {sorted(seeds)}, got {dict(per_seed)}")
+        if set(per_seed) != set(prompts) or any(n != group for n in per_seed.values()):
+            raise InvalidValue(f"batch must hold {group} samples for each leased seed {sorted(prompts)}, got {dict(per_seed)}")
         for s in batch.samples:
-            if s.prompt_ids != self.prompts[s.seed]:
+            if s.prompt_ids != prompts[s.seed]:
                 raise InvalidValue(f"sample for seed {s.seed} does not use the leased prompt")

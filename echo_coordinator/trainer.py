@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import ctypes
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from echo_coordinator.config import TrainerConfig
 from echo_coordinator.grpo import grpo_loss, group_advantages
+from protocols.sampling import SampleEvidence
 from protocols.messages import TurnFormat
 from tasks.base import Message
 
@@ -197,6 +200,49 @@ class Trainer:
         return [lp[row, len(s.prompt_ids) - 1 : len(s.prompt_ids) - 1 + len(s.completion_ids)].numpy()
                 for row, s in enumerate(samples)]
 
+    @torch.no_grad()
+    def evidence(self, samples: list[TrainSample], seeds: list[int],
+                 weights: dict[str, np.ndarray] | None = None) -> list[SampleEvidence]:
+        """Verification: how each sample's model tokens compare with what these weights (or, given
+        `weights`, what nodes hold at another version) sample under the lease's noise `seeds`."""
+        with self.holding(weights):
+            self.model.eval()
+            out: list[SampleEvidence | None] = [None] * len(samples)
+            lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
+            for indices in micro_batches(lengths, self.config.micro_batch_tokens):
+                part = [samples[i] for i in indices]
+                ids, _, _ = self._pack(part)
+                logits = self.model(input_ids=ids).logits[:, :-1] / self.temperature  # (B, L-1, V)
+                for row, (i, s) in enumerate(zip(indices, part)):
+                    positions = np.flatnonzero(s.loss_mask)  # model tokens; env tokens are not sampled
+                    rows = logits[row, len(s.prompt_ids) - 1 + positions].double().numpy()  # (P, V)
+                    out[i] = SampleEvidence.of(rows, seeds[i], positions, np.asarray(s.completion_ids)[positions],
+                                               np.asarray(s.behaviour)[positions])
+                del logits
+        release_freed_memory()
+        return out
+
+    @contextmanager
+    def holding(self, weights: dict[str, np.ndarray] | None) -> Iterator[None]:
+        """Temporarily load `weights` (a `weights()`-shaped dict: what nodes held at some version),
+        then put the trainer's own back bit for bit. None: keep the trainer's weights."""
+        if weights is None:
+            yield
+            return
+        own = self.weights()
+        self._load_weights(weights)
+        try:
+            yield
+        finally:
+            self._load_weights(own)
+
+    def _load_weights(self, weights: dict[str, np.ndarray]) -> None:
+        tensors = {k: torch.from_numpy(v) for k, v in weights.items()}
+        if self.update == "lora":
+            set_peft_model_state_dict(self.model, tensors)
+        else:
+            self.model.load_state_dict(tensors, strict=False)  # a tied lm_head follows embed_tokens
+
     def save(self, directory: Path, weights: dict[str, np.ndarray]) -> None:
         """`weights` (this step's `weights()`) and optimiser state, so a restarted trainer
         continues the same trajectory. (torch.save is fine here: a local file we wrote, never peer data.)"""
@@ -206,11 +252,7 @@ class Trainer:
         (directory / "optimizer.pt.tmp").replace(directory / "optimizer.pt")
 
     def load(self, directory: Path) -> None:
-        weights = {k: torch.from_numpy(v) for k, v in load_file(str(directory / "weights.safetensors")).items()}
-        if self.update == "lora":
-            set_peft_model_state_dict(self.model, weights)
-        else:
-            self.model.load_state_dict(weights, strict=False)  # a tied lm_head follows embed_tokens
+        self._load_weights(load_file(str(directory / "weights.safetensors")))
         self.optimizer.load_state_dict(torch.load(directory / "optimizer.pt", weights_only=True))
 
     def weights(self) -> dict[str, np.ndarray]:

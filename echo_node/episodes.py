@@ -28,7 +28,8 @@ def play(backend, episode: Episode, seed: int, prompt: tuple[int, ...], turns: T
     segments: list[Segment] = []
     for turn in range(max_turns):
         room = backend.n_ctx - len(prompt) - len(ids)
-        out = backend.generate(list(prompt) + ids, min(max_new_tokens, room), temperature, (sample_seed + turn) % 2**32)
+        # Noise is keyed by completion position, env tokens included, as the trainer re-derives it.
+        out = backend.generate(list(prompt) + ids, min(max_new_tokens, room), temperature, sample_seed, offset=len(ids))
         ids += out.token_ids
         logprobs += out.logprobs
         segments.append(Segment("model", len(out.token_ids)))

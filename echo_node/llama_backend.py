@@ -1,12 +1,12 @@
 """llama-cpp-python generation with behaviour logprobs, and LoRA hot-swap without a reload.
 
-Logprobs are those of the distribution actually sampled from: plain temperature sampling (no
-top-k / top-p / min-p / penalties), and log-softmax(logits / T) of the row that produced each
-token. This uses `generate()` plus `scores` (logits_all=True), ~4x faster than
-`create_completion(logprobs=k)` and equal to the HF logprobs to 1e-5 on fp32 models.
-The KV cache is kept in fp32: llama.cpp's default fp16 cache adds ~2e-2 logit error, and only
-with an fp32 cache does reusing a prompt's cache for the G samples of a group (6x faster on a
-263-token prompt) give the same tokens as a cold start.
+Sampling is verifiable Gumbel-max (`protocols.sampling`): token t is argmax(logits_t / T + g_t)
+with noise fixed by the lease's sample seed, so the trainer can check every token; the behaviour
+logprob is log-softmax(logits / T) of the row that produced it, the distribution sampled from.
+The loop drives `eval()` itself and reads each row from `scores` (logits_all=True); llama.cpp's
+own sampler is not used. The KV cache is kept in fp32: llama.cpp's default fp16 cache adds ~2e-2
+logit error, and only with an fp32 cache does reusing a prompt's cache for the G samples of a
+group (6x faster on a 263-token prompt) give the same tokens as a cold start.
 """
 
 from __future__ import annotations
@@ -19,10 +19,8 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
-# Every sampler stage other than temperature is disabled, so the sampling distribution is
-# exactly softmax(logits / T) and the recorded logprobs are unbiased behaviour logprobs.
-PURE_SAMPLING = dict(top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0, repeat_penalty=1.0,
-                     frequency_penalty=0.0, presence_penalty=0.0)
+from protocols import sampling
+
 GGML_TYPE_F32 = 0
 MAX_PIECE_BYTES = 1024  # longest text of one token
 
@@ -61,23 +59,39 @@ class LlamaBackend:
             raise ValueError("a LoRA adapter is active; full-mode reloads do not combine with adapters")
         self.llm = self._load(path)
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int) -> Completion:
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int,
+                 offset: int = 0) -> Completion:
+        """Sample up to `max_new_tokens` tokens after `prompt_ids` with the Gumbel noise of sample
+        `seed`; `offset` is the completion position of the first one (later turns of an episode)."""
         started = time.perf_counter()
-        self.llm.set_seed(seed)  # generate() reuses one seed per call: each sample needs its own
-        tokens: list[int] = []
         limit = min(max_new_tokens, self.llm.n_ctx() - len(prompt_ids))
-        # reset=True keeps the longest cached prefix of prompt_ids, so a group's samples share prefill.
-        for token in self.llm.generate(prompt_ids, temp=temperature, reset=True, **PURE_SAMPLING):
+        self._prefill(prompt_ids)
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        while len(tokens) < limit:
+            row = self.llm.scores[self.llm.n_tokens - 1].astype(np.float64) / temperature  # (V,)
+            token = sampling.choose(row, sampling.gumbel(seed, [offset + len(tokens)], len(row))[0])
             tokens.append(token)
-            if token == self.eos or len(tokens) >= limit:
+            logprobs.append(float(sampling.log_softmax(row)[token]))
+            if token == self.eos or len(tokens) == limit:
                 break
-        p = len(prompt_ids)
-        rows = np.asarray(self.llm.scores[p - 1 : p - 1 + len(tokens)], dtype=np.float64) / temperature  # (T, V)
-        rows -= rows.max(axis=1, keepdims=True)
-        logprobs = rows[np.arange(len(tokens)), tokens] - np.log(np.exp(rows).sum(axis=1))
+            self.llm.eval([token])
         self.tokens_generated += len(tokens)
         self.seconds_generating += time.perf_counter() - started
-        return Completion(tuple(tokens), tuple(float(x) for x in logprobs))
+        return Completion(tuple(tokens), tuple(logprobs))
+
+    def _prefill(self, prompt_ids: list[int]) -> None:
+        """Evaluate the prompt, keeping the longest cached prefix (a group's samples share it);
+        the last prompt token is always evaluated again so its logits row is fresh."""
+        cached = 0
+        for a, b in zip(self.llm.input_ids[: self.llm.n_tokens], prompt_ids[:-1]):
+            if a != b:
+                break
+            cached += 1
+        if cached == 0:
+            self.llm.reset()
+        self.llm.n_tokens = cached  # eval() drops the KV cache past n_tokens
+        self.llm.eval(prompt_ids[cached:])
 
     def tokenize(self, text: str) -> list[int]:
         """Token ids of text written into a transcript; special-token text becomes the special token."""

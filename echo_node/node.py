@@ -10,7 +10,6 @@ loop keeps the DHT announcement fresh.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import signal
 import threading
@@ -23,6 +22,7 @@ from rich.console import Console
 from echo_node.episodes import play
 from echo_node.full_weights import apply_update, export_quantized, load_master
 from echo_node.updates import UpdateError, apply_lora, catch_up
+from protocols import rpc, sampling
 from protocols.errors import EchoError, ProtocolError, RemoteError, SignatureError, TransportError
 from protocols.messages import (
     LeaseRequest, NoWork, PeerAnnouncement, PushReceipt, RolloutBatch, RolloutSample, RunManifest, TaskLease,
@@ -43,7 +43,6 @@ ANNOUNCE_TTL = 60.0  # seconds
 PEER_REFRESH = 5.0  # seconds between re-announcing and re-reading peers' versions
 MANIFEST_WAIT = 60.0  # seconds to find the run's manifest in the DHT before giving up
 CALL_TIMEOUT = 60.0
-PUSH_TIMEOUT = 300.0
 MAX_BACKOFF = 30.0
 BUSY_RETRY = 0.3  # seconds; the trainer's copy went to a peer that will relay it shortly
 
@@ -201,8 +200,7 @@ class Node:
             raw = await dht.get(key)
             if not isinstance(raw, bytes):
                 try:
-                    raw = await self.endpoint.call_one(coordinator, "echo.manifest", b"", CALL_TIMEOUT,
-                                                       RunManifest.MAX_BYTES, idempotent=True)
+                    raw = await self.endpoint.call_one(coordinator, rpc.MANIFEST, b"", idempotent=True)
                 except (TransportError, RemoteError) as e:
                     log.info("manifest not available yet: %s", e)
             if isinstance(raw, bytes):
@@ -278,7 +276,7 @@ class Node:
             run_id=self.manifest.run_id, node_key=self.node_key, peer_id=self.endpoint.peer_id, name=self.name,
             version=self.version, max_seeds=64, time=time.time(),
         ), self.key)
-        raw = await self.endpoint.call_one(self.trainer, "echo.lease", request.to_wire(), CALL_TIMEOUT, TaskLease.MAX_BYTES)
+        raw = await self.endpoint.call_one(self.trainer, rpc.LEASE, request.to_wire())
         return decode_one_of(raw, (TaskLease, NoWork))
 
     def _target_version(self, lease: TaskLease) -> int:
@@ -344,8 +342,7 @@ class Node:
             for j in range(self.manifest.group_size):
                 if self.stop_requested.is_set():
                     raise Stopped("stopping")
-                sample_seed = int.from_bytes(hashlib.sha256(f"{lease.lease_id}/{seed}/{j}".encode()).digest()[:4], "big")
-                samples.append(self._sample(seed, prompt, sample_seed))
+                samples.append(self._sample(seed, prompt, sampling.sample_seed(lease.lease_id, seed, j)))
         batch = RolloutBatch(
             run_id=self.manifest.run_id, lease_id=lease.lease_id, version=self.version, node_key=self.node_key,
             samples=tuple(samples), created=time.time(),
@@ -361,5 +358,5 @@ class Node:
         return RolloutSample(seed=seed, prompt_ids=prompt, completion_ids=out.token_ids, logprobs=out.logprobs)
 
     async def _push(self, batch: RolloutBatch) -> PushReceipt:
-        raw = await self.endpoint.call_one(self.trainer, "echo.push", batch.to_wire(), PUSH_TIMEOUT, PushReceipt.MAX_BYTES)
+        raw = await self.endpoint.call_one(self.trainer, rpc.PUSH, batch.to_wire())
         return PushReceipt.from_wire(raw)

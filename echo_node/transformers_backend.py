@@ -1,8 +1,9 @@
 """transformers generation with behaviour logprobs, for GPU volunteers (CUDA when present, CPU
 otherwise); full-parameter updates are applied to the weights in place.
 
-Sampling is plain temperature sampling (no top-k / top-p / penalties), and each token's logprob
-is log-softmax(logits / T) of the raw logits that produced it: the distribution sampled from.
+Sampling is the same verifiable Gumbel-max as the llama.cpp backend (`protocols.sampling`), in a
+plain KV-cached decoding loop; each token's logprob is log-softmax(logits / T) of the raw logits
+that produced it: the distribution sampled from.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from echo_node.full_weights import distinct_weights
 from echo_node.llama_backend import Completion
+from protocols import sampling
 
 
 class TransformersBackend:
@@ -38,23 +40,26 @@ class TransformersBackend:
         self.seconds_generating = 0.0
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int) -> Completion:
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int,
+                 offset: int = 0) -> Completion:
         started = time.perf_counter()
-        torch.manual_seed(seed)
-        ids = torch.tensor([prompt_ids], device=self.device)
-        out = self.model.generate(
-            ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
-            min_p=None, repetition_penalty=1.0, max_new_tokens=max_new_tokens, output_logits=True,
-            return_dict_in_generate=True, pad_token_id=self.eos,
-        )
-        tokens = out.sequences[0, len(prompt_ids):].tolist()
-        if self.eos in tokens:
-            tokens = tokens[: tokens.index(self.eos) + 1]
-        logits = torch.stack(out.logits[: len(tokens)])[:, 0].float() / temperature  # (T, V)
-        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(tokens, device=self.device)[:, None])
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        step = torch.tensor([prompt_ids], device=self.device)
+        cache = None
+        while len(tokens) < max_new_tokens:
+            out = self.model(input_ids=step, past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            row = out.logits[0, -1].double().cpu().numpy() / temperature  # (V,)
+            token = sampling.choose(row, sampling.gumbel(seed, [offset + len(tokens)], len(row))[0])
+            tokens.append(token)
+            logprobs.append(float(sampling.log_softmax(row)[token]))
+            if token == self.eos:
+                break
+            step = torch.tensor([[token]], device=self.device)
         self.tokens_generated += len(tokens)
         self.seconds_generating += time.perf_counter() - started
-        return Completion(tuple(tokens), tuple(float(x) for x in logprobs[:, 0].cpu()))
+        return Completion(tuple(tokens), tuple(logprobs))
 
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False).input_ids

@@ -14,14 +14,13 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from echo_node.gguf_io import write_lora_adapter
-from protocols import catchup, chunks, delta
+from protocols import catchup, chunks, delta, rpc
 from protocols.errors import EchoError, ProtocolError, TransportError
 from protocols.messages import Chunk, ChunkRequest, RunManifest, UpdateIndex, UpdateRequest, WeightUpdate
 from protocols.signing import verify_message
 
 log = logging.getLogger(__name__)
 
-CHUNKS_PER_CALL = 64
 
 # Applies one verified update: (manifest, chunks by digest, payload bytes per tensor name) -> None.
 Applier = Callable[[WeightUpdate, dict[str, bytes], dict[str, bytes]], Awaitable[None]]
@@ -37,13 +36,13 @@ class UpdateError(EchoError):
 
 
 async def fetch_index(endpoint, provider: str, timeout: float) -> UpdateIndex:
-    raw = await endpoint.call_one(provider, "echo.updates", b"", timeout, UpdateIndex.MAX_BYTES, idempotent=True)
+    raw = await endpoint.call_one(provider, rpc.UPDATES, b"", idempotent=True, timeout=timeout)
     return UpdateIndex.from_wire(raw)
 
 
 async def fetch_manifest(endpoint, provider: str, run: RunManifest, step: catchup.Step, timeout: float) -> WeightUpdate:
     request = UpdateRequest(step.from_version, step.to_version).to_wire()
-    raw = await endpoint.call_one(provider, "echo.update", request, timeout, WeightUpdate.MAX_BYTES, idempotent=True)
+    raw = await endpoint.call_one(provider, rpc.UPDATE, request, idempotent=True, timeout=timeout)
     update = WeightUpdate.from_wire(raw)
     verify_message(update, run.run_key)  # before any chunk is fetched
     wanted = (run.run_id, step.from_version, step.to_version, step.replaces, run.update)
@@ -86,10 +85,11 @@ async def _fetch_from(endpoint, provider: str, digests: list[str], timeout: floa
         if chunk.digest in wanted:
             found[chunk.digest] = chunks.check(chunk.digest, chunk.data)
 
-    for i in range(0, len(digests), CHUNKS_PER_CALL):
-        wanted = set(digests[i : i + CHUNKS_PER_CALL])
-        request = ChunkRequest(tuple(digests[i : i + CHUNKS_PER_CALL])).to_wire()
-        await endpoint.call(provider, "echo.chunks", request, timeout, Chunk.MAX_BYTES, on_reply=keep)
+    step = rpc.MAX_CHUNKS_PER_REQUEST
+    for i in range(0, len(digests), step):
+        wanted = set(digests[i : i + step])
+        request = ChunkRequest(tuple(digests[i : i + step])).to_wire()
+        await endpoint.call(provider, rpc.CHUNKS, request, on_reply=keep, timeout=timeout)
 
 
 async def catch_up(endpoint, trainer: str, peers: Callable[[int], list[str]], run: RunManifest, held: int, target: int,

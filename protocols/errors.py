@@ -87,3 +87,21 @@ class RemoteError(TransportError):
     def __init__(self, code: str, message: str, peer: str, handler: str):
         super().__init__(f"{handler} on peer {peer[-8:]} refused: [{code}] {message}")
         self.code, self.remote_message, self.peer, self.handler = code, message, peer, handler
+
+
+class VerificationError(ProtocolError):
+    """A rollout's tokens or behaviour logprobs are not what sampling with the claimed weights and
+    the lease's noise gives: the node wrote them (`bad_sampling`) or misreported them (`bad_logprobs`)."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class PeerRefused(ProtocolError):
+    """The peer may not do this now: banned, not on the allow-list, too many requests or leases.
+    `code` names which, so each is counted apart."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code

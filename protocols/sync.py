@@ -12,6 +12,8 @@ Invariants
 - Node gate, staleness bound S >= 1: a node whose version is `node` must update before it
   starts new work when `latest - node >= S`. Work therefore starts at `node >= latest - S + 1`,
   which leaves room for one more publish while it generates.
+- A batch's version is bound to its lease (`lease_admits`): the lease's version in sequential mode,
+  one the node may hold under its gate in async mode.
 - Trainer, async mode: a rollout tagged `version` is accepted iff `current - S <= version <=
   current`; older is STALE (an honest straggler: dropped and counted), newer is FUTURE (no
   honest peer can hold a version the trainer has not published).
@@ -210,6 +212,18 @@ def judge_version(mode: Mode, current: int, staleness: int, version: int) -> Ver
     if _check_mode(mode) is Mode.SEQUENTIAL:
         return Verdict.ACCEPT if version == current else Verdict.WRONG_VERSION
     return Verdict.ACCEPT if current - version <= staleness else Verdict.STALE
+
+
+def lease_admits(mode: Mode, staleness: int, lease_version: int, version: int) -> bool:
+    """May a batch for a lease issued at `lease_version` claim policy `version`? Sequential: only
+    the lease's. Async: a version the node could hold under its gate when it took the lease
+    (`lease_version - S < version <= lease_version`). The claim is then checked against the
+    weights of that version, so the node cannot pick among versions to suit its tokens."""
+    _check_version("lease_version", lease_version)
+    _check_version("version", version)
+    if _check_mode(mode) is Mode.SEQUENTIAL:
+        return version == lease_version
+    return lease_version - _check_staleness(staleness) < version <= lease_version
 
 
 @dataclass(frozen=True)

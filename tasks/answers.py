@@ -34,7 +34,9 @@ MAX_DIGITS = 100
 _NUMBER = re.compile(
     r"(?<![0-9./])"  # never the tail of a longer number, decimal, fraction or date
     r"(?:(?<![0-9A-Za-z)\]}])([-\u2212]))?"  # after a term a minus is subtraction, not a sign
-    r"([0-9]{1,3}(?:,[0-9]{3})+(?![0-9]|,[0-9])|[0-9]+)"  # "1,234"; "1,2,3" falls to plain runs
+    # "1,234"; "1,2,3" falls to plain runs. At most 33 groups (MAX_DIGITS): unbounded, every start
+    # inside "1,000,...,000,0" rescanned the rest, quadratic in the reply's length.
+    r"([0-9]{1,3}(?:,[0-9]{3}){1,33}(?![0-9]|,[0-9])|[0-9]+)"
     r"(?:\.([0-9]+))?"
     r"(?:/([0-9]+))?"
 )

@@ -11,6 +11,7 @@ from protocols.wire import Fields, WireMessage
 
 MAX_TENSORS = 20_000  # per WeightUpdate
 MAX_CHUNK_BYTES = 8 * 2**20
+MAX_CHUNKS_PER_REQUEST = 64  # chunks one ChunkRequest may name: at most 512 MiB of replies
 
 
 @dataclass(frozen=True)
@@ -149,7 +150,7 @@ class ChunkRequest(WireMessage):
     """Ask a provider for chunks by digest; it streams back one Chunk per digest it holds."""
 
     KIND = "chunk_request"
-    MAX_BYTES = 1024 * 1024
+    MAX_BYTES = 16 * 1024
 
     digests: tuple[str, ...]
 
@@ -159,7 +160,7 @@ class ChunkRequest(WireMessage):
     @classmethod
     def from_dict(cls, body: dict[str, Any]) -> ChunkRequest:
         f = Fields(body, cls.KIND)
-        return cls(tuple(f.sha256s("digests", 10_000)))
+        return cls(tuple(f.sha256s("digests", MAX_CHUNKS_PER_REQUEST)))
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ import numpy as np
 
 from protocols.errors import InvalidValue, MalformedMessage, MessageTooLarge
 from protocols.messages.run import MAX_SAMPLE_TOKENS
-from protocols.signing import PUBLIC_KEY_BYTES, fingerprint
-from protocols.wire import Fields, WireMessage, array_bytes
+from protocols.signing import PUBLIC_KEY_BYTES, fingerprint, verify_body
+from protocols.wire import Fields, WireMessage, array_bytes, unpack
 
 SEGMENT_ROLES = ("model", "env")  # only "model" tokens are trained (loss mask 1)
 MAX_SAMPLES = 4096  # per RolloutBatch
@@ -261,3 +261,13 @@ class RolloutBatch(WireMessage):
         if vocab_size is not None:
             batch.check_vocab(vocab_size)
         return batch
+
+    @classmethod
+    def signed_body(cls, data: bytes) -> tuple[str, dict[str, Any]]:
+        """What the trainer does first with a push: size, then the node's signature over the raw
+        body; returns (node id, body) for `from_dict`. A forged or oversized push is refused
+        before any sample object exists, and an error after this can be charged to the signer."""
+        body = unpack(data, cls.KIND, cls.MAX_BYTES)
+        node_key = Fields(body, cls.KIND).blob("node_key", PUBLIC_KEY_BYTES, exact=PUBLIC_KEY_BYTES)
+        verify_body(body, node_key, cls.KIND)
+        return fingerprint(node_key), body

@@ -10,10 +10,9 @@ import time
 from collections.abc import Callable
 
 from protocols.errors import ProtocolError
+from protocols import rpc
 from protocols.messages import Chunk, ChunkRequest, UpdateIndex, UpdateInfo, UpdateRequest, WeightUpdate
 from protocols.uploads import UploadBudget
-
-HANDLER_TIMEOUT = 120.0
 
 
 class Busy(ProtocolError):
@@ -76,7 +75,8 @@ class Relay:
 
     async def serve(self, endpoint) -> None:
         async def chunks(request: bytes, peer: str):
-            for digest in ChunkRequest.from_wire(request).digests:
+            # A digest named twice is served once: a request costs at most its distinct chunks.
+            for digest in dict.fromkeys(ChunkRequest.from_wire(request).digests):
                 data = self.chunk(digest, peer)
                 if data is not None:
                     yield Chunk(digest, data).to_wire()
@@ -90,6 +90,6 @@ class Relay:
         async def updates(request: bytes, peer: str):
             yield self.index().to_wire()
 
-        await endpoint.serve("echo.chunks", chunks, 1024 * 1024, HANDLER_TIMEOUT)
-        await endpoint.serve("echo.update", update, 1024, HANDLER_TIMEOUT)
-        await endpoint.serve("echo.updates", updates, 1024, HANDLER_TIMEOUT)
+        await endpoint.serve(rpc.CHUNKS, chunks)
+        await endpoint.serve(rpc.UPDATE, update)
+        await endpoint.serve(rpc.UPDATES, updates)

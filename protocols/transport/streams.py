@@ -20,6 +20,7 @@ from hivemind.p2p.p2p_daemon_bindings.control import P2PDaemonError, P2PHandlerE
 
 from protocols.errors import MessageTooLarge, ProtocolError, RemoteError, TransportError
 from protocols.messages import ErrorReply
+from protocols.rpc import Rpc
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +53,19 @@ class Endpoint:
         self.peer_id = p2p.peer_id.to_base58()
         self.errors: Counter[tuple[str, str]] = Counter()  # (handler, code) -> count, for metrics
 
-    async def serve(self, name: str, handler: Handler, max_request_bytes: int, timeout: float) -> None:
+    async def serve(self, rpc: Rpc, handler: Handler) -> None:
+        """Serve `rpc` with `handler`, within the declaration's request size, timeout and per-peer limit."""
+        name, max_request_bytes, timeout = rpc.name, rpc.max_request_bytes, rpc.timeout
+        active: Counter[str] = Counter()  # peer -> calls in flight
+
         async def on_stream(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             peer = info.peer_id.to_base58()
+            if active[peer] >= rpc.per_peer:
+                self.errors[name, "busy"] += 1
+                await self._try_send_error(writer, ErrorReply("busy", f"{rpc.per_peer} {name} calls already in flight"))
+                writer.close()
+                return
+            active[peer] += 1
             try:
                 # asyncio.timeout, not wait_for: in 3.11 wait_for can swallow a cancellation.
                 async with asyncio.timeout(timeout):
@@ -78,6 +89,9 @@ class Endpoint:
                 await self._try_send_error(writer, ErrorReply("internal", "internal error in handler"))
             finally:
                 writer.close()
+                active[peer] -= 1
+                if not active[peer]:
+                    del active[peer]
 
         await self.p2p.add_binary_stream_handler(name, on_stream)
 
@@ -90,11 +104,14 @@ class Endpoint:
             pass  # the caller is gone; nothing left to tell
 
     async def call(
-        self, peer: str, name: str, request: bytes, timeout: float, max_reply_bytes: int,
-        on_reply: Callable[[bytes], Awaitable[None] | None] | None = None,
+        self, peer: str, rpc: Rpc, request: bytes, on_reply: Callable[[bytes], Awaitable[None] | None] | None = None,
+        timeout: float | None = None,
     ) -> list[bytes]:
-        """Send `request` to handler `name` on `peer`; return the reply payloads (or feed each to
-        `on_reply` as it arrives, for long streams). The whole call is bounded by `timeout`."""
+        """Send `request` to `rpc`'s handler on `peer`; return the reply payloads (or feed each to
+        `on_reply` as it arrives, for long streams). The whole call is bounded by the declaration's
+        timeout, or a shorter `timeout`."""
+        name, max_reply_bytes = rpc.name, rpc.max_reply_bytes
+        timeout = rpc.timeout if timeout is None else min(timeout, rpc.timeout)
         replies: list[bytes] = []
         writer = None
         try:
@@ -123,17 +140,17 @@ class Endpoint:
             if writer is not None:
                 writer.close()
 
-    async def call_one(self, peer: str, name: str, request: bytes, timeout: float, max_reply_bytes: int,
-                       idempotent: bool = False) -> bytes:
+    async def call_one(self, peer: str, rpc: Rpc, request: bytes, idempotent: bool = False,
+                       timeout: float | None = None) -> bytes:
         """One reply. `idempotent` requests (reads) are retried once if the stream breaks: a fresh
         libp2p stream occasionally resets before its first frame (seen on loopback)."""
         try:
-            replies = await self.call(peer, name, request, timeout, max_reply_bytes)
+            replies = await self.call(peer, rpc, request, timeout=timeout)
         except TransportError as e:
             if not idempotent or isinstance(e, RemoteError):
                 raise
-            log.info("%s on %s: %s; retrying once", name, peer[-8:], e)
-            replies = await self.call(peer, name, request, timeout, max_reply_bytes)
+            log.info("%s on %s: %s; retrying once", rpc.name, peer[-8:], e)
+            replies = await self.call(peer, rpc, request, timeout=timeout)
         if len(replies) != 1:
-            raise TransportError(f"{name} on peer {peer[-8:]}: expected one reply, got {len(replies)}")
+            raise TransportError(f"{rpc.name} on peer {peer[-8:]}: expected one reply, got {len(replies)}")
         return replies[0]

@@ -9,6 +9,7 @@ import pytest
 
 from echo_coordinator.publish import FullPublisher
 from echo_node.full_weights import apply_update
+from protocols import rpc
 from protocols.transport.relay import Relay
 from echo_node.updates import UpdateError, catch_up
 from protocols.signing import generate_key, public_bytes, sign_message
@@ -76,7 +77,7 @@ async def broken_chunk_server(dht, vanish: bool) -> str:
             dht.shutdown()
         writer.close()
 
-    await endpoint.p2p.add_binary_stream_handler("echo.chunks", broken)
+    await endpoint.p2p.add_binary_stream_handler(rpc.CHUNKS.name, broken)
     return endpoint.peer_id
 
 

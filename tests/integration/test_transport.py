@@ -6,6 +6,7 @@ import os
 import pytest
 
 from protocols.errors import InvalidValue, RemoteError, TransportError
+from protocols.rpc import Rpc
 from protocols.transport.dht import SwarmDHT
 
 
@@ -34,6 +35,15 @@ def test_records_round_trip_with_subkeys(swarm):
     asyncio.run(go())
 
 
+class Reply:
+    MAX_BYTES = 4 * 2**20  # what these test handlers may answer per frame
+
+
+ECHO = Rpc("t.echo", None, (Reply,), 32 * 2**20, 30.0, per_peer=4)
+REFUSE = Rpc("t.refuse", None, (Reply,), 1024, 5.0, per_peer=4)
+SLOW = Rpc("t.slow", None, (Reply,), 1024, 60.0, per_peer=1)
+
+
 def test_streams_carry_large_payloads_errors_and_timeouts(swarm):
     boot, joiner = swarm
 
@@ -53,31 +63,37 @@ def test_streams_carry_large_payloads_errors_and_timeouts(swarm):
             await asyncio.sleep(30)
             yield b""
 
-        await server.serve("t.echo", echo, max_request_bytes=32 * 2**20, timeout=30)
-        await server.serve("t.refuse", refuse, max_request_bytes=1024, timeout=5)
-        await server.serve("t.slow", slow, max_request_bytes=1024, timeout=60)
+        await server.serve(ECHO, echo)
+        await server.serve(REFUSE, refuse)
+        await server.serve(SLOW, slow)
         payload = os.urandom(20 * 2**20)
-        replies = await client.call(server.peer_id, "t.echo", payload, timeout=30, max_reply_bytes=4 * 2**20)
+        replies = await client.call(server.peer_id, ECHO, payload)
         assert b"".join(replies) == payload and len(replies) == 5
 
         with pytest.raises(RemoteError) as e:
-            await client.call(server.peer_id, "t.refuse", b"x", timeout=10, max_reply_bytes=1024)
+            await client.call(server.peer_id, REFUSE, b"x")
         assert e.value.code == "invalid_value" and "no thanks" in str(e.value) and server.peer_id[-8:] in str(e.value)
 
         # An oversize request is refused before it is read. The error frame usually arrives, but
         # the server closes the stream while our request is still in flight, which can reset it
         # first: either way the caller gets a typed error and the server counts the refusal.
         with pytest.raises((RemoteError, TransportError)):
-            await client.call(server.peer_id, "t.refuse", b"y" * 4096, timeout=10, max_reply_bytes=1024)
+            await client.call(server.peer_id, REFUSE, b"y" * 4096)
         assert server.errors["t.refuse", "too_large"] == 1
 
-        with pytest.raises(TransportError, match="within 1 s"):
-            await client.call(server.peer_id, "t.slow", b"x", timeout=1, max_reply_bytes=1024)
+        # One peer may hold SLOW.per_peer calls at once; the next is refused before it is read.
+        first = asyncio.create_task(client.call(server.peer_id, SLOW, b"x", timeout=3))
+        await asyncio.sleep(0.5)
+        with pytest.raises(RemoteError) as e:
+            await client.call(server.peer_id, SLOW, b"x", timeout=3)
+        assert e.value.code == "busy" and server.errors["t.slow", "busy"] == 1
+        with pytest.raises(TransportError, match="within 3 s"):
+            await first
         with pytest.raises(TransportError):
-            await client.call(server.peer_id, "t.nobody_serves_this", b"x", timeout=10, max_reply_bytes=1024)
+            await client.call(server.peer_id, Rpc("t.nobody_serves_this", None, (Reply,), 1024, 10.0, 1), b"x")
         with pytest.raises(TransportError, match="expected one reply"):
-            await client.call_one(server.peer_id, "t.echo", b"", timeout=10, max_reply_bytes=1024)
+            await client.call_one(server.peer_id, ECHO, b"")
         # The server keeps serving after all of that.
-        assert await client.call_one(server.peer_id, "t.echo", b"still here", timeout=10, max_reply_bytes=1024) == b"still here"
+        assert await client.call_one(server.peer_id, ECHO, b"still here") == b"still here"
 
     asyncio.run(go())

@@ -7,7 +7,7 @@ import pytest
 from echo_coordinator.ledger import Ledger
 from echo_coordinator.rewards import Transcripts
 from echo_coordinator.publish import build_lora_update
-from echo_coordinator.service import RunService, Refused
+from echo_coordinator.service import Policing, RunService, Refused
 from protocols.errors import InvalidValue, LeaseError, SignatureError, TranscriptError
 from protocols.messages import LeaseRequest, NoWork, RolloutBatch, RolloutSample, TaskLease, TurnFormat, UpdateInfo
 from protocols.signing import generate_key, public_bytes, sign_message
@@ -30,11 +30,15 @@ def service(tmp_path):
     ledger = Ledger(tmp_path / "ledger.sqlite")
     svc = RunService(
         manifest, run_key, task, render_prompt=lambda seed: (1, 2, 3 + seed % 50),
-        transcripts=TRANSCRIPTS, ledger=ledger, lease_seconds=60, seeds_per_lease=2,
+        transcripts=TRANSCRIPTS, ledger=ledger, lease_seconds=60, seeds_per_lease=2, policing=Policing(None),
     )
     svc.started = True
     yield svc
     ledger.close()
+
+
+def push(service, batch: RolloutBatch, peer: str, now: float = NOW):
+    return service.handle_push(batch.to_wire(), peer, now=now)
 
 
 def lease_request(key, **kw) -> LeaseRequest:
@@ -60,7 +64,7 @@ def test_lease_push_and_rewards_recomputed(service):
     service.open_step([10, 11, 12])
     lease = service.handle_lease(lease_request(node), now=NOW)
     assert isinstance(lease, TaskLease) and lease.seeds == (10, 11) and lease.prompts == ((1, 2, 13), (1, 2, 14))
-    receipt = service.handle_push(answer_batch(service, node, lease), "QmNode", now=NOW)
+    receipt = push(service, answer_batch(service, node, lease), "QmNode", now=NOW)
     assert receipt.accepted == 4 and service.ledger.peers() == []  # credit comes when trained on
     batch = service.take_batch()
     assert batch.rewards == [1.0] * 4 and batch.staleness == [0] * 4 and batch.dropped == 0
@@ -69,7 +73,7 @@ def test_lease_push_and_rewards_recomputed(service):
     assert (peer["name"], peer["accepted"], peer["tokens"], peer["rejected"]) == ("alice", 4, 4, 0)
     assert not service.step_done(NOW)  # seed 12 still pending
     second = service.handle_lease(lease_request(node), now=NOW)
-    service.handle_push(answer_batch(service, node, second, right=False), "QmNode", now=NOW)
+    push(service, answer_batch(service, node, second, right=False), "QmNode", now=NOW)
     assert service.take_batch().rewards == [0.0, 0.0] and service.step_done(NOW)
     assert isinstance(service.handle_lease(lease_request(node), now=NOW), NoWork)
 
@@ -108,20 +112,23 @@ def test_bad_pushes_are_refused_counted_and_lose_nothing(service, tamper, error,
     good = answer_batch(service, node, lease)
     bad = tamper(good, service, node)
     if error is None:
-        assert service.handle_push(bad, "QmNode", now=NOW).accepted == 4
+        assert push(service, bad, "QmNode", now=NOW).accepted == 4
         return
     with pytest.raises(error, match=match):
-        service.handle_push(bad, "QmNode", now=NOW)
-    peer = service.ledger.peers()[0]
-    assert peer["accepted"] == 0 and peer["rejected"] == len(bad.samples) and sum(service.rejections.values()) > 0
-    assert service.buffered_groups() == 0
+        push(service, bad, "QmNode", now=NOW)
+    if error is SignatureError:
+        assert service.ledger.peers() == []  # a forged batch changes no row, not even the claimed key's
+    else:
+        peer = service.ledger.peers()[0]
+        assert peer["accepted"] == 0 and peer["rejected"] == len(bad.samples)
+    assert sum(service.rejections.values()) > 0 and service.buffered_groups() == 0
     if error is SignatureError or match in ("L999", "run"):
         # Not the lease holder's signed attempt at this lease: the lease is untouched.
-        assert service.handle_push(good, "QmNode", now=NOW).accepted == 4 and service.buffered_groups() == 2
+        assert push(service, good, "QmNode", now=NOW).accepted == 4 and service.buffered_groups() == 2
     else:
         # The holder's attempt failed: its seeds go straight back out, nothing waits for expiry.
         with pytest.raises(LeaseError, match="released"):
-            service.handle_push(good, "QmNode", now=NOW)
+            push(service, good, "QmNode", now=NOW)
         assert service.handle_lease(lease_request(node), now=NOW).seeds == lease.seeds
 
 
@@ -131,13 +138,13 @@ def test_lease_of_another_node_double_push_and_expiry(service):
     lease = service.handle_lease(lease_request(node), now=NOW)
     with pytest.raises(LeaseError, match="another node"):
         stolen = answer_batch(service, thief, lease)
-        service.handle_push(stolen, "QmThief", now=NOW)
-    service.handle_push(answer_batch(service, node, lease), "QmNode", now=NOW)
+        push(service, stolen, "QmThief", now=NOW)
+    push(service, answer_batch(service, node, lease), "QmNode", now=NOW)
     with pytest.raises(LeaseError):
-        service.handle_push(answer_batch(service, node, lease), "QmNode", now=NOW)
+        push(service, answer_batch(service, node, lease), "QmNode", now=NOW)
     late = service.handle_lease(lease_request(node), now=NOW)
     with pytest.raises(LeaseError):
-        service.handle_push(answer_batch(service, node, late), "QmNode", now=NOW + 61)
+        push(service, answer_batch(service, node, late), "QmNode", now=NOW + 61)
     again = service.handle_lease(lease_request(thief, time=NOW + 61), now=NOW + 61)
     assert again.seeds == late.seeds  # the expired lease's seeds were reassigned
 
@@ -162,7 +169,7 @@ def async_service(tmp_path):
     ledger = Ledger(tmp_path / "ledger.sqlite")
     svc = RunService(manifest, run_key, make_task("arithmetic"), render_prompt=lambda seed: (1, 2, 3 + seed % 50),
                      transcripts=TRANSCRIPTS, ledger=ledger, lease_seconds=60,
-                     seeds_per_lease=1, first_seed=100)
+                     seeds_per_lease=1, policing=Policing(None), first_seed=100)
     svc.started = True
     yield svc
     ledger.close()
@@ -175,13 +182,13 @@ def advance(service, version):
 
 def test_async_leases_never_run_dry_and_stale_groups_are_dropped_not_credited(async_service):
     svc, fast, slow = async_service, generate_key(), generate_key()
-    slow_lease = svc.handle_lease(lease_request(slow, name="slow"), now=NOW)  # at version 0
-    leases = [svc.handle_lease(lease_request(fast, name="fast"), now=NOW) for _ in range(3)]
-    assert [x.seeds for x in [slow_lease, *leases]] == [(100,), (101,), (102,), (103,)]  # fresh seeds on demand
-
-    svc.handle_push(answer_batch(svc, fast, leases[0]), "QmFast", now=NOW)  # version 0, buffered
+    leases = [svc.handle_lease(lease_request(fast, name="fast"), now=NOW) for _ in range(2)]
+    push(svc, answer_batch(svc, fast, leases[0]), "QmFast", now=NOW)  # version 0, buffered
+    leases.append(svc.handle_lease(lease_request(fast, name="fast"), now=NOW))
     advance(svc, 1)
-    svc.handle_push(answer_batch(svc, slow, slow_lease, version=1), "QmSlow", now=NOW)  # generated with v1
+    slow_lease = svc.handle_lease(lease_request(slow, name="slow"), now=NOW)  # at version 1
+    assert [x.seeds for x in [*leases, slow_lease]] == [(100,), (101,), (102,), (103,)]  # fresh seeds on demand
+    push(svc, answer_batch(svc, slow, slow_lease), "QmSlow", now=NOW)  # generated with v1
     advance(svc, 2)
     # Both buffered groups are now 2 and 1 versions old: the version-0 one is dropped, not credited.
     assert svc.buffered_groups() == 1
@@ -193,7 +200,7 @@ def test_async_leases_never_run_dry_and_stale_groups_are_dropped_not_credited(as
 
     late = answer_batch(svc, fast, leases[1])  # still tagged version 0, pushed at version 2
     with pytest.raises(Refused) as e:
-        svc.handle_push(late, "QmFast", now=NOW)
+        push(svc, late, "QmFast", now=NOW)
     assert e.value.code == "stale" and svc.gate.counts(late.node_id)["dropped_stale"] == 1
     by_name = {p["name"]: p for p in svc.ledger.peers()}
     assert by_name["fast"]["rejected_by_reason"] == {"stale": 4}  # 2 dropped in the buffer + 2 refused
@@ -201,15 +208,16 @@ def test_async_leases_never_run_dry_and_stale_groups_are_dropped_not_credited(as
 
 def test_state_survives_a_restart(async_service, tmp_path):
     svc, node = async_service, generate_key()
-    lease = svc.handle_lease(lease_request(node), now=NOW)
     advance(svc, 1)
     advance(svc, 2)
-    batch = answer_batch(svc, node, lease, version=2)
-    svc.handle_push(batch, "QmNode", now=NOW)
+    lease = svc.handle_lease(lease_request(node), now=NOW)
+    batch = answer_batch(svc, node, lease)
+    push(svc, batch, "QmNode", now=NOW)
     state = svc.state()
 
     ledger = Ledger(tmp_path / "ledger2.sqlite")
-    restarted = RunService(svc.manifest, svc.run_key, svc.task, svc.render_prompt, svc.transcripts, ledger, 60, 1)
+    restarted = RunService(svc.manifest, svc.run_key, svc.task, svc.render_prompt, svc.transcripts, ledger, 60, 1,
+                           Policing(None))
     restarted.restore(state)
     assert restarted.version == 2 and restarted.next_seed == svc.next_seed
     assert restarted.gate.is_accepted(lease.lease_id)  # the same batch cannot be counted twice

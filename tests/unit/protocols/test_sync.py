@@ -13,6 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from protocols.errors import InvalidValue, LeaseError
 from protocols.sync import (
     ReplayBuffer,
+    lease_admits,
     COUNTERS,
     Lease,
     LeaseBook,
@@ -148,6 +149,23 @@ def test_lease_book_bad_arguments(call):
 )
 def test_must_update_boundaries(node, latest, s, expected):
     assert must_update(node, latest, s) is expected
+
+
+@pytest.mark.parametrize(("mode", "lease", "version", "admitted"), [
+    (Mode.SEQUENTIAL, 5, 5, True), (Mode.SEQUENTIAL, 5, 4, False), (Mode.SEQUENTIAL, 5, 6, False),
+    (Mode.ASYNC, 5, 5, True), (Mode.ASYNC, 5, 3, True), (Mode.ASYNC, 5, 2, True), (Mode.ASYNC, 5, 1, False),
+    (Mode.ASYNC, 5, 6, False), (Mode.ASYNC, 0, 0, True),
+])
+def test_a_batch_version_is_bound_to_its_lease(mode, lease, version, admitted):
+    assert lease_admits(mode, 4, lease, version) is admitted
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 10**4), st.integers(0, 10**4), st.integers(1, 50))
+def test_lease_admits_exactly_what_the_node_gate_lets_a_node_start_with(lease, version, s):
+    """A node that obeys `must_update` against the lease's version holds an admitted version."""
+    may_start = version <= lease and not must_update(version, lease, s)
+    assert lease_admits(Mode.ASYNC, s, lease, version) is may_start
 
 
 @pytest.mark.parametrize(("node", "latest", "s"), [(0, 0, 0), (0, 0, -1), (-1, 0, 1), (0, 0, True)])

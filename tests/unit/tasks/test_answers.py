@@ -144,3 +144,21 @@ def test_never_raises_on_any_text(text):
 def test_never_raises_on_marker_soup(parts):
     found = extract_answer("".join(parts))
     assert found is None or isinstance(found, Fraction)
+
+
+def test_number_scan_is_linear_on_long_comma_runs():
+    """'1,000,...,000,0' once made every start inside it rescan the rest: quadratic in the reply."""
+    def seconds(k: int) -> float:
+        text = "1" + ",000" * k + ",0"
+        started = time.perf_counter()
+        extract_answer(text)
+        return time.perf_counter() - started
+
+    seconds(100)  # warm up
+    small, large = min(seconds(500) for _ in range(3)), min(seconds(4000) for _ in range(3))
+    assert large / small < 24  # linear: ~8; it was ~64
+
+
+def test_comma_groups_up_to_max_digits_still_read_as_one_number():
+    assert extract_answer("1" + ",000" * 30) == 10**90
+    assert extract_answer("1" + ",000" * 40) is None  # 121 digits: past MAX_DIGITS, as before the bound

@@ -1,0 +1,79 @@
+"""Peer accounting: who may ask for work, how often, and for how long a cheat is shut out.
+
+Pure decision logic (no clock, no I/O); the service acts on it and the ledger keeps what must
+survive a restart (strikes and bans). Keys are free, so none of this stops a Sybil with many
+keys; it bounds what each key costs us and makes a caught key worthless for a growing time.
+docs/verification.md says what stays open and what an operator can do (`--allow-keys`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from protocols.signing import FINGERPRINT_CHARS
+
+
+@dataclass
+class RateLimit:
+    """A token bucket per peer: `rate` requests a second on average, bursts up to `burst`."""
+
+    rate: float
+    burst: float
+    _buckets: dict[str, tuple[float, float]] = field(default_factory=dict)  # peer -> (tokens, at)
+
+    def allow(self, peer: str, now: float) -> bool:
+        tokens, at = self._buckets.get(peer, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - at) * self.rate)
+        allowed = tokens >= 1.0
+        self._buckets[peer] = (tokens - 1.0 if allowed else tokens, now)
+        return allowed
+
+    def forget_idle(self, now: float) -> None:
+        """Drop full buckets (peers quiet long enough to be back at `burst`): bounded memory."""
+        self._buckets = {p: (t, at) for p, (t, at) in self._buckets.items()
+                         if t + (now - at) * self.rate < self.burst}
+
+
+@dataclass(frozen=True)
+class BanRule:
+    """Every batch that fails verification is a strike; strike k bans the key for
+    `first * 2**(k-1)` seconds, at most `longest`. An honest node's false-rejection rate is
+    measured to be 0 (docs/verification.md), so one strike already shuts a key out briefly."""
+
+    first: float = 60.0
+    longest: float = 24 * 3600.0
+
+    def seconds(self, strikes: int) -> float:
+        return min(self.first * 2.0 ** max(strikes - 1, 0), self.longest) if strikes > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class SpotCheck:
+    """Which batches get their sampling verified. Every batch of a key that is new (fewer than
+    `trust_after` verified batches) or has ever failed; past that, a `fraction` of batches at
+    random. A cheat in k batches of a trusted key goes unseen with probability (1 - fraction)**k."""
+
+    fraction: float = 1.0
+    trust_after: int = 4
+
+    def __post_init__(self):
+        if not 0.0 < self.fraction <= 1.0:
+            raise ValueError(f"spot-check fraction must be in (0, 1], got {self.fraction}")
+
+    def should_check(self, verified: int, failed: int, draw: float) -> bool:
+        """`draw`: a uniform [0, 1) number the caller drew (secret from the node)."""
+        return failed > 0 or verified < self.trust_after or draw < self.fraction
+
+
+def read_allow_list(path: Path) -> frozenset[str]:
+    """Node key fingerprints, one per line (`#` comments and blank lines ignored)."""
+    keys = set()
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        if len(line) != FINGERPRINT_CHARS or not line.isalnum():
+            raise ValueError(f"{path}:{number}: {line!r} is not a {FINGERPRINT_CHARS}-character key fingerprint")
+        keys.add(line.lower())
+    return frozenset(keys)

@@ -1,0 +1,75 @@
+"""Rollout verification on the trainer: was each sample sampled, or written? (protocols.sampling)
+
+The trainer keeps what nodes hold at each version the staleness bound still admits (the LoRA
+adapter, or full mode's publisher view: what nodes hold bit for bit, not the trainer's own
+weights), re-derives every sample's Gumbel noise from its lease, and runs its own forward pass
+under that version's weights. A batch passes only if every sample does; which batches are checked
+at all is `peers.SpotCheck`'s decision.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from echo_coordinator.trainer import TrainSample
+from protocols.errors import VerificationError
+from protocols.messages import RolloutSample
+from protocols.sampling import SampleEvidence, SamplingRule, judge, sample_seed
+
+# (samples, their sample seeds, node-held weights of the version) -> evidence per sample
+Evidence = Callable[[list[TrainSample], list[int], dict[str, np.ndarray]], list[SampleEvidence]]
+
+
+def sample_seeds(lease_id: str, samples: Sequence[RolloutSample]) -> list[int]:
+    """Each sample's noise seed: its task seed and its index among that seed's samples, in batch order
+    (the order the node generated them in), so G copies of one completion cannot all pass."""
+    seen: dict[int, int] = {}
+    seeds = []
+    for s in samples:
+        index = seen.get(s.seed, 0)
+        seen[s.seed] = index + 1
+        seeds.append(sample_seed(lease_id, s.seed, index))
+    return seeds
+
+
+def lora_base(adapter: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Version 0 of a LoRA run as an adapter: nodes run the bare base model, which is any adapter
+    whose B matrices are zero (its output B·A·x is exactly 0)."""
+    return {k: np.zeros_like(v) if "lora_B" in k else v for k, v in adapter.items()}
+
+
+class Verifier:
+    def __init__(self, evidence: Evidence, rule: SamplingRule, keep_versions: int):
+        self.evidence, self.rule, self.keep_versions = evidence, rule, keep_versions
+        self.held: dict[int, dict[str, np.ndarray]] = {}  # version -> what nodes hold at it
+        self.checked_samples = 0
+        self.seconds = 0.0
+
+    def remember(self, version: int, weights: dict[str, np.ndarray]) -> None:
+        """Nodes hold `weights` at `version`; versions the bound no longer admits are forgotten."""
+        held = {**self.held, version: weights}  # copy and swap: handler threads read `held`
+        self.held = {v: w for v, w in held.items() if v >= version - self.keep_versions}
+
+    def check(self, lease_id: str, version: int, samples: Sequence[RolloutSample]) -> list[SampleEvidence]:
+        """Raise VerificationError (naming the first bad sample) unless every sample is what
+        sampling with `version`'s weights and the lease's noise gives; return the evidence."""
+        weights = self.held.get(version)
+        if weights is None:
+            # Only after a restart (older versions died with the process) or for a version the
+            # bound no longer admits; either way nothing here can vouch for the batch.
+            raise VerificationError("unverifiable", f"no weights of version {version} to check against")
+        train = [TrainSample(s.prompt_ids, s.completion_ids, s.logprobs, s.loss_mask, 0.0, s.seed) for s in samples]
+        found = self.evidence(train, sample_seeds(lease_id, samples), weights)
+        self.checked_samples += len(found)
+        reason = judge(found, self.rule)
+        if reason is not None:
+            worst = max(range(len(found)), key=lambda i: (found[i].max_margin, found[i].mean_logprob_error))
+            e = found[worst]
+            raise VerificationError(reason, (
+                f"batch is not what version {version} samples with this lease's noise ({reason}): "
+                f"{sum(x.flips for x in found)}/{sum(x.tokens for x in found)} tokens differ from the trainer's choice; "
+                f"worst sample {worst} (seed {samples[worst].seed}): max margin {e.max_margin:.2f}, "
+                f"logprob error max {e.max_logprob_error:.3f} mean {e.mean_logprob_error:.3f}"))
+        return found

@@ -1,0 +1,42 @@
+"""Every stream handler a peer serves, declared once: the caller and the server both use these.
+
+Each `Rpc` names its handler, its request and reply message types, the largest request the
+server reads (checked before reading), the longest it takes (server and caller alike), and how
+many calls one peer may have in flight at once (the server refuses more with `busy` before
+reading a byte). docs/protocols.md lists them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from protocols.messages.updates import MAX_CHUNKS_PER_REQUEST  # noqa: F401  (callers batch by it)
+from protocols.messages import (
+    Chunk, ChunkRequest, LeaseRequest, NoWork, PushReceipt, RolloutBatch, RunManifest, TaskLease, UpdateIndex,
+    UpdateRequest, WeightUpdate,
+)
+
+
+@dataclass(frozen=True)
+class Rpc:
+    name: str
+    request: type | None  # None: the request is empty
+    replies: tuple[type, ...]  # one of these per reply frame
+    max_request_bytes: int
+    timeout: float  # seconds for the whole call, on both sides
+    per_peer: int  # calls one peer may have in flight at once
+    stream: bool = False  # many reply frames (chunks) rather than exactly one
+
+    @property
+    def max_reply_bytes(self) -> int:
+        return max(reply.MAX_BYTES for reply in self.replies)
+
+
+MANIFEST = Rpc("echo.manifest", None, (RunManifest,), 1024, 60.0, per_peer=4)
+LEASE = Rpc("echo.lease", LeaseRequest, (TaskLease, NoWork), LeaseRequest.MAX_BYTES, 60.0, per_peer=2)
+PUSH = Rpc("echo.push", RolloutBatch, (PushReceipt,), RolloutBatch.MAX_BYTES, 300.0, per_peer=2)
+UPDATES = Rpc("echo.updates", None, (UpdateIndex,), 1024, 60.0, per_peer=4)
+UPDATE = Rpc("echo.update", UpdateRequest, (WeightUpdate,), UpdateRequest.MAX_BYTES, 60.0, per_peer=4)
+CHUNKS = Rpc("echo.chunks", ChunkRequest, (Chunk,), ChunkRequest.MAX_BYTES, 120.0, per_peer=4, stream=True)
+
+ALL = (MANIFEST, LEASE, PUSH, UPDATES, UPDATE, CHUNKS)

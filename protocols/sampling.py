@@ -1,0 +1,133 @@
+"""Verifiable sampling: the lease fixes a sample's randomness, so the node has no choice left.
+
+A node samples completion token t as argmax(logits_t / T + g_t), where g_t is a vector of Gumbel
+noise drawn from a counter-based generator keyed by the sample's seed and t. Gumbel-max is an exact
+sampler of softmax(logits / T), so the behaviour logprob of the token is still log-softmax(logits /
+T) at it. The sample seed is a hash of the lease id, the task seed and the sample's index in its
+group (`sample_seed`), all chosen by the trainer: given the weights, the prompt and the lease, the
+completion is fixed.
+
+The trainer re-derives g_t and compares the node's token with its own logits for the version the
+batch claims. An honest node whose weights are quantized differs only where quantization flips a
+near tie, so the test is on the *margin* z[a] - z[y] (z = logits / T + g, a the trainer's argmax,
+y the node's token): zero where they agree, small at a flipped near tie, typically several units
+for a token the model did not sample. `judge` turns a batch's per-sample margins and logprob
+errors into a verdict; the thresholds are calibrated on real runs (docs/verification.md).
+
+The generator is SplitMix64 over a Weyl sequence: a pure function of (seed, position, token id),
+the same bits on every platform, cheap to vectorise in numpy (node, trainer) or torch (a GPU
+trainer could port `_mix` as is).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+
+GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_S30, _S27, _S31, _S11 = np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(11)
+
+
+def sample_seed(lease_id: str, task_seed: int, index: int) -> int:
+    """The seed of sample `index` (0..G-1) of `task_seed` in lease `lease_id`: 64 bits."""
+    return int.from_bytes(hashlib.sha256(f"{lease_id}/{task_seed}/{index}".encode()).digest()[:8], "big")
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser on a uint64 array (multiplication wraps, as the algorithm wants)."""
+    x = (x ^ (x >> _S30)) * _M1
+    x = (x ^ (x >> _S27)) * _M2
+    return x ^ (x >> _S31)
+
+
+def gumbel(seed: int, positions: np.ndarray | list[int], vocab: int) -> np.ndarray:
+    """(len(positions), vocab) float64 Gumbel(0, 1) noise for completion positions of one sample."""
+    positions = np.asarray(positions, dtype=np.uint64)
+    keys = _mix(np.uint64(seed % 2**64) ^ _mix(positions * GOLDEN + GOLDEN))  # (P,)
+    bits = _mix(keys[:, None] + np.arange(1, vocab + 1, dtype=np.uint64)[None, :] * GOLDEN)  # (P, V)
+    u = ((bits >> _S11).astype(np.float64) + 0.5) * 2.0**-53  # uniform in (0, 1), never 0 or 1
+    return -np.log(-np.log(u))
+
+
+def choose(scaled_logits: np.ndarray, noise: np.ndarray) -> int:
+    """The sampled token: argmax of logits / T plus the position's Gumbel noise."""
+    return int(np.argmax(scaled_logits + noise))
+
+
+def log_softmax(scaled_logits: np.ndarray) -> np.ndarray:
+    """Row-wise log-softmax in float64 (the behaviour logprobs the node reports)."""
+    rows = np.asarray(scaled_logits, dtype=np.float64)
+    rows = rows - rows.max(axis=-1, keepdims=True)
+    return rows - np.log(np.exp(rows).sum(axis=-1, keepdims=True))
+
+
+def margins(scaled_logits: np.ndarray, noise: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """(T,) how far each token is from what these logits would have sampled: z[argmax] - z[token] >= 0."""
+    z = scaled_logits.astype(np.float64) + noise  # (T, V)
+    return z.max(axis=1) - z[np.arange(len(tokens)), tokens]
+
+
+# ------------------------------------------------------------------------------------ verdicts
+
+
+@dataclass(frozen=True)
+class SamplingRule:
+    """Thresholds that separate a quantized honest node from a node that chose its tokens.
+    Per token: the largest margin and logprob error any one token may have. Per batch (a lease's
+    samples, pooled, so the test has hundreds of tokens to go on): the share of tokens that differ
+    from the trainer's argmax, and the mean logprob error. Calibrated in docs/verification.md."""
+
+    max_margin: float = 3.0
+    max_logprob_error: float = 0.5
+    max_flip_fraction: float = 0.25
+    mean_logprob_error: float = 0.1
+
+    def __post_init__(self):
+        for name in ("max_margin", "max_logprob_error", "max_flip_fraction", "mean_logprob_error"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and np.isfinite(value) and value > 0):
+                raise ValueError(f"sampling rule {name} must be a positive number, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SampleEvidence:
+    """What the trainer measured of one sample's model tokens (env tokens excluded)."""
+
+    tokens: int
+    max_margin: float
+    flips: int  # tokens with a non-zero margin
+    max_logprob_error: float
+    mean_logprob_error: float
+
+    @classmethod
+    def of(cls, scaled_logits: np.ndarray, seed: int, positions: np.ndarray, tokens: np.ndarray,
+           behaviour: np.ndarray, rows_at_once: int = 64) -> SampleEvidence:
+        """From the trainer's (P, V) logits / T at the model tokens' completion `positions`, the
+        sample's seed, the node's `tokens` and behaviour logprobs. Noise is drawn `rows_at_once`
+        positions at a time: a (1000, 49152) float64 block would be 400 MB."""
+        token_margins, trainer = [np.zeros(0)], [np.zeros(0)]
+        for a in range(0, len(tokens), rows_at_once):
+            rows, ids = scaled_logits[a : a + rows_at_once], tokens[a : a + rows_at_once]
+            token_margins.append(margins(rows, gumbel(seed, positions[a : a + rows_at_once], rows.shape[1]), ids))
+            trainer.append(log_softmax(rows)[np.arange(len(ids)), ids])
+        m = np.concatenate(token_margins)
+        error = np.abs(np.asarray(behaviour, np.float64) - np.concatenate(trainer))
+        return cls(tokens=len(tokens), max_margin=float(m.max(initial=0.0)), flips=int((m > 0).sum()),
+                   max_logprob_error=float(error.max(initial=0.0)),
+                   mean_logprob_error=float(error.mean()) if len(tokens) else 0.0)
+
+
+def judge(batch: list[SampleEvidence], rule: SamplingRule) -> str | None:
+    """None for a batch an honest node could have produced, else the reason code."""
+    tokens = sum(e.tokens for e in batch)
+    flips = sum(e.flips for e in batch)
+    mean_error = sum(e.mean_logprob_error * e.tokens for e in batch) / max(tokens, 1)
+    # One flipped near tie is always allowed: a one-token answer may hinge on it.
+    if any(e.max_margin > rule.max_margin for e in batch) or flips > 1 + rule.max_flip_fraction * tokens:
+        return "bad_sampling"
+    if any(e.max_logprob_error > rule.max_logprob_error for e in batch) or mean_error > rule.mean_logprob_error:
+        return "bad_logprobs"
+    return None
