@@ -122,7 +122,8 @@ class Coordinator:
         trainer = await self._on_trainer(Trainer, self.model, self.trainer_config, cfg.temperature, cfg.seed, cfg.update)
         base_sha = await asyncio.to_thread(sha256_file, self.model)
         # A persistent libp2p identity keeps our address stable, so nodes reconnect after a restart.
-        dht = SwarmDHT.start(cfg.host, cfg.port, None, self.data_dir / "p2p.id")  # main thread: see SwarmDHT.start
+        # main thread: see SwarmDHT.start
+        dht = SwarmDHT.start(cfg.host, cfg.port, None, self.data_dir / "p2p.id", run_fingerprint=self.fp)
         try:
             await self._serve(dht, trainer, base_sha)
         finally:
@@ -207,11 +208,13 @@ class Coordinator:
                 try:
                     if time.monotonic() - last_put > RECORD_TTL / 3:
                         await dht.put(record_key(self.fp, "manifest"), manifest.to_wire(), RECORD_TTL)
-                        await dht.put(record_key(self.fp, "version"), str(service.version).encode(), RECORD_TTL)
                         last_put = time.monotonic()
-                    # Who holds which version: the relay's budget lets them serve before we do.
+                    # Who holds which version: the relay's budget lets them serve before we do. Only
+                    # peers that have asked us for work over their own stream count: an announcement
+                    # alone could claim any version and capacity and turn honest nodes away.
                     announced = verified_announcements(await dht.get(record_key(self.fp, "peers")))
-                    self.peer_versions = {a.peer_id: a.version for a in announced}
+                    talked = service.talked()
+                    self.peer_versions = {a.peer_id: a.version for a in announced if talked.get(a.node_id) == a.peer_id}
                     service.prune(time.time())
                 except TransportError as e:
                     log.warning("DHT refresh failed, will retry: %s", e)
@@ -223,7 +226,7 @@ class Coordinator:
         console.print(f"[bold]run {manifest.run_id}[/] ({cfg.mode}, {cfg.task}); volunteers join with:")
         print(f"  {line}", flush=True)  # never wrapped: people copy this line
         try:
-            await self._wait_for_nodes(dht, record_key(self.fp, "peers"), cfg.min_nodes, refresher, service)
+            await self._wait_for_nodes(cfg.min_nodes, refresher, service)
             service.started = True
             await self._step_loop(service, trainer, ledger, dht, manifest)
             service.finished = True
@@ -269,7 +272,7 @@ class Coordinator:
             yield service.manifest.to_wire()
 
         async def lease(request: bytes, peer: str):
-            yield service.handle_lease(LeaseRequest.from_wire(request)).to_wire()
+            yield service.handle_lease(LeaseRequest.from_wire(request), peer).to_wire()
 
         async def push(request: bytes, peer: str):
             receipt = await asyncio.to_thread(service.handle_push, request, peer)
@@ -280,20 +283,19 @@ class Coordinator:
         await endpoint.serve(rpc.PUSH, push)
         await service.relay.serve(endpoint)  # echo.update, echo.updates, echo.chunks
 
-    async def _wait_for_nodes(self, dht, key: str, count: int, refresher: asyncio.Task, service: RunService) -> None:
-        """Until `count` nodes are known: announced in the DHT, or asking us for work (a signed
-        lease request is proof of life even when a restart has cost the DHT its routes)."""
+    async def _wait_for_nodes(self, count: int, refresher: asyncio.Task, service: RunService) -> None:
+        """Until `count` nodes have asked us for work over their own streams. A DHT announcement
+        alone does not count: anyone can announce any number of nodes."""
         shown = -1
         while True:
             if refresher.done():
                 refresher.result()  # re-raise why the DHT refresh died
-            announced = {a.node_id for a in verified_announcements(await dht.get(key)) if a.role == "node"}
-            nodes = announced | set(service.names)
-            if len(nodes) >= count:
+            nodes = len(service.talked())
+            if nodes >= count:
                 return
-            if len(nodes) != shown:
-                console.print(f"waiting for nodes: {len(nodes)}/{count} announced")
-                shown = len(nodes)
+            if nodes != shown:
+                console.print(f"waiting for nodes: {nodes}/{count} have asked for work")
+                shown = nodes
             await asyncio.sleep(0.5)
 
     async def _step_loop(self, service: RunService, trainer, ledger: Ledger, dht, manifest: RunManifest) -> None:
@@ -313,7 +315,6 @@ class Coordinator:
                 weights = await self._on_trainer(trainer.weights)
                 await self._on_trainer(self._publish, service, manifest, version + 1, weights)
                 await self._on_trainer(self._save_state, manifest.run_id, service, trainer, weights)
-                await dht.put(record_key(self.fp, "version"), str(service.version).encode(), RECORD_TTL)
                 ledger.set_run(version=service.version)
                 now = time.time()
                 reward_mean = sum(batch.rewards) / max(len(batch.rewards), 1)

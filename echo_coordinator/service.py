@@ -110,6 +110,7 @@ class RunService:
         self.told_finished: set[str] = set()  # nodes that have heard the run is over
         self.names: dict[str, str] = {}  # node id -> display name from its (signed) lease requests
         self.last_seen: dict[str, float] = {}  # node id -> time of its last signed lease request
+        self._streams: dict[str, str] = {}  # node id -> libp2p peer its last lease request came from
         self.rejections: Counter[str] = Counter()
         self._dropped = 0  # samples dropped from the buffer as stale since the last take_batch
 
@@ -195,12 +196,19 @@ class RunService:
             for node_id in [n for n, at in self.last_seen.items() if now - at > idle]:
                 del self.last_seen[node_id]
                 self.names.pop(node_id, None)
+                self._streams.pop(node_id, None)
                 self.told_finished.discard(node_id)
             self.lease_rate.forget_idle(now)
 
     # -- handlers ------------------------------------------------------------------------------
 
-    def handle_lease(self, request: LeaseRequest, now: float | None = None) -> TaskLease | NoWork:
+    def talked(self) -> dict[str, str]:
+        """Node id -> the libp2p peer it asked for work from: proof that an announcement is live."""
+        with self.lock:
+            return dict(self._streams)
+
+    def handle_lease(self, request: LeaseRequest, peer_id: str = "", now: float | None = None) -> TaskLease | NoWork:
+        """`peer_id`: the libp2p peer the request came from (the transport's word, not the request's)."""
         now = time.time() if now is None else now
         verify_message(request, request.node_key)
         if request.run_id != self.manifest.run_id:
@@ -213,6 +221,8 @@ class RunService:
             if not self.lease_rate.allow(node_id, now):
                 raise PeerRefused("rate_limited", f"more than {LEASE_RATE.rate:g} lease requests a second")
             self.names[node_id], self.last_seen[node_id] = request.name, now
+            if peer_id:
+                self._streams[node_id] = peer_id
             if self.finished:
                 self.told_finished.add(node_id)
                 return NoWork(self.version, RETRY_AFTER, finished=True)

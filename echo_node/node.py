@@ -110,7 +110,8 @@ class Node:
     async def run(self) -> None:
         from protocols.transport.dht import SwarmDHT
 
-        dht = SwarmDHT.start("127.0.0.1", 0, [self.config.address])  # main thread: see SwarmDHT.start
+        # main thread: see SwarmDHT.start
+        dht = SwarmDHT.start("127.0.0.1", 0, [self.config.address], run_fingerprint=self.config.run_key)
         try:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
@@ -170,8 +171,9 @@ class Node:
             # Bounded: a generation thread finishes its current sample before the work task ends.
             await asyncio.wait({work, stop, announcer}, timeout=10.0)
             try:
-                # Withdraw: a tombstone outlives the announcement (the DHT keeps the later expiry).
-                await dht.put(peers_key, b"", ANNOUNCE_TTL * 2, subkey=fingerprint(self.node_key), timeout=5.0)
+                # Withdraw: a signed "left" announcement outlives the live one (the DHT keeps the later expiry).
+                await dht.put(peers_key, self._announcement(left=True).to_wire(), ANNOUNCE_TTL * 2,
+                              subkey=fingerprint(self.node_key), timeout=5.0)
             except TransportError as e:
                 log.warning("could not withdraw the announcement: %s", e)
             console.print(f"left the run at version {self.version}")
@@ -190,21 +192,25 @@ class Node:
                               f"that provides {self.manifest.task.name!r}") from None
 
     async def _fetch_manifest(self, dht, key: str) -> RunManifest:
-        """The manifest from the DHT record under the pinned fingerprint; failing that, straight
-        from the peer at the join address, so a wrong key is reported at once, not after a wait."""
+        """The manifest from the DHT record under the pinned fingerprint; failing that (absent, or a
+        record that does not verify: the DHT is not to be trusted), straight from the peer at the
+        join address, whose answer is final, so a wrong key is reported at once, not after a wait."""
         from protocols.transport.dht import peer_of
 
         deadline = time.monotonic() + MANIFEST_WAIT
         coordinator = peer_of(self.config.address)
         while True:
             raw = await dht.get(key)
-            if not isinstance(raw, bytes):
-                try:
-                    raw = await self.endpoint.call_one(coordinator, rpc.MANIFEST, b"", idempotent=True)
-                except (TransportError, RemoteError) as e:
-                    log.info("manifest not available yet: %s", e)
             if isinstance(raw, bytes):
+                try:
+                    return self._verify_manifest(raw)
+                except JoinRefused as e:
+                    log.warning("ignoring a bad manifest record in the DHT (%s); asking the coordinator", e)
+            try:
+                raw = await self.endpoint.call_one(coordinator, rpc.MANIFEST, b"", idempotent=True)
                 return self._verify_manifest(raw)
+            except (TransportError, RemoteError) as e:
+                log.info("manifest not available yet: %s", e)
             if time.monotonic() > deadline:
                 raise JoinRefused(f"no run with key {self.config.run_key} found via {self.config.address} "
                                   f"within {MANIFEST_WAIT:.0f} s; check the join line")
@@ -229,13 +235,8 @@ class Node:
         """Keep our announcement fresh (at once when our version changes) and learn which peers
         hold which version, for the relay."""
         while not self.stopping.is_set():
-            announcement = sign_message(PeerAnnouncement(
-                peer_id=self.endpoint.peer_id, name=self.name, role="node", backend=self.backend.name,
-                model_sha256=self.manifest.base_sha256, version=self.version, throughput=self.backend.throughput,
-                public_key=self.node_key, time=time.time(),
-            ), self.key)
             try:
-                await dht.put(key, announcement.to_wire(), ANNOUNCE_TTL, subkey=fingerprint(self.node_key))
+                await dht.put(key, self._announcement().to_wire(), ANNOUNCE_TTL, subkey=fingerprint(self.node_key))
                 self.peer_versions = {a.peer_id: a.version for a in verified_announcements(await dht.get(key))}
             except TransportError as e:
                 log.warning("announcing failed, will retry: %s", e)
@@ -245,6 +246,13 @@ class Node:
                     await self.version_changed.wait()
             except TimeoutError:
                 pass
+
+    def _announcement(self, left: bool = False) -> PeerAnnouncement:
+        return sign_message(PeerAnnouncement(
+            peer_id=self.endpoint.peer_id, name=self.name, role="node", backend=self.backend.name,
+            model_sha256=self.manifest.base_sha256, version=self.version, throughput=self.backend.throughput,
+            public_key=self.node_key, time=time.time(), left=left,
+        ), self.key)
 
     async def _work_loop(self, announcer: asyncio.Task) -> None:
         backoff = 0.5

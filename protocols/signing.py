@@ -21,7 +21,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from protocols.errors import KeyFileError, SignatureError
+from protocols.errors import KeyFileError, MalformedMessage, SignatureError
 
 PUBLIC_KEY_BYTES = 32
 SIGNATURE_BYTES = 64
@@ -88,6 +88,8 @@ def load_or_create_key(path: Path) -> Ed25519PrivateKey:
 
 def _sorted(value: Any) -> Any:
     if isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):  # peer data: msgpack also allows bytes keys
+            raise MalformedMessage("a signed map may only have string keys")
         return {k: _sorted(value[k]) for k in sorted(value)}
     if isinstance(value, (list, tuple)):
         return [_sorted(v) for v in value]

@@ -133,6 +133,7 @@ class PeerAnnouncement(WireMessage):
     throughput: float  # generated tokens per second, recent average
     public_key: bytes
     time: float
+    left: bool = False  # a signed withdrawal: the peer has left (only its own key can hide it)
     signature: bytes = b""
 
     @property
@@ -143,7 +144,7 @@ class PeerAnnouncement(WireMessage):
         return {
             "peer_id": self.peer_id, "name": self.name, "role": self.role, "backend": self.backend,
             "model_sha256": self.model_sha256, "version": self.version, "throughput": self.throughput,
-            "public_key": self.public_key, "time": self.time, "signature": self.signature,
+            "public_key": self.public_key, "time": self.time, "left": self.left, "signature": self.signature,
         }
 
     @classmethod
@@ -154,21 +155,23 @@ class PeerAnnouncement(WireMessage):
             backend=f.text("backend", 32), model_sha256=f.sha256("model_sha256"),
             version=f.integer("version"), throughput=f.number("throughput", 0.0),
             public_key=f.blob("public_key", PUBLIC_KEY_BYTES, exact=PUBLIC_KEY_BYTES),
-            time=f.number("time", 0.0), signature=f.signature(),
+            time=f.number("time", 0.0), left=f.flag("left") if f.has("left") else False, signature=f.signature(),
         )
 
 
 def verified_announcements(records: Any) -> list[PeerAnnouncement]:
-    """The announcements among DHT records ({subkey: bytes}) that parse and verify against their
-    own key. The DHT is open to anyone: tombstones (withdrawn peers) and junk are skipped."""
+    """The current announcements among DHT records ({subkey: bytes}): each parses, verifies against
+    its own key and sits under that key's fingerprint. The run's record validator already refuses
+    anything else; this is the reader's own check. Withdrawals and junk are skipped."""
     found = []
-    for value in records.values() if isinstance(records, dict) else ():
+    for subkey, value in records.items() if isinstance(records, dict) else ():
         try:
             announcement = PeerAnnouncement.from_wire(value)
             verify_message(announcement, announcement.public_key)
         except ProtocolError:
             continue
-        found.append(announcement)
+        if announcement.node_id == subkey and not announcement.left:
+            found.append(announcement)
     return found
 
 

@@ -1,19 +1,23 @@
 """The swarm's DHT: small signed records that let peers find the run and each other.
 
 Keys are namespaced by the run key's fingerprint (what a volunteer pins in its join command):
-- `echo/<fp>/manifest`  the signed RunManifest
-- `echo/<fp>/version`   the latest published version: a tiny msgpack map {version, time}
-- `echo/<fp>/peers`     one subkey per peer (node fingerprint) holding its signed PeerAnnouncement
+- `echo/<fp>/manifest`  the RunManifest, signed by the run key
+- `echo/<fp>/peers`     one subkey per node (its key's fingerprint) holding its signed PeerAnnouncement
 
-The DHT is open: anyone can write any key, so readers verify every record (signatures, the pinned
-fingerprint) and treat it as a hint. Values stay small (a DHT value of 256 KiB killed the DHT
-process in our measurements); tensors and batches travel over streams.
+A DHT without a validator stores whatever anyone sends. Every peer of a run installs
+`RunRecords`, so its DHT stores and returns only these two kinds of record, each signed by the
+key allowed to write it: a forged manifest, an announcement under another node's subkey, an
+unsigned tombstone or anything under another key is refused by every honest replica. Readers
+still verify what they get (a reply may come from a replica that is not honest). Values stay
+small (a DHT value of 256 KiB killed the DHT process in our measurements); tensors and batches
+travel over streams.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ctypes
+import logging
 import os
 import signal
 import sys
@@ -24,15 +28,21 @@ os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
 os.environ.setdefault("GOLOG_LOG_LEVEL", "error")
 
 import hivemind  # noqa: E402
-from hivemind.utils import get_dht_time  # noqa: E402
+from hivemind.dht.protocol import DHTProtocol  # noqa: E402
+from hivemind.dht.routing import DHTID  # noqa: E402
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase  # noqa: E402
+from hivemind.utils import MSGPackSerializer, get_dht_time  # noqa: E402
 
-from protocols.errors import TransportError  # noqa: E402
+from protocols.errors import ProtocolError, TransportError  # noqa: E402
+from protocols.messages import PeerAnnouncement, RunManifest  # noqa: E402
+from protocols.signing import fingerprint, verify_message  # noqa: E402
 from protocols.transport.streams import Endpoint  # noqa: E402
 
 # Every DHT call is pickled through a pipe to the DHT process; past ~15.6 KiB pickled that process
 # can die and a caller waits forever (measured). Our records are a few hundred bytes.
 MAX_RECORD_BYTES = 8 * 1024
 PR_SET_PDEATHSIG = 1
+log = logging.getLogger(__name__)
 
 
 async def _die_with_parent(_dht, _node) -> None:
@@ -49,8 +59,37 @@ def peer_of(address: str) -> str:
     return address.rsplit("/p2p/", 1)[1]
 
 
-def record_key(fingerprint: str, name: str) -> str:
-    return f"echo/{fingerprint}/{name}"
+def record_key(run_fingerprint: str, name: str) -> str:
+    return f"echo/{run_fingerprint}/{name}"
+
+
+class RunRecords(RecordValidatorBase):
+    """The DHT's write rules for one run (see the module docstring). Runs inside the DHT process,
+    on every record stored or fetched; anything it cannot parse is simply refused."""
+
+    def __init__(self, run_fingerprint: str):
+        self.fp = run_fingerprint
+        self.manifest_key = DHTID.generate(source=record_key(run_fingerprint, "manifest")).to_bytes()
+        self.peers_key = DHTID.generate(source=record_key(run_fingerprint, "peers")).to_bytes()
+
+    def validate(self, record: DHTRecord) -> bool:
+        if len(record.value) > MAX_RECORD_BYTES + 64:  # msgpack's bin header on our bytes
+            return False
+        try:
+            value = MSGPackSerializer.loads(record.value)
+            if not isinstance(value, bytes):
+                return False
+            if record.key == self.manifest_key and record.subkey == DHTProtocol.IS_REGULAR_VALUE:
+                manifest = RunManifest.from_wire(value)
+                verify_message(manifest, manifest.run_key)
+                return fingerprint(manifest.run_key) == self.fp
+            if record.key == self.peers_key and record.subkey != DHTProtocol.IS_REGULAR_VALUE:
+                announcement = PeerAnnouncement.from_wire(value)
+                verify_message(announcement, announcement.public_key)
+                return MSGPackSerializer.loads(record.subkey) == announcement.node_id
+        except (ProtocolError, ValueError, TypeError) as e:
+            log.debug("DHT record refused: %s", e)
+        return False
 
 
 class SwarmDHT:
@@ -62,16 +101,19 @@ class SwarmDHT:
     @classmethod
     def start(
         cls, host: str = "127.0.0.1", port: int = 0, initial_peers: list[str] | None = None,
-        identity: Path | None = None,
+        identity: Path | None = None, run_fingerprint: str | None = None,
     ) -> SwarmDHT:
         """Blocking (~0.5 s): start a DHT listening on host:port, joining `initial_peers` if given.
         `identity` (a key file, created if missing) keeps the peer id, hence the address nodes
-        dialled, the same across restarts. Call from the main thread: the DHT process is told to
-        die when the thread that forked it ends."""
+        dialled, the same across restarts. `run_fingerprint`: store only that run's records
+        (`RunRecords`); every peer of a run passes it. Call from the main thread: the DHT process
+        is told to die when the thread that forked it ends."""
         extra = {"identity_path": str(identity)} if identity is not None else {}
+        validators = [RunRecords(run_fingerprint)] if run_fingerprint else []
         try:
             dht = hivemind.DHT(
-                initial_peers=initial_peers or None, start=True, host_maddrs=[f"/ip4/{host}/tcp/{port}"], **extra,
+                initial_peers=initial_peers or None, start=True, host_maddrs=[f"/ip4/{host}/tcp/{port}"],
+                record_validators=validators, **extra,
             )
         except Exception as e:  # hivemind raises bare Exception subclasses of its own for dial failures
             raise TransportError(f"could not start or join the DHT ({type(e).__name__}: {e})") from None

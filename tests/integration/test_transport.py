@@ -59,7 +59,10 @@ def test_streams_carry_large_payloads_errors_and_timeouts(swarm):
             raise InvalidValue("no thanks")
             yield b""  # makes this an async generator
 
+        entered = asyncio.Event()
+
         async def slow(request: bytes, peer: str):
+            entered.set()
             await asyncio.sleep(30)
             yield b""
 
@@ -82,12 +85,12 @@ def test_streams_carry_large_payloads_errors_and_timeouts(swarm):
         assert server.errors["t.refuse", "too_large"] == 1
 
         # One peer may hold SLOW.per_peer calls at once; the next is refused before it is read.
-        first = asyncio.create_task(client.call(server.peer_id, SLOW, b"x", timeout=3))
-        await asyncio.sleep(0.5)
+        first = asyncio.create_task(client.call(server.peer_id, SLOW, b"x", timeout=5))
+        await entered.wait()
         with pytest.raises(RemoteError) as e:
             await client.call(server.peer_id, SLOW, b"x", timeout=3)
         assert e.value.code == "busy" and server.errors["t.slow", "busy"] == 1
-        with pytest.raises(TransportError, match="within 3 s"):
+        with pytest.raises(TransportError, match="within 5 s"):
             await first
         with pytest.raises(TransportError):
             await client.call(server.peer_id, Rpc("t.nobody_serves_this", None, (Reply,), 1024, 10.0, 1), b"x")

@@ -19,9 +19,11 @@ def smollm2_gguf() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def build_tiny_gguf(path: Path, seed: int = 0) -> Path:
+def build_tiny_gguf(path: Path, seed: int = 0, init_std: float = 0.02) -> Path:
+    """`init_std`: weight scale. The default gives near-uniform next-token distributions; a few
+    tenths give peaked ones, like a trained model's, so two models' samples can be told apart."""
     torch.manual_seed(seed)
-    config = LlamaConfig(
+    config = LlamaConfig(initializer_range=init_std,
         vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-5, tie_word_embeddings=True,
         bos_token_id=1, eos_token_id=2,

@@ -1,0 +1,335 @@
+"""Scripted malicious peers over the real transport against a real coordinator and an honest node.
+
+The coordinator and the honest node are real processes (hivemind, llama.cpp, torch) on a tiny
+Llama with peaked next-token distributions, like a trained model's, so two models' samples can
+be told apart. The attackers run here, each with its own key, and hold the same model at the
+run's current version (they fetch its adapter like any node could): an honest batch they build
+is accepted (the control), every cheat on top of it is refused with a named reason. Afterwards:
+no attacker is credited, the honest node is never refused or banned, the run finishes, and the
+coordinator's memory did not grow with the flood."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hivemind.p2p import PeerID
+from safetensors.numpy import load_file
+
+from echo_node.gguf_io import write_lora_adapter
+from echo_node.llama_backend import LlamaBackend
+from protocols import rpc, sampling
+from protocols.errors import RemoteError, TransportError
+from protocols.messages import (
+    LeaseRequest, PeerAnnouncement, PushReceipt, RolloutBatch, RolloutSample, RunManifest, TaskLease,
+    verified_announcements,
+)
+from protocols.signing import fingerprint, generate_key, public_bytes, sign_message
+from protocols.transport.dht import SwarmDHT, peer_of, record_key
+from protocols.transport.streams import OK
+from protocols.wire import decode_one_of
+from tasks import make_task
+from tests.integration.test_end_to_end import VENV_BIN, processes, spawn, wait_for  # noqa: F401 (fixture)
+from tests.support.tiny_model import build_tiny_gguf
+
+T = 1.0
+TOKEN_CHEATS = ("gold answer, made-up logprobs", "gold answer, teacher-forced logprobs", "another temperature",
+                "one sample copied G times", "another model's text", "logprobs shaded down")
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+class Attacker:
+    """What a malicious volunteer has: a DHT peer and streams, keys, and the run's model."""
+
+    def __init__(self, endpoint, coordinator: str, manifest: RunManifest, model: Path, other: Path, run_dir: Path,
+                 work: Path):
+        self.endpoint, self.coordinator, self.manifest = endpoint, coordinator, manifest
+        self.backend = LlamaBackend(model, threads=1, n_ctx=256)
+        self.other = LlamaBackend(other, threads=1, n_ctx=256)
+        self.run_dir, self.work, self.version = run_dir, work, 0
+        self.task = make_task("arithmetic")
+        self.lock = asyncio.Lock()  # one llama context: generate for one cheat at a time
+
+    async def lease(self, key, tries: int = 300) -> TaskLease:
+        for _ in range(tries):
+            reply = await self.ask(key)
+            if isinstance(reply, TaskLease):
+                return reply
+            await asyncio.sleep(0.3)
+        raise AssertionError("no lease")
+
+    async def ask(self, key):
+        request = sign_message(LeaseRequest(self.manifest.run_id, public_bytes(key), self.endpoint.peer_id, "mallory",
+                                            0, 64, time.time()), key)
+        return decode_one_of(await self.call(rpc.LEASE, request.to_wire()), tuple(rpc.LEASE.replies))
+
+    async def push(self, batch: RolloutBatch) -> str:
+        try:
+            return "accepted" if PushReceipt.from_wire(await self.call(rpc.PUSH, batch.to_wire())).accepted else "none"
+        except RemoteError as e:
+            return e.code
+
+    async def call(self, what: rpc.Rpc, request: bytes) -> bytes:
+        """Our attackers share one libp2p peer, so they meet the per-peer limit (`busy`, or a reset
+        stream when the refusal beats our request): wait and call again, as a node would."""
+        for _ in range(100):
+            try:
+                return await self.endpoint.call_one(self.coordinator, what, request)
+            except RemoteError as e:
+                if e.code != "busy":
+                    raise
+            except TransportError:
+                pass
+            await asyncio.sleep(0.2)
+        raise AssertionError(f"{what.name} stayed busy")
+
+    def at_version(self, version: int) -> None:
+        """Hold the run's weights at `version`: the adapter the trainer published (any node has it)."""
+        if version == self.version:
+            return
+        path = self.work / f"v{version}.gguf"
+        adapter = load_file(str(self.run_dir / "adapters" / f"v{version}.safetensors"))
+        b = self.backend
+        write_lora_adapter(adapter, float(self.manifest.update_params["alpha"]), path, b.n_layers, b.n_head, b.n_head_kv)
+        b.set_adapter(path)
+        self.version = version
+
+    def honest(self, lease: TaskLease, backend=None, temperature: float = T) -> list[RolloutSample]:
+        """The batch an honest node holding this version sends for the lease."""
+        self.at_version(lease.version)
+        samples = []
+        for seed, prompt in zip(lease.seeds, lease.prompts):
+            for j in range(self.manifest.group_size):
+                noise = sampling.sample_seed(lease.lease_id, seed, j)
+                out = (backend or self.backend).generate(list(prompt), self.manifest.max_new_tokens, temperature, noise)
+                samples.append(RolloutSample(seed, prompt, out.token_ids, out.logprobs))
+        return samples
+
+    def teacher_forced(self, prompt, ids) -> tuple[float, ...]:
+        """The model's own logprobs of tokens it did not choose (a forger's best cover)."""
+        llm = self.backend.llm
+        self.backend._prefill(list(prompt) + list(ids))
+        rows = llm.scores[len(prompt) - 1 : len(prompt) - 1 + len(ids)].astype(np.float64) / T
+        return tuple(float(x) for x in sampling.log_softmax(rows)[np.arange(len(ids)), ids])
+
+    def gold(self, seed: int) -> tuple[int, ...]:
+        return tuple(self.backend.tokenize(f"The answer is {self.task.generate(seed).answer}."))[
+            : self.manifest.max_new_tokens]
+
+    def cheat(self, name: str, lease: TaskLease) -> list[RolloutSample]:
+        honest = self.honest(lease)
+        if name == "gold answer, made-up logprobs":
+            return [dataclasses.replace(s, completion_ids=self.gold(s.seed), logprobs=(-0.01,) * len(self.gold(s.seed)))
+                    for s in honest]
+        if name == "gold answer, teacher-forced logprobs":
+            return [dataclasses.replace(s, completion_ids=self.gold(s.seed),
+                                        logprobs=self.teacher_forced(s.prompt_ids, self.gold(s.seed))) for s in honest]
+        if name == "another temperature":
+            return self.honest(lease, temperature=T / 4)
+        if name == "one sample copied G times":
+            g = self.manifest.group_size
+            return [honest[i - i % g] for i in range(len(honest))]
+        if name == "another model's text":
+            return self.honest(lease, backend=self.other)
+        if name == "logprobs shaded down":
+            return [dataclasses.replace(s, logprobs=tuple(x - 1.0 for x in s.logprobs)) for s in honest]
+        raise ValueError(name)
+
+    def batch(self, key, lease: TaskLease, samples) -> RolloutBatch:
+        return sign_message(RolloutBatch(self.manifest.run_id, lease.lease_id, lease.version, public_bytes(key),
+                                         tuple(samples), created=time.time()), key)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("models")
+    return build_tiny_gguf(d / "run.gguf", init_std=0.5), build_tiny_gguf(d / "other.gguf", seed=1, init_std=0.5)
+
+
+def test_hostile_peers_are_refused_and_the_run_goes_on(tmp_path, models, processes):  # noqa: F811
+    model, other = models
+    run_dir = tmp_path / "run"
+    config = tmp_path / "run.toml"
+    config.write_text(f"""
+[run]
+model = "{model}"
+task = "arithmetic"
+steps = 8
+prompts_per_step = 8
+group_size = 4
+max_new_tokens = 8
+temperature = {T}
+min_nodes = 1
+port = 0
+data_dir = "{run_dir}"
+lease_seconds = 20
+
+[trainer]
+lora_rank = 4
+learning_rate = 0.01
+micro_batch_tokens = 512
+threads = 1
+""")
+    coordinator = spawn(processes, [sys.executable, "-m", "echo_coordinator.cli", "start", "--config", str(config)],
+                        tmp_path / "coordinator.log")
+    wait_for((run_dir / "join.txt").exists, 120, "the join line", [coordinator])
+    argv = shlex.split((run_dir / "join.txt").read_text())
+    address, run_fp = argv[2], argv[4]
+    node = [str(VENV_BIN / argv[0]), *argv[1:], "--threads", "1"]
+    honest = spawn(processes, [*node, "--name", "honest", "--data-dir", str(tmp_path / "honest")], tmp_path / "honest.log")
+
+    attacker_dht = SwarmDHT.start("127.0.0.1", 0, [address])  # no validator: it stores whatever it likes
+    results: dict[str, str] = {}
+
+    async def attack() -> tuple[float, float]:
+        endpoint = await attacker_dht.endpoint()
+        coordinator_peer = peer_of(address)
+        manifest = RunManifest.from_wire(await endpoint.call_one(coordinator_peer, rpc.MANIFEST, b""))
+        mallory = Attacker(endpoint, coordinator_peer, manifest, model, other, run_dir, tmp_path)
+
+        # The control: an honest batch built by the attackers' own machinery is accepted.
+        key = generate_key()
+        lease = await mallory.lease(key)
+        async with mallory.lock:
+            control = mallory.batch(key, lease, mallory.honest(lease))
+        results["control: honest batch"] = await mallory.push(control)
+        results["replayed batch"] = await mallory.push(control)
+
+        async def token_cheat(name: str) -> None:
+            key = generate_key()
+            lease = await mallory.lease(key)
+            async with mallory.lock:
+                batch = mallory.batch(key, lease, mallory.cheat(name, lease))
+            results[name] = await mallory.push(batch)
+            # A key that failed verification is banned: its next request is refused as such.
+            try:
+                await mallory.ask(key)
+                results[name + " / then"] = "served"
+            except RemoteError as e:
+                results[name + " / then"] = e.code
+
+        await asyncio.gather(*(token_cheat(name) for name in TOKEN_CHEATS))
+
+        # Forged: a batch whose signature does not match what it carries.
+        key = generate_key()
+        lease = await mallory.lease(key)
+        async with mallory.lock:
+            good = mallory.batch(key, lease, mallory.honest(lease))
+        first = good.samples[0]
+        forged = dataclasses.replace(good, samples=(dataclasses.replace(first, logprobs=(0.0,) * len(first.logprobs)),
+                                                    *good.samples[1:]))
+        results["forged batch"] = await mallory.push(forged)
+        # Another node's lease: a thief signs a batch for the lease this key holds.
+        thief = generate_key()
+        results["another node's lease"] = await mallory.push(mallory.batch(thief, lease, good.samples))
+        results["lease holder after the thief"] = await mallory.push(good)
+
+        # Hoarding, then a flood.
+        hoarder = generate_key()
+        held = [await mallory.lease(hoarder), await mallory.lease(hoarder)]
+        try:
+            await mallory.ask(hoarder)
+            results["third lease"] = "served"
+        except RemoteError as e:
+            results["third lease"] = e.code
+        codes = []
+        for _ in range(40):
+            try:
+                await mallory.ask(hoarder)
+            except RemoteError as e:
+                codes.append(e.code)
+        results["lease request flood"] = "rate_limited" if "rate_limited" in codes else ",".join(set(codes))
+        del held
+        before = rss_mb(coordinator.pid)
+        for _ in range(1000):  # a thousand fresh keys, one request each
+            await mallory.ask(generate_key())
+        after = rss_mb(coordinator.pid)
+
+        # Frames: one that claims 1 GiB, and one cut short.
+        for name, write in (("oversize frame", lambda w: w.write((2**30).to_bytes(8, "big") + OK)),
+                            ("truncated frame", lambda w: w.write((1000).to_bytes(8, "big") + OK + b"partial"))):
+            _, reader, writer = await endpoint.p2p.call_binary_stream_handler(
+                PeerID.from_base58(coordinator_peer), rpc.PUSH.name)
+            write(writer)
+            await writer.drain()
+            writer.close()
+            results[name] = "sent"
+        # Forged DHT records: a manifest under the run's key signed by another key, an
+        # announcement under the honest node's subkey, an unsigned tombstone, a fake capacity.
+        rogue = generate_key()
+        fake_manifest = sign_message(dataclasses.replace(manifest, run_key=public_bytes(rogue), trainer_addrs=()), rogue)
+        await attacker_dht.put(record_key(run_fp, "manifest"), fake_manifest.to_wire(), 3600)
+        peers = verified_announcements(await attacker_dht.get(record_key(run_fp, "peers")))
+        honest_id = next(a.node_id for a in peers if a.name == "honest")
+        impostor = sign_message(PeerAnnouncement(endpoint.peer_id, "impostor", "node", "llama_cpp",
+                                                 manifest.base_sha256, 0, 0.0, public_bytes(rogue), time.time()), rogue)
+        await attacker_dht.put(record_key(run_fp, "peers"), impostor.to_wire(), 3600, subkey=honest_id)
+        await attacker_dht.put(record_key(run_fp, "peers"), b"", 3600, subkey=honest_id)
+        return before, after
+
+    try:
+        before, after = asyncio.run(attack())
+        # Every peer of the run validates: the forged records exist only in the attacker's own store.
+        watcher = SwarmDHT.start("127.0.0.1", 0, [address], run_fingerprint=run_fp)
+        try:
+            found = asyncio.run(watcher.get(record_key(run_fp, "manifest")))
+            assert fingerprint(RunManifest.from_wire(found).run_key) == run_fp
+            live = announced(run_fp, address, watcher)
+            assert [a.name for a in live.values()] == ["honest"]
+        finally:
+            watcher.shutdown()
+        # A node joining after the forgeries joins and works.
+        late = spawn(processes, [*node, "--name", "late", "--data-dir", str(tmp_path / "late")], tmp_path / "late.log")
+        wait_for(lambda: "joined run" in (tmp_path / "late.log").read_text(), 120, "the late node to join", [late])
+        assert coordinator.wait(timeout=300) == 0, (tmp_path / "coordinator.log").read_text()[-3000:]
+        assert honest.wait(timeout=60) == 0 and late.wait(timeout=60) == 0
+    finally:
+        attacker_dht.shutdown()
+
+    print(json.dumps(results, indent=1))
+    assert results["control: honest batch"] == "accepted"
+    assert results["replayed batch"] == "bad_lease"
+    for name in TOKEN_CHEATS:
+        assert results[name] in ("bad_sampling", "bad_logprobs"), (name, results[name])
+        assert results[name + " / then"] == "banned"
+    assert results["logprobs shaded down"] == "bad_logprobs"
+    assert results["gold answer, teacher-forced logprobs"] == "bad_sampling"
+    assert results["forged batch"] == "bad_signature"
+    assert results["another node's lease"] == "bad_lease"
+    assert results["lease holder after the thief"] == "accepted"
+    assert results["third lease"] == "lease_limit"
+    assert results["lease request flood"] == "rate_limited"
+    assert after - before < 50, f"coordinator RSS grew {after - before:.0f} MB over 1000 fresh keys"
+
+    from echo_coordinator.ledger import Ledger
+
+    ledger = Ledger(run_dir / "ledger.sqlite")
+    rows = ledger.peers()
+    ledger.close()
+    (honest_row,) = [p for p in rows if p["name"] == "honest"]
+    assert honest_row["rejected"] == 0 and honest_row["failed_batches"] == 0
+    assert honest_row["banned_until"] == 0 and honest_row["accepted"] > 0
+    cheaters = [p for p in rows if p["name"] not in ("honest", "late")]
+    assert sum(p["failed_batches"] for p in cheaters) == len(TOKEN_CHEATS)
+    # Credit went only to the keys that sent honest batches (the control and the lease holder).
+    assert all(p["failed_batches"] == 0 and p["rejected_by_reason"].keys() <= {"bad_lease"}
+               for p in cheaters if p["accepted"])
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 8
+
+
+def announced(run_fp: str, address: str, dht: SwarmDHT) -> dict[str, PeerAnnouncement]:
+    return {a.node_id: a for a in verified_announcements(asyncio.run(dht.get(record_key(run_fp, "peers"))))}
