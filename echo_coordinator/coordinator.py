@@ -26,7 +26,7 @@ from echo_coordinator import publish
 from echo_coordinator.config import RunConfig, TrainerConfig
 from echo_coordinator.ledger import Ledger, MetricsLog
 from echo_coordinator.rewards import Transcripts
-from echo_coordinator.peers import SpotCheck, read_allow_list
+from echo_coordinator.peers import SpotCheck, read_allow_list, relay_holders
 from echo_coordinator.service import Policing, RunService
 from echo_coordinator.verify import Verifier, lora_base
 from protocols import rpc
@@ -209,12 +209,9 @@ class Coordinator:
                     if time.monotonic() - last_put > RECORD_TTL / 3:
                         await dht.put(record_key(self.fp, "manifest"), manifest.to_wire(), RECORD_TTL)
                         last_put = time.monotonic()
-                    # Who holds which version: the relay's budget lets them serve before we do. Only
-                    # peers that have asked us for work over their own stream count: an announcement
-                    # alone could claim any version and capacity and turn honest nodes away.
+                    # Who holds which version: the relay's budget lets them serve before we do.
                     announced = verified_announcements(await dht.get(record_key(self.fp, "peers")))
-                    talked = service.talked()
-                    self.peer_versions = {a.peer_id: a.version for a in announced if talked.get(a.node_id) == a.peer_id}
+                    self.peer_versions = relay_holders(announced, service.talked())
                     service.prune(time.time())
                 except TransportError as e:
                     log.warning("DHT refresh failed, will retry: %s", e)
@@ -308,7 +305,8 @@ class Coordinator:
         try:
             while service.version < cfg.steps:
                 version = service.version
-                rejected_before = sum(service.rejections.values())
+                rejected_before = service.rejection_counts()
+                verified_before = (self.verifier.checked_samples, self.verifier.seconds)
                 batch = await self._collect(service, version)
                 waited = time.time() - cycle_start
                 stats = await self._on_trainer(trainer.step, batch.samples)
@@ -322,7 +320,10 @@ class Coordinator:
                 model_turns = [sum(role == "model" for role, _, _ in turns(s)) for s in batch.samples]
                 metrics.write(dict(
                     version=version, mode=cfg.mode, samples=len(batch.samples), reward_mean=reward_mean,
-                    accepted=len(batch.samples), rejected=sum(service.rejections.values()) - rejected_before,
+                    accepted=len(batch.samples), rejected=sum((service.rejection_counts() - rejected_before).values()),
+                    rejected_by_reason=dict(service.rejection_counts() - rejected_before),
+                    verified_samples=self.verifier.checked_samples - verified_before[0],
+                    verify_seconds=self.verifier.seconds - verified_before[1],
                     dropped_stale=batch.dropped, staleness_max=max(batch.staleness, default=0),
                     staleness_histogram={str(k): histogram[k] for k in sorted(histogram)},
                     turns_mean=sum(model_turns) / max(len(model_turns), 1),
@@ -336,7 +337,8 @@ class Coordinator:
                 console.print(
                     f"version {version} -> {service.version}: reward {reward_mean:.3f} over {len(batch.samples)} samples "
                     f"(staleness max {max(batch.staleness, default=0)}, {batch.dropped} dropped), wait {waited:.1f}s, "
-                    f"train {stats.busy_seconds:.1f}s, mismatch KL {stats.mismatch_kl:.4f}"
+                    f"train {stats.busy_seconds:.1f}s, verify {self.verifier.seconds - verified_before[1]:.1f}s, "
+                    f"mismatch KL {stats.mismatch_kl:.4f}"
                 )
                 cycle_start = now
         finally:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from protocols.messages import PeerAnnouncement
 from protocols.signing import FINGERPRINT_CHARS
 
 
@@ -64,6 +65,13 @@ class SpotCheck:
     def should_check(self, verified: int, failed: int, draw: float) -> bool:
         """`draw`: a uniform [0, 1) number the caller drew (secret from the node)."""
         return failed > 0 or verified < self.trust_after or draw < self.fraction
+
+
+def relay_holders(announced: list[PeerAnnouncement], talked: dict[str, str]) -> dict[str, int]:
+    """libp2p peer -> version it holds, from the announcements whose node has asked us for work
+    from that very peer (`talked`: node id -> peer). An announcement alone could claim any version
+    and any capacity, and the upload budget would then turn honest nodes away to fetch from it."""
+    return {a.peer_id: a.version for a in announced if talked.get(a.node_id) == a.peer_id}
 
 
 def read_allow_list(path: Path) -> frozenset[str]:

@@ -202,6 +202,11 @@ class RunService:
 
     # -- handlers ------------------------------------------------------------------------------
 
+    def rejection_counts(self) -> Counter[str]:
+        """Samples refused so far, by reason (a copy: handler threads keep counting)."""
+        with self.lock:
+            return Counter(self.rejections)
+
     def talked(self) -> dict[str, str]:
         """Node id -> the libp2p peer it asked for work from: proof that an announcement is live."""
         with self.lock:

@@ -9,6 +9,7 @@ at all is `peers.SpotCheck`'s decision.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -44,8 +45,8 @@ class Verifier:
     def __init__(self, evidence: Evidence, rule: SamplingRule, keep_versions: int):
         self.evidence, self.rule, self.keep_versions = evidence, rule, keep_versions
         self.held: dict[int, dict[str, np.ndarray]] = {}  # version -> what nodes hold at it
-        self.checked_samples = 0
-        self.seconds = 0.0
+        self.checked_samples = 0  # for metrics: samples verified so far
+        self.seconds = 0.0  # and the trainer time it took (forward passes, noise, margins)
 
     def remember(self, version: int, weights: dict[str, np.ndarray]) -> None:
         """Nodes hold `weights` at `version`; versions the bound no longer admits are forgotten."""
@@ -61,7 +62,9 @@ class Verifier:
             # bound no longer admits; either way nothing here can vouch for the batch.
             raise VerificationError("unverifiable", f"no weights of version {version} to check against")
         train = [TrainSample(s.prompt_ids, s.completion_ids, s.logprobs, s.loss_mask, 0.0, s.seed) for s in samples]
+        started = time.perf_counter()
         found = self.evidence(train, sample_seeds(lease_id, samples), weights)
+        self.seconds += time.perf_counter() - started
         self.checked_samples += len(found)
         reason = judge(found, self.rule)
         if reason is not None:

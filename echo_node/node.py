@@ -274,7 +274,14 @@ class Node:
                 console.print(f"lease {reply.lease_id}: {receipt.accepted} samples accepted at version {batch.version}, "
                               f"{self.backend.throughput:.0f} tok/s")
                 backoff = 0.5
-            except (TransportError, RemoteError, ProtocolError, UpdateError) as e:
+            except RemoteError as e:
+                if e.code == "not_allowed":
+                    raise JoinRefused(f"this run admits only listed node keys; ask its operator to add "
+                                      f"{fingerprint(self.node_key)}") from None
+                log.warning("%s; retrying in %.1f s", e, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, MAX_BACKOFF)
+            except (TransportError, ProtocolError, UpdateError) as e:
                 log.warning("%s; retrying in %.1f s", e, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF)

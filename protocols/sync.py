@@ -39,6 +39,9 @@ from typing import Any
 from protocols.errors import InvalidValue, LeaseError
 
 
+MAX_CLOSED = 100_000  # closed lease ids a LeaseBook remembers the reason for
+
+
 class Mode(str, Enum):
     SEQUENTIAL = "sequential"
     ASYNC = "async"
@@ -111,7 +114,8 @@ class LeaseBook:
         self._outstanding: dict[str, Lease] = {}  # insertion order == issue order
         self._known: set[int] = set()
         self._completed_count = 0
-        # Closed lease ids and why, so a late or repeated completion gets a precise error.
+        # Closed lease ids and why, so a late or repeated completion gets a precise error; only
+        # the newest MAX_CLOSED are remembered (older ones are "unknown": refused all the same).
         self._closed: dict[str, str] = {}
 
     @property
@@ -168,7 +172,7 @@ class LeaseBook:
             # Left outstanding: the rightful holder may still complete it.
             raise LeaseError(f"lease {lease_id!r} is held by another node")
         del self._outstanding[lease_id]
-        self._closed[lease_id] = "already completed"
+        self._close(lease_id, "already completed")
         self._completed_count += len(lease.seeds)
         return lease
 
@@ -187,10 +191,15 @@ class LeaseBook:
         self._reopen([lease], "released")
         return lease
 
+    def _close(self, lease_id: str, reason: str) -> None:
+        self._closed[lease_id] = reason
+        if len(self._closed) > MAX_CLOSED:
+            del self._closed[next(iter(self._closed))]  # dicts keep insertion order: the oldest
+
     def _reopen(self, leases: list[Lease], reason: str) -> None:
         for lease in leases:
             del self._outstanding[lease.lease_id]
-            self._closed[lease.lease_id] = reason
+            self._close(lease.lease_id, reason)
         # extendleft reverses its input; reversing first keeps the oldest lease's seeds first.
         self._pending.extendleft(reversed([s for lease in leases for s in lease.seeds]))
 

@@ -2,7 +2,8 @@
 
 import pytest
 
-from echo_coordinator.peers import BanRule, RateLimit, SpotCheck, read_allow_list
+from echo_coordinator.peers import BanRule, RateLimit, SpotCheck, read_allow_list, relay_holders
+from tests.unit.protocols import factories
 
 
 def test_rate_limit_allows_bursts_then_the_rate():
@@ -37,3 +38,11 @@ def test_allow_list(tmp_path):
     path.write_text("not-a-key\n")
     with pytest.raises(ValueError, match="keys.txt:1"):
         read_allow_list(path)
+
+
+def test_only_announcements_of_nodes_that_talked_count_as_relays():
+    live = factories.announcement(peer_id="QmLive", version=3, public_key=bytes(range(32)))
+    claim = factories.announcement(peer_id="QmFake", version=99, throughput=1e9, public_key=bytes(range(1, 33)))
+    moved = factories.announcement(peer_id="QmElsewhere", version=5, public_key=bytes(range(2, 34)))
+    talked = {live.node_id: "QmLive", moved.node_id: "QmOther"}  # moved: another peer spoke for that key
+    assert relay_holders([live, claim, moved], talked) == {"QmLive": 3}

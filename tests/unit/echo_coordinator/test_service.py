@@ -7,10 +7,13 @@ import pytest
 from echo_coordinator.ledger import Ledger
 from echo_coordinator.rewards import Transcripts
 from echo_coordinator.publish import build_lora_update
+from echo_coordinator.peers import BanRule, SpotCheck
 from echo_coordinator.service import Policing, RunService, Refused
-from protocols.errors import InvalidValue, LeaseError, SignatureError, TranscriptError
+from echo_coordinator.verify import Verifier
+from protocols.errors import InvalidValue, LeaseError, PeerRefused, SignatureError, TranscriptError, VerificationError
+from protocols.sampling import SampleEvidence, SamplingRule, choose, gumbel, log_softmax, sample_seed
 from protocols.messages import LeaseRequest, NoWork, RolloutBatch, RolloutSample, TaskLease, TurnFormat, UpdateInfo
-from protocols.signing import generate_key, public_bytes, sign_message
+from protocols.signing import fingerprint, generate_key, public_bytes, sign_message
 from tasks import make_task
 from tests.unit.protocols import factories
 
@@ -223,3 +226,105 @@ def test_state_survives_a_restart(async_service, tmp_path):
     assert restarted.gate.is_accepted(lease.lease_id)  # the same batch cannot be counted twice
     assert restarted.gate.offer(batch.node_id, "new-lease", 0).value == "stale"  # the bound holds after restart
     ledger.close()
+
+
+# -- verification, bans, spot checks and the allow-list, with the real Verifier on a toy model ------
+
+LOGITS = np.random.default_rng(0).normal(size=1000) * 3  # a context-free "model" over the test vocabulary
+
+
+def toy_evidence(samples, seeds, weights):
+    return [SampleEvidence.of(np.tile(LOGITS, (len(s.completion_ids), 1)), seed, np.arange(len(s.completion_ids)),
+                              np.array(s.completion_ids), np.array(s.behaviour)) for s, seed in zip(samples, seeds)]
+
+
+def sampled_batch(key, lease: TaskLease, tokens: int = 6) -> RolloutBatch:
+    """What an honest node running the toy model sends: Gumbel-max with the lease's noise."""
+    samples = []
+    for seed, prompt in zip(lease.seeds, lease.prompts):
+        for j in range(GROUP):
+            noise = gumbel(sample_seed(lease.lease_id, seed, j), np.arange(tokens), len(LOGITS))
+            ids = tuple(choose(LOGITS, g) for g in noise)
+            samples.append(RolloutSample(seed, prompt, ids, tuple(float(log_softmax(LOGITS)[i]) for i in ids)))
+    return sign_message(RolloutBatch("run-1", lease.lease_id, lease.version, public_bytes(key), tuple(samples)), key)
+
+
+@pytest.fixture
+def policed(tmp_path):
+    def make(spot=SpotCheck(), allow=None):
+        run_key = generate_key()
+        manifest = factories.manifest(run_key=public_bytes(run_key), group_size=GROUP, max_new_tokens=8, vocab_size=1000)
+        verifier = Verifier(toy_evidence, SamplingRule(), keep_versions=0)
+        verifier.remember(0, {})
+        svc = RunService(manifest, run_key, make_task("arithmetic"), render_prompt=lambda seed: (1, 2, 3 + seed % 50),
+                         transcripts=TRANSCRIPTS, ledger=Ledger(tmp_path / f"ledger{len(made)}.sqlite"), lease_seconds=600,
+                         seeds_per_lease=1, policing=Policing(verifier, spot, BanRule(first=60), allow))
+        svc.started = True
+        svc.open_step(list(range(100)))
+        made.append(svc)
+        return svc
+
+    made: list[RunService] = []
+    yield make
+    for svc in made:
+        svc.ledger.close()
+
+
+def test_written_tokens_are_refused_struck_and_banned_for_a_growing_time(policed):
+    svc, honest, cheat = policed(), generate_key(), generate_key()
+    lease = svc.handle_lease(lease_request(honest), now=NOW)
+    assert push(svc, sampled_batch(honest, lease), "QmHonest").accepted == GROUP
+    assert svc.ledger.trust(fingerprint(public_bytes(honest))).verified == 1
+
+    lease = svc.handle_lease(lease_request(cheat, name="mallory"), now=NOW)
+    with pytest.raises(VerificationError) as e:
+        push(svc, answer_batch(svc, cheat, lease), "QmCheat")  # the right answers, written, not sampled
+    assert e.value.code == "bad_sampling"
+    trust = svc.ledger.trust(fingerprint(public_bytes(cheat)))
+    assert trust.failed == 1 and trust.banned_until == NOW + 60
+    with pytest.raises(PeerRefused) as e:
+        svc.handle_lease(lease_request(cheat, time=NOW + 30), now=NOW + 30)
+    assert e.value.code == "banned"
+    lease = svc.handle_lease(lease_request(cheat, time=NOW + 61), now=NOW + 61)  # the ban ran out
+    with pytest.raises(VerificationError):
+        push(svc, answer_batch(svc, cheat, lease), "QmCheat", now=NOW + 61)
+    assert svc.ledger.trust(fingerprint(public_bytes(cheat))).banned_until == NOW + 61 + 120  # doubled
+    # The honest node is untouched, and a pushing banned key is refused before any checking.
+    assert svc.ledger.trust(fingerprint(public_bytes(honest))).failed == 0
+    lease = svc.handle_lease(lease_request(honest), now=NOW)
+    assert push(svc, sampled_batch(honest, lease), "QmHonest").accepted == GROUP
+
+
+def test_trusted_keys_are_spot_checked_new_ones_always(policed):
+    svc, node = policed(spot=SpotCheck(fraction=1e-9, trust_after=2)), generate_key()
+    for _ in range(2):
+        lease = svc.handle_lease(lease_request(node), now=NOW)
+        push(svc, sampled_batch(node, lease), "QmNode")
+    checked = svc.policing.verifier.checked_samples
+    lease = svc.handle_lease(lease_request(node), now=NOW)
+    push(svc, sampled_batch(node, lease), "QmNode")
+    assert svc.policing.verifier.checked_samples == checked  # trusted: not drawn this time
+    newcomer = generate_key()
+    lease = svc.handle_lease(lease_request(newcomer), now=NOW)
+    push(svc, sampled_batch(newcomer, lease), "QmNew")
+    assert svc.policing.verifier.checked_samples == checked + GROUP
+
+
+def test_allow_list_and_lease_limits(policed):
+    listed, stranger = generate_key(), generate_key()
+    svc = policed(allow=frozenset({fingerprint(public_bytes(listed))}))
+    with pytest.raises(PeerRefused) as e:
+        svc.handle_lease(lease_request(stranger), now=NOW)
+    assert e.value.code == "not_allowed"
+    svc.handle_lease(lease_request(listed), now=NOW)
+    svc.handle_lease(lease_request(listed), now=NOW)
+    with pytest.raises(PeerRefused) as e:
+        svc.handle_lease(lease_request(listed), now=NOW)
+    assert e.value.code == "lease_limit"
+    refused = []
+    for i in range(20):  # a burst of requests: past the bucket, refused before anything else
+        try:
+            svc.handle_lease(lease_request(listed), now=NOW)
+        except PeerRefused as e:
+            refused.append(e.code)
+    assert "rate_limited" in refused

@@ -65,6 +65,19 @@ def test_complete_once():
     assert book.completed_count == 2
 
 
+def test_closed_leases_are_remembered_up_to_a_bound(monkeypatch):
+    monkeypatch.setattr("protocols.sync.MAX_CLOSED", 3)
+    book = book_with(range(5))
+    leases = [book.issue("n", 1, 0, now=0.0) for _ in range(5)]
+    for lease in leases:
+        book.complete(lease.lease_id, "n", now=1.0)
+    assert len(book._closed) == 3
+    with pytest.raises(LeaseError, match="unknown"):
+        book.complete(leases[0].lease_id, "n", now=1.0)  # forgotten, still refused
+    with pytest.raises(LeaseError, match="already completed"):
+        book.complete(leases[-1].lease_id, "n", now=1.0)
+
+
 def test_complete_unknown_lease():
     with pytest.raises(LeaseError, match="unknown"):
         book_with([1]).complete("nope", "a", 0.0)
