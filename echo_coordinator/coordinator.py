@@ -178,7 +178,9 @@ class Coordinator:
         # Verification runs the trainer's forward pass, so on the trainer's thread; handler threads wait.
         self.verifier = Verifier(
             lambda samples, seeds, weights: self.torch_thread.submit(trainer.evidence, samples, seeds, weights).result(),
-            SamplingRule(), keep_versions=cfg.staleness if cfg.mode == "async" else 0,
+            # One version more than the bound admits: a publish remembers the new version a moment
+            # before the gate moves to it.
+            SamplingRule(), keep_versions=(cfg.staleness if cfg.mode == "async" else 0) + 1,
         )
         service = RunService(
             manifest, self.key, self.task, render_prompt=lambda seed: prompt_ids(tokenizer, self.task.episode(seed).messages),
@@ -193,6 +195,7 @@ class Coordinator:
             # staleness bound and single-use leases hold across the restart (cf. AReaL #1388).
             service.restore(state["service"])
             await self._on_trainer(trainer.load, self.data_dir / "checkpoint")
+            self._remember_adapters(trainer, service.version)
             self._publish(service, manifest, service.version, trainer.weights(), resumed=True)
             console.print(f"resuming run {manifest.run_id} at version {service.version}")
         else:
@@ -253,6 +256,21 @@ class Coordinator:
             held = {k: v.copy() for k, v in self.publisher.view().items()}  # the view changes in place
         self.verifier.remember(version, held)  # before nodes can hear of the version
         service.publish(published)
+
+    def _remember_adapters(self, trainer, version: int) -> None:
+        """After a restart, what nodes held at the versions before `version` that the bound still
+        admits, so their batches stay verifiable: LoRA adapters are on disk. (Full mode keeps only
+        the current view; older batches are refused as `unverifiable`, the nodes' work lost once.)"""
+        if self.run_config.update != "lora":
+            return
+        from safetensors.numpy import load_file
+
+        for v in range(max(0, version - self.verifier.keep_versions), version):
+            path = self.data_dir / "adapters" / f"v{v}.safetensors"
+            if v == 0:
+                self.verifier.remember(0, lora_base(trainer.weights()))
+            elif path.exists():
+                self.verifier.remember(v, load_file(str(path)))
 
     def _make_publisher(self, trainer, run_id: str, resuming: bool):
         """Full mode: the publisher tracks what nodes hold; a restart restores that view."""

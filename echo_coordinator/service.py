@@ -36,7 +36,7 @@ from protocols.messages import (
 )
 from protocols.signing import verify_message
 from protocols.transport.relay import Relay
-from protocols.sync import Lease, LeaseBook, Mode, ReplayBuffer, RolloutGate, Verdict, lease_admits
+from protocols.sync import Lease, LeaseBook, Mode, ReplayBuffer, RolloutGate, Verdict, judge_version, lease_admits
 from tasks import Task
 
 REQUEST_MAX_AGE = 300.0  # seconds; older signed lease requests are replays
@@ -303,10 +303,7 @@ class RunService:
             now += time.monotonic() - started  # the lease may have expired while we judged
             with self.lock:
                 self._held_lease(batch, now)
-                verdict = self.gate.offer(batch.node_id, batch.lease_id, batch.version)
-                if verdict is not Verdict.ACCEPT:
-                    raise Refused(verdict, f"batch of version {batch.version} refused at version {self.version}: "
-                                           f"{verdict.value}")
+                self._offer(batch)
                 self.book.complete(batch.lease_id, batch.node_id, now)
                 for seed in lease.seeds:
                     self.prompts.pop(seed, None)  # answered: never leased again
@@ -335,7 +332,15 @@ class RunService:
             verdict = Verdict.FUTURE if batch.version > lease.version else Verdict.WRONG_VERSION
             raise Refused(verdict, f"{verdict.value}: batch claims version {batch.version}; its lease of version {lease.version} "
                                    f"admits {'only that' if self.mode is Mode.SEQUENTIAL else 'the S versions up to it'}")
+        if judge_version(self.mode, self.version, self.manifest.staleness, batch.version) is not Verdict.ACCEPT:
+            self._offer(batch)  # already too old (or early): refuse now, before paying for replay and verification
         return lease
+
+    def _offer(self, batch: RolloutBatch) -> None:
+        """The rollout gate's verdict, counted; accepted batches are remembered for good."""
+        verdict = self.gate.offer(batch.node_id, batch.lease_id, batch.version)
+        if verdict is not Verdict.ACCEPT:
+            raise Refused(verdict, f"batch of version {batch.version} refused at version {self.version}: {verdict.value}")
 
     def _verify(self, batch: RolloutBatch, now: float) -> None:
         """Check the sampling if the spot-check says so; a failure is a strike and a ban."""

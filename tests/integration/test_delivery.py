@@ -81,6 +81,18 @@ async def broken_chunk_server(dht, vanish: bool) -> str:
     return endpoint.peer_id
 
 
+async def stalling_chunk_server(dht) -> str:
+    """A peer that takes chunk requests and never answers."""
+    endpoint = await dht.endpoint()
+
+    async def stall(info, reader, writer):
+        await reader.read(8)
+        await asyncio.sleep(3600)
+
+    await endpoint.p2p.add_binary_stream_handler(rpc.CHUNKS.name, stall)
+    return endpoint.peer_id
+
+
 def test_relay_peer_first_then_trainer_for_what_the_peer_lacks(swarm):
     base, updates, manifest = published_updates()
 
@@ -110,7 +122,7 @@ def test_broken_peer_mid_transfer_falls_back_to_the_trainer(swarm):
 @pytest.mark.parametrize("fault, reason", [
     ("tampered chunk", "chunks unavailable"), ("forged manifest", "does not verify"),
     ("replayed manifest", "asked for update"), ("truncated stream", "chunks unavailable"),
-    ("vanishing provider", "chunks unavailable"),
+    ("vanishing provider", "chunks unavailable"), ("stalling provider", "chunks unavailable"),
 ])
 def test_faulty_provider_leaves_node_on_good_version(swarm, fault, reason):
     base, updates, manifest = published_updates()
@@ -129,14 +141,20 @@ def test_faulty_provider_leaves_node_on_good_version(swarm, fault, reason):
             served = [(sign_message(dataclasses.replace(second, created=second.created + 1), generate_key()), second_store)]
         elif fault == "replayed manifest":
             served, relay = updates, Replaying(keep_versions=10)
+        elif fault == "stalling provider":  # its own peer: "vanishing provider" takes swarm[2] down
+            served = [(second, {})]
+            staller = SwarmDHT.start("127.0.0.1", 0, swarm[0].addresses())
+            peers = [await stalling_chunk_server(staller)]
         else:  # the trainer offers the manifest but not the chunks; the one peer holding them breaks
             served = [(second, {})]
             peers = [await broken_chunk_server(swarm[2], vanish=fault == "vanishing provider")]
         trainer = await serve(swarm[1], served, relay)
 
         with pytest.raises(UpdateError, match=reason):
-            await catch_up(endpoint, trainer, lambda v: peers, manifest, 1, 2, node.apply, 30)
+            await catch_up(endpoint, trainer, lambda v: peers, manifest, 1, 2, node.apply, 5)
         assert node.version == 1 and node.applied == [1] and node.master["w"].tobytes() == good.tobytes()
+        if fault == "stalling provider":
+            staller.shutdown()
 
         # Still serving: an honest provider completes the update.
         honest = SwarmDHT.start("127.0.0.1", 0, swarm[0].addresses())
