@@ -111,6 +111,7 @@ class RunService:
         self.names: dict[str, str] = {}  # node id -> display name from its (signed) lease requests
         self.last_seen: dict[str, float] = {}  # node id -> time of its last signed lease request
         self._streams: dict[str, str] = {}  # node id -> libp2p peer its last lease request came from
+        self._judging: set[tuple[str, str]] = set()  # (lease id, signer) of batches being judged now
         self.rejections: Counter[str] = Counter()
         self._dropped = 0  # samples dropped from the buffer as stale since the last take_batch
 
@@ -291,6 +292,13 @@ class RunService:
             raise InvalidValue(f"batch for run {batch.run_id!r}, this is {self.manifest.run_id!r}")
         self._admit(batch.node_id, now)
         started = time.monotonic()
+        judging = (batch.lease_id, batch.node_id)  # keyed by signer too: nobody can block another's push
+        with self.lock:
+            if judging in self._judging:
+                # The same lease pushed again (from any number of peers) while we judge it: one
+                # replay and one verification per lease, never more.
+                raise LeaseError(f"lease {batch.lease_id} is already being judged")
+            self._judging.add(judging)
         try:
             with self.lock:
                 lease = self._held_lease(batch, now)
@@ -313,6 +321,9 @@ class RunService:
                 if any(x.lease_id == batch.lease_id and x.node_id == batch.node_id for x in self.book.outstanding):
                     self.book.release(batch.lease_id, batch.node_id)
             raise
+        finally:
+            with self.lock:
+                self._judging.discard(judging)
         groups: dict[int, list[TrainSample]] = {}
         for s, reward in zip(batch.samples, rewards):
             sample = TrainSample(s.prompt_ids, s.completion_ids, s.logprobs, s.loss_mask, reward, s.seed)

@@ -153,7 +153,7 @@ class Node:
         self.task = self._load_task() if manifest.task.max_turns > 1 else None
         await asyncio.to_thread(self._load_backend)
         await self.relay.serve(self.endpoint)
-        console.print(f"joined run {manifest.run_id} as {self.name} ({fingerprint(self.node_key)[:8]}); "
+        console.print(f"joined run {manifest.run_id} as {self.name} (node key {fingerprint(self.node_key)}); "
                       f"task {manifest.task.name}, mode {manifest.mode}")
         peers_key = record_key(self.config.run_key, "peers")
         announcer = asyncio.create_task(self._announce(dht, peers_key), name="announce")
