@@ -1,6 +1,7 @@
 """The coordinator's handlers against good and bad input, with a real SQLite ledger."""
 
 import dataclasses
+import threading
 
 import pytest
 
@@ -328,3 +329,30 @@ def test_allow_list_and_lease_limits(policed):
         except PeerRefused as e:
             refused.append(e.code)
     assert "rate_limited" in refused
+
+
+def test_a_lease_is_judged_once_at_a_time_and_only_its_signer_is_held_back(policed):
+    svc, node, thief = policed(), generate_key(), generate_key()
+    entered, release = threading.Event(), threading.Event()
+    verifier = svc.policing.verifier
+    real = verifier.evidence
+
+    def slow_evidence(*args):
+        entered.set()
+        release.wait(10)
+        return real(*args)
+
+    verifier.evidence = slow_evidence
+    lease = svc.handle_lease(lease_request(node), now=NOW)
+    batch = sampled_batch(node, lease)
+    receipts = []
+    judging = threading.Thread(target=lambda: receipts.append(push(svc, batch, "QmNode")))
+    judging.start()
+    assert entered.wait(10)
+    with pytest.raises(LeaseError, match="already being judged"):
+        push(svc, batch, "QmElsewhere")  # the same batch again, from another peer
+    with pytest.raises(LeaseError, match="another node"):
+        push(svc, sampled_batch(thief, lease), "QmThief")
+    release.set()
+    judging.join(10)
+    assert receipts[0].accepted == GROUP and verifier.checked_samples == GROUP  # verified once
