@@ -55,9 +55,11 @@ def evidence(max_margin=0.0, flips=0, tokens=20, max_err=0.01, mean_err=0.005):
 @pytest.mark.parametrize("batch, verdict", [
     ([evidence()] * 4, None),
     ([evidence(max_margin=0.2, flips=2)] * 4, None),  # a few quantization-flipped near ties
-    ([evidence()] * 3 + [evidence(max_margin=3.5, flips=1)], "bad_sampling"),  # one token the model did not sample
+    ([evidence()] * 3 + [evidence(max_margin=3.5, flips=2, max_err=3.4)], None),  # one honest outlier
+    ([evidence()] * 2 + [evidence(max_margin=3.5, flips=1)] * 2, "bad_sampling"),  # two: written tokens
+    ([evidence()] * 3 + [evidence(max_margin=3.5, flips=10)], "bad_sampling"),  # a mostly written sample
     ([evidence(max_margin=0.5, flips=6)] * 4, "bad_sampling"),  # many small flips: another temperature, say
-    ([evidence()] * 3 + [evidence(max_err=3.0)], "bad_logprobs"),
+    ([evidence()] * 2 + [evidence(max_err=3.0)] * 2, "bad_logprobs"),
     ([evidence(mean_err=0.3, max_err=0.4)] * 4, "bad_logprobs"),  # every logprob shaded down a little
     ([evidence(max_margin=0.4, flips=1, tokens=1)], None),  # a one-token answer may hinge on one near tie
     ([evidence(mean_err=0.3, max_err=0.4, tokens=2)] + [evidence(tokens=40)] * 3, None),  # the mean is per token
