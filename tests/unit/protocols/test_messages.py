@@ -222,3 +222,22 @@ def test_mutated_fields_only_ever_raise_protocol_errors(message, data):
         type(message).from_wire(envelope(message, **{name: value}))
     except ProtocolError:
         pass
+
+
+def test_withdrawals_and_misfiled_announcements_are_not_live():
+    from protocols.messages import verified_announcements
+    from protocols.signing import SignatureError, generate_key, public_bytes, sign_message, verify_message
+
+    key = generate_key()
+    live = sign_message(factories.announcement(public_key=public_bytes(key)), key)
+    gone = sign_message(factories.announcement(public_key=public_bytes(key), left=True), key)
+    assert verified_announcements({live.node_id: live.to_wire()}) == [live]
+    assert verified_announcements({"someone-else": live.to_wire()}) == []  # under another node's subkey
+    assert verified_announcements({gone.node_id: gone.to_wire()}) == []
+    # Dropping the flag from a signed withdrawal does not bring the peer back: the signature covers it.
+    body = gone.to_dict()
+    del body["left"]
+    stripped = PeerAnnouncement.from_wire(wire.pack(gone.KIND, body))
+    assert not stripped.left
+    with pytest.raises(SignatureError):
+        verify_message(stripped, stripped.public_key)
