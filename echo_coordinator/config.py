@@ -43,9 +43,9 @@ class RunConfig:
     data_dir: str = "runs/latest"  # run key, metrics.jsonl, ledger, checkpoints
     seed: int = 0  # task seeds and torch initialisation
     # Share of a trusted key's batches whose sampling is verified (a key's first 4 batches, and
-    # every batch of a key that ever failed, always are). Verifying a batch costs the trainer about
-    # 0.35 of a training step on it, so 0.4 adds about 14 %; docs/verification.md has the odds.
-    verify_fraction: float = 0.4
+    # every batch of a key that ever failed, always are). Verifying a batch costs the trainer
+    # 0.35-0.40 of a training step on it, so 0.35 adds about 13 %; docs/verification.md has the odds.
+    verify_fraction: float = 0.35
     allow_keys: str = ""  # a file of node key fingerprints, one a line; "" = any key may join
 
     def __post_init__(self):
