@@ -3,8 +3,8 @@
 The trainer keeps what nodes hold at each version the staleness bound still admits (the LoRA
 adapter, or full mode's publisher view: what nodes hold bit for bit, not the trainer's own
 weights), re-derives every sample's Gumbel noise from its lease, and runs its own forward pass
-under that version's weights. A batch passes only if every sample does; which batches are checked
-at all is `peers.SpotCheck`'s decision.
+under that version's weights. The batch, pooled, is judged by `protocols.sampling.judge`; which
+batches are checked at all is `peers.SpotCheck`'s decision.
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ class Verifier:
         self.held = {v: w for v, w in held.items() if v >= version - self.keep_versions}
 
     def check(self, lease_id: str, version: int, samples: Sequence[RolloutSample]) -> list[SampleEvidence]:
-        """Raise VerificationError (naming the first bad sample) unless every sample is what
-        sampling with `version`'s weights and the lease's noise gives; return the evidence."""
+        """Raise VerificationError (naming the worst sample) unless the batch is what sampling with
+        `version`'s weights and the lease's noise gives, up to quantization; return the evidence."""
         weights = self.held.get(version)
         if weights is None:
             # Only after a restart (older versions died with the process) or for a version the
