@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 # first install on a machine compiles (~5 min).
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
 
-.PHONY: install test test-all demo clean
+.PHONY: install test test-all chromium demo clean
 
 install: $(VENV)/.installed
 
@@ -26,8 +26,13 @@ $(VENV)/.installed: pyproject.toml Makefile
 test: install
 	$(BIN)/python -m pytest -m "not slow" -q
 
-test-all: install
+# The slow tests too; the dashboard's browser test needs Debian's Chromium (installed here if missing).
+test-all: install chromium
 	$(BIN)/python -m pytest -q
+
+chromium:
+	command -v chromium >/dev/null || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium) \
+		|| echo "could not install chromium: the browser test will skip"
 
 TASK ?= demo
 

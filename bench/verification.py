@@ -9,7 +9,7 @@ step on the Q4_1 samples, so later versions carry real trained adapters. Cheats 
 the same prompts at each version and verified the same way.
 
     .venv/bin/python bench/verification.py [--versions 4] [--seeds q4_1=144,q8_0=144,q4_k_m=32,transformers=8]
-        [--group 8] [--cheat-seeds 4] [--temperature 1.0] [--evidence FILE.jsonl]
+        [--group 8] [--cheat-seeds 4] [--temperature 1.0] [--evidence FILE.jsonl] [--from-version 0]
     .venv/bin/python bench/verification.py --summarize FILE.jsonl   # re-judge recorded evidence
 
 Samples are judged a lease at a time (`--lease-seeds` prompts of G samples, as the demo leases),
@@ -171,6 +171,15 @@ def other_sampler(node, honest: list[RolloutSample], temperature: float) -> list
     return out
 
 
+def train(trainer, task, tokenizer, batch: list[RolloutSample]) -> list[float]:
+    """One GRPO step on `batch`, scored by the task; returns the rewards."""
+    rewards = [task.reward(task.generate(s.seed), tokenizer.decode(list(s.completion_ids), skip_special_tokens=True))
+               for s in batch]
+    trainer.step([TrainSample(s.prompt_ids, s.completion_ids, s.logprobs, s.loss_mask, r, s.seed)
+                  for s, r in zip(batch, rewards)])
+    return rewards
+
+
 def verdicts(evidence: list[SampleEvidence], lease_size: int, rule: SamplingRule) -> list[str | None]:
     """The rule's verdict for each sample, judged a lease (`lease_size` samples) at a time: a
     rejected lease rejects all of its samples."""
@@ -229,6 +238,8 @@ def main() -> None:
     parser.add_argument("--train-seeds", type=int, default=8, help="prompts per GRPO step")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--from-version", type=int, default=0,
+                        help="only train (no calibration) below this version: to add later versions to a record")
     parser.add_argument("--evidence", type=Path, default=None, help="write every sample's evidence here (JSONL)")
     parser.add_argument("--summarize", type=Path, default=None, help="only re-judge the evidence in this file")
     args = parser.parse_args()
@@ -261,6 +272,17 @@ def main() -> None:
         held = lora_base(adapter) if version == 0 else adapter
         nodes.bring_to(version, adapter, trainer.config.lora_alpha)
         first = 10_000 * (version + 1)
+        if version < args.from_version:  # the training step alone, on the lease the calibration would use
+            kind, backend = next(iter(nodes.backends.items()))
+            prompts = {s: prompt_ids(tokenizer, task.generate(s).messages)
+                       for s in range(first, first + args.train_seeds)}
+            train_batch = []
+            for a in range(0, args.train_seeds, args.lease_seeds):
+                part = dict(list(prompts.items())[a : a + args.lease_seeds])
+                train_batch += sample_lease(backend, f"cal-{kind}-v{version}-{a}", part, args.group, args.temperature)
+            rewards = train(trainer, task, tokenizer, train_batch)
+            print(f"v{version}: trained only, reward {statistics.mean(rewards):.3f}", flush=True)
+            continue
         train_batch = None
         for kind, backend in nodes.backends.items():
             prompts = {s: prompt_ids(tokenizer, task.generate(s).messages) for s in range(first, first + seeds[kind])}
@@ -302,24 +324,21 @@ def main() -> None:
                     log.write(json.dumps(records[-1]) + "\n")
         # Cost: verifying a batch beside training on it, same samples. The timed step trains on
         # every sample (alternating rewards) and is undone; then the real GRPO step runs.
-        rewards = [task.reward(task.generate(s.seed), tokenizer.decode(list(s.completion_ids), skip_special_tokens=True))
-                   for s in train_batch]
-        as_train = [TrainSample(s.prompt_ids, s.completion_ids, s.logprobs, s.loss_mask, r, s.seed)
-                    for s, r in zip(train_batch, rewards)]
         started = time.perf_counter()
         evidence_of(trainer, "cost", train_batch, held)
         verify_s = time.perf_counter() - started
         optimiser = copy.deepcopy(trainer.optimizer.state_dict())
         with trainer.holding(trainer.weights()):
-            timed = trainer.step([dataclasses.replace(x, reward=float(i % 2)) for i, x in enumerate(as_train)])
+            timed = trainer.step([TrainSample(s.prompt_ids, s.completion_ids, s.logprobs, s.loss_mask, float(i % 2),
+                                              s.seed) for i, s in enumerate(train_batch)])
         trainer.optimizer.load_state_dict(optimiser)
         costs.append((verify_s, timed.busy_seconds))
-        trainer.step(as_train)
+        rewards = train(trainer, task, tokenizer, train_batch)
         print(f"v{version}: reward {statistics.mean(rewards):.3f}; verify {verify_s:.1f}s vs train step "
-              f"{timed.busy_seconds:.1f}s on {len(as_train)} samples", flush=True)
+              f"{timed.busy_seconds:.1f}s on {len(train_batch)} samples", flush=True)
 
     result = summarize(records, lease_size, rule)
-    ratio = statistics.median(v / t for v, t in costs)
+    ratio = statistics.median(v / t for v, t in costs) if costs else float("nan")
     print(f"\nverification / train step time on the same {args.train_seeds * args.group} samples, "
           f"median over {len(costs)} versions: {ratio:.3f}")
     print(json.dumps(dict(**result, verify_over_train_ratio=round(ratio, 3), temperature=args.temperature,

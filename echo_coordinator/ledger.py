@@ -2,7 +2,8 @@
 
 `DIR/ledger.sqlite` holds the run's identity and current version (table `run`) and one row per
 node key (table `peers`): what it got credited for and what was refused, by reason; and each key's
-verification record and ban (table `trust`), so a ban outlives a restart. Only a key that signed
+verification record and ban (table `trust`), so a ban outlives a restart; and what each key
+was credited with at each step (table `history`), for its page on the dashboard. Only a key that signed
 what it sent gets a row: a batch whose signature fails never touches the ledger. Every
 write commits at once (WAL), so a crash loses nothing accepted and `echo-coordinator status`
 can read while the trainer writes. `DIR/metrics.jsonl` gets one JSON object per trainer step.
@@ -39,6 +40,11 @@ CREATE TABLE IF NOT EXISTS trust (
     verified INTEGER NOT NULL DEFAULT 0,   -- batches whose sampling was checked and passed
     failed INTEGER NOT NULL DEFAULT 0,     -- batches that failed verification: strikes
     banned_until REAL NOT NULL DEFAULT 0   -- unix seconds
+);
+CREATE TABLE IF NOT EXISTS history (
+    node_id TEXT NOT NULL, version INTEGER NOT NULL,  -- the version the step trained into
+    samples INTEGER NOT NULL, tokens INTEGER NOT NULL, time REAL NOT NULL,
+    PRIMARY KEY (node_id, version)
 );
 """
 
@@ -104,13 +110,29 @@ class Ledger:
             (node_id, peer_id, name, now, now),
         )
 
-    def credit(self, node_id: str, peer_id: str, name: str, samples: int, tokens: int, now: float | None = None) -> None:
+    def credit(self, node_id: str, peer_id: str, name: str, samples: int, tokens: int, now: float | None = None,
+               version: int = 0) -> None:
+        """Credit trained samples; `version` is the one the step that trained them publishes."""
+        now = now or time.time()
         with self._lock, self.db:
-            self._touch(node_id, peer_id, name, now or time.time())
+            self._touch(node_id, peer_id, name, now)
             self.db.execute(
                 "UPDATE peers SET accepted = accepted + ?, tokens = tokens + ? WHERE node_id = ?",
                 (samples, tokens, node_id),
             )
+            self.db.execute(
+                "INSERT INTO history (node_id, version, samples, tokens, time) VALUES (?, ?, ?, ?, ?) "
+                "ON CONFLICT(node_id, version) DO UPDATE SET samples = samples + excluded.samples, "
+                "tokens = tokens + excluded.tokens, time = excluded.time",
+                (node_id, version, samples, tokens, now),
+            )
+
+    def history(self, node_id: str) -> list[dict[str, Any]]:
+        """What `node_id` was credited with, step by step."""
+        with self._lock:
+            rows = self.db.execute("SELECT version, samples, tokens, time FROM history WHERE node_id = ? ORDER BY version",
+                                   (node_id,)).fetchall()
+        return [dict(zip(("version", "samples", "tokens", "time"), row)) for row in rows]
 
     def reject(self, node_id: str, peer_id: str, name: str, reason: str, samples: int = 1, now: float | None = None) -> None:
         with self._lock, self.db:
@@ -122,17 +144,22 @@ class Ledger:
                 (node_id, reason, samples),
             )
 
+    def rejection_totals(self) -> dict[str, int]:
+        """Samples refused, by reason, over every key."""
+        with self._lock:
+            return dict(self.db.execute("SELECT reason, SUM(count) FROM rejections GROUP BY reason").fetchall())
+
     def peers(self) -> list[dict[str, Any]]:
         with self._lock:
             rows = self.db.execute(
-                "SELECT p.node_id, p.peer_id, p.name, p.accepted, p.rejected, p.tokens, p.last_seen, "
+                "SELECT p.node_id, p.peer_id, p.name, p.accepted, p.rejected, p.tokens, p.first_seen, p.last_seen, "
                 "COALESCE(t.verified, 0), COALESCE(t.failed, 0), COALESCE(t.banned_until, 0) "
                 "FROM peers p LEFT JOIN trust t ON t.node_id = p.node_id ORDER BY p.accepted DESC"
             ).fetchall()
             reasons: dict[str, dict[str, int]] = {}
             for node_id, reason, count in self.db.execute("SELECT node_id, reason, count FROM rejections"):
                 reasons.setdefault(node_id, {})[reason] = count
-        keys = ("node_id", "peer_id", "name", "accepted", "rejected", "tokens", "last_seen", "verified_batches",
+        keys = ("node_id", "peer_id", "name", "accepted", "rejected", "tokens", "first_seen", "last_seen", "verified_batches",
                 "failed_batches", "banned_until")
         return [{**dict(zip(keys, row)), "rejected_by_reason": reasons.get(row[0], {})} for row in rows]
 

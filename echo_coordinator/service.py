@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from echo_coordinator.capacity import Throughput
 from echo_coordinator.ledger import Ledger
 from echo_coordinator.peers import BanRule, RateLimit, SpotCheck
 from echo_coordinator.rewards import Transcripts, score
@@ -110,9 +111,13 @@ class RunService:
         self.told_finished: set[str] = set()  # nodes that have heard the run is over
         self.names: dict[str, str] = {}  # node id -> display name from its (signed) lease requests
         self.last_seen: dict[str, float] = {}  # node id -> time of its last signed lease request
+        self.backends: dict[str, str] = {}  # node id -> backend it says it samples with (display only)
+        self.holds: dict[str, int] = {}  # node id -> version its last lease request said it holds
+        self.throughput = Throughput()  # measured rollout throughput per node (the capacity model's μ_i)
         self._streams: dict[str, str] = {}  # node id -> libp2p peer its last lease request came from
         self._judging: set[tuple[str, str]] = set()  # (lease id, signer) of batches being judged now
         self.rejections: Counter[str] = Counter()
+        self.unsigned: Counter[str] = Counter()  # pushes refused before a key could be named (since start)
         self._dropped = 0  # samples dropped from the buffer as stale since the last take_batch
 
     @property
@@ -157,7 +162,7 @@ class RunService:
                 batch.staleness += [staleness] * len(entry.item.samples)
         for entry in taken:
             g = entry.item
-            self.ledger.credit(g.node_id, g.peer_id, g.name, len(g.samples), g.tokens)
+            self.ledger.credit(g.node_id, g.peer_id, g.name, len(g.samples), g.tokens, version=self.version + 1)
         return batch
 
     def _drop(self, entries) -> None:
@@ -175,6 +180,7 @@ class RunService:
                 self.relay.remember(update, chunks)
             if self.relay.latest_version > self.gate.version:
                 self.gate.advance(self.relay.latest_version)
+            self.throughput.published_version(self.gate.version, time.time())
 
     def state(self) -> dict:
         """What must survive a trainer restart for the staleness bound to hold across it."""
@@ -197,6 +203,9 @@ class RunService:
             for node_id in [n for n, at in self.last_seen.items() if now - at > idle]:
                 del self.last_seen[node_id]
                 self.names.pop(node_id, None)
+                self.backends.pop(node_id, None)
+                self.holds.pop(node_id, None)
+                self.throughput.forget(node_id)
                 self._streams.pop(node_id, None)
                 self.told_finished.discard(node_id)
             self.lease_rate.forget_idle(now)
@@ -207,6 +216,19 @@ class RunService:
         """Samples refused so far, by reason (a copy: handler threads keep counting)."""
         with self.lock:
             return Counter(self.rejections)
+
+    def live(self, now: float) -> dict:
+        """What only the running process knows, for the dashboard: run state and, per node seen in
+        the last `prune` window, its backend, held version and measured throughput."""
+        with self.lock:
+            rates = self.throughput.rates(now)
+            nodes = {n: dict(name=self.names.get(n, n[:8]), backend=self.backends.get(n, ""), holds=self.holds.get(n),
+                             samples_per_second=rates.get(n), last_request=at)
+                     for n, at in self.last_seen.items()}
+            return dict(started=self.started, finished=self.finished, version=self.version,
+                        buffered_groups=len(self.replay), outstanding_leases=len(self.book.outstanding),
+                        update_seconds=self.throughput.update_seconds(), nodes=nodes, unsigned=dict(self.unsigned),
+                        rates=[r for n, r in rates.items()])
 
     def talked(self) -> dict[str, str]:
         """Node id -> the libp2p peer it asked for work from: proof that an announcement is live."""
@@ -227,6 +249,8 @@ class RunService:
             if not self.lease_rate.allow(node_id, now):
                 raise PeerRefused("rate_limited", f"more than {LEASE_RATE.rate:g} lease requests a second")
             self.names[node_id], self.last_seen[node_id] = request.name, now
+            self.backends[node_id], self.holds[node_id] = request.backend, request.version
+            self.throughput.holds(node_id, request.version, now)
             if peer_id:
                 self._streams[node_id] = peer_id
             if self.finished:
@@ -269,6 +293,7 @@ class RunService:
             # Whoever sent it cannot be named: no ledger row changes, not even the claimed key's.
             with self.lock:
                 self.rejections[e.code] += 1
+                self.unsigned[e.code] += 1
             raise
         name = self.names.get(node_id, node_id[:8])
         samples = 1  # what a batch that does not even decode is counted as
@@ -313,6 +338,7 @@ class RunService:
                 self._held_lease(batch, now)
                 self._offer(batch)
                 self.book.complete(batch.lease_id, batch.node_id, now)
+                self.throughput.pushed(batch.node_id, len(batch.samples), lease.expires_at - self.book.ttl, now)
                 for seed in lease.seeds:
                     self.prompts.pop(seed, None)  # answered: never leased again
         except ProtocolError:

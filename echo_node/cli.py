@@ -7,7 +7,8 @@ from typing import Optional
 
 import typer
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Contribute rollouts to an Echo swarm run.")
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+                  help="Contribute rollouts to an Echo swarm run.")
 
 
 @app.callback()

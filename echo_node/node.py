@@ -289,7 +289,7 @@ class Node:
     async def _request_lease(self) -> TaskLease | NoWork:
         request = sign_message(LeaseRequest(
             run_id=self.manifest.run_id, node_key=self.node_key, peer_id=self.endpoint.peer_id, name=self.name,
-            version=self.version, max_seeds=64, time=time.time(),
+            version=self.version, max_seeds=64, time=time.time(), backend=self.backend.name,
         ), self.key)
         raw = await self.endpoint.call_one(self.trainer, rpc.LEASE, request.to_wire())
         return decode_one_of(raw, (TaskLease, NoWork))

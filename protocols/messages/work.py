@@ -33,6 +33,7 @@ class LeaseRequest(WireMessage):
     max_seeds: int
     time: float  # node clock; bounds replay of an old request
     signature: bytes = b""
+    backend: str = ""  # what the node samples with, e.g. "llama.cpp Q4_1": shown on the dashboard, never trusted
 
     @property
     def node_id(self) -> str:
@@ -42,6 +43,7 @@ class LeaseRequest(WireMessage):
         return {
             "run_id": self.run_id, "node_key": self.node_key, "peer_id": self.peer_id, "name": self.name,
             "version": self.version, "max_seeds": self.max_seeds, "time": self.time, "signature": self.signature,
+            **({"backend": self.backend} if self.backend else {}),  # optional: older nodes signed without it
         }
 
     @classmethod
@@ -51,6 +53,7 @@ class LeaseRequest(WireMessage):
             run_id=f.text("run_id"), node_key=f.blob("node_key", PUBLIC_KEY_BYTES, exact=PUBLIC_KEY_BYTES),
             peer_id=f.text("peer_id"), name=f.text("name", 64), version=f.integer("version"),
             max_seeds=f.integer("max_seeds", 1, MAX_SEEDS), time=f.number("time", 0.0), signature=f.signature(),
+            backend=f.text("backend", 64) if f.has("backend") else "",
         )
 
 

@@ -1,0 +1,129 @@
+"""What the dashboard, its JSON API, Prometheus and `echo-coordinator status` show: one reading.
+
+`RunView` reads the run directory (the ledger and metrics.jsonl, so a finished run can be
+shown too) and, while the coordinator runs, its live state (`RunService.live`: who is asking
+for work, with which backend and version, at what measured throughput). Every number a page
+shows comes from here, so the page, the API, `/metrics` and `status` cannot disagree.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from echo_coordinator.capacity import plan
+from echo_coordinator.ledger import Ledger
+
+RECENT_STEPS = 5  # steps the step time and throughput are medians over
+ACTIVE_SECONDS = 120.0  # a peer seen within this is active
+
+
+class RunView:
+    def __init__(self, data_dir: Path, ledger: Ledger, live: Callable[[float], dict] | None = None):
+        self.data_dir, self.ledger, self.live = Path(data_dir), ledger, live
+        self._steps: list[dict] = []
+        self._offset = 0
+
+    def steps(self) -> list[dict]:
+        """metrics.jsonl, one record per step, read on from where the last call stopped."""
+        path = self.data_dir / "metrics.jsonl"
+        if not path.exists():
+            return self._steps
+        with open(path, "rb") as f:
+            f.seek(self._offset)
+            for line in f:
+                if not line.endswith(b"\n"):
+                    break  # a line being written: read it next time
+                self._offset += len(line)
+                self._steps.append(json.loads(line))
+        return self._steps
+
+    def run(self, now: float | None = None) -> dict[str, Any]:
+        now = time.time() if now is None else now
+        info, steps = self.ledger.run(), self.steps()
+        live = self.live(now) if self.live else None
+        version, target = (live or info).get("version", 0), info.get("steps", 0)
+        recent = steps[-RECENT_STEPS:]
+        cycle = statistics.median(s["step_seconds"] for s in recent) if recent else None
+        train = statistics.median(s["step_seconds"] - s["wait_seconds"] for s in recent) if recent else None
+        per_step = info.get("samples_per_step", 0)
+        capacity = plan(live["rates"] if live else [], train, per_step, info.get("mode", ""), info.get("staleness", 0),
+                        live["update_seconds"] if live else None, cycle)
+        rejections = Counter(self.ledger.rejection_totals())
+        rejections.update((live or {}).get("unsigned", {}))
+        last = steps[-1] if steps else {}
+        return dict(
+            run_id=info.get("run_id"), model=info.get("model"), task=info.get("task"), mode=info.get("mode"),
+            staleness=info.get("staleness"), samples_per_step=per_step, steps=target, version=version,
+            state=state(info, live, version, target), resumed_at=info.get("resumed_at"),
+            steps_left=max(0, target - version), eta_seconds=cycle * max(0, target - version) if cycle else None,
+            samples_per_second=statistics.median(s["samples"] / s["step_seconds"] for s in recent) if recent else None,
+            trainer_busy=busy(last) if last else None, reward_mean=last.get("reward_mean"),
+            mismatch_kl=last.get("mismatch_kl"), tis_clipped_fraction=last.get("tis_clipped_fraction"),
+            staleness_histogram=last.get("staleness_histogram", {}), rejections_by_reason=dict(rejections),
+            capacity=asdict(capacity), peers_active=sum(now - p["last_seen"] < ACTIVE_SECONDS for p in self.peers(now, live)),
+            history=[dict(version=s["version"], reward_mean=s["reward_mean"], samples=s["samples"], time=s["time"],
+                          samples_per_second=s["samples"] / max(s["step_seconds"], 1e-9), trainer_busy=busy(s),
+                          mismatch_kl=s.get("mismatch_kl"), tis_clipped_fraction=s.get("tis_clipped_fraction"),
+                          staleness_mean=mean_staleness(s.get("staleness_histogram", {})),
+                          **{k: s[k] for k in ("eval_accuracy", "eval_version") if k in s})
+                     for s in steps],
+            time=now,
+        )
+
+    def peers(self, now: float | None = None, live: dict | None = None) -> list[dict[str, Any]]:
+        """Every key the ledger knows, with what the live service knows of it."""
+        now = time.time() if now is None else now
+        live = live if live is not None else (self.live(now) if self.live else {})
+        nodes, version = live.get("nodes", {}), live.get("version", self.ledger.run().get("version", 0))
+        rows = self.ledger.peers()
+        total = sum(p["accepted"] for p in rows) or 1
+        out = []
+        for p in rows:
+            node = nodes.get(p["node_id"], {})
+            rate = node.get("samples_per_second")
+            per_sample = p["tokens"] / p["accepted"] if p["accepted"] else 0
+            out.append(dict(
+                p, backend=node.get("backend", ""), share=p["accepted"] / total,
+                samples_per_second=rate, tokens_per_second=rate * per_sample if rate is not None else None,
+                version_lag=version - node["holds"] if node.get("holds") is not None else None,
+                last_seen=max(p["last_seen"], node.get("last_request", 0)),
+                banned=p["banned_until"] > now, trust=trust(p, now),
+            ))
+        return out
+
+    def peer(self, node_id: str, now: float | None = None) -> dict[str, Any] | None:
+        row = next((p for p in self.peers(now) if p["node_id"] == node_id), None)
+        return None if row is None else dict(row, history=self.ledger.history(node_id))
+
+
+def busy(step: dict) -> float:
+    """The share of a step's cycle the trainer was not waiting for rollouts."""
+    return 1.0 - step["wait_seconds"] / max(step["step_seconds"], 1e-9)
+
+
+def mean_staleness(histogram: dict[str, int]) -> float | None:
+    n = sum(histogram.values())
+    return sum(int(k) * v for k, v in histogram.items()) / n if n else None
+
+
+def state(info: dict, live: dict | None, version: int, target: int) -> str:
+    if live is None:
+        return "finished" if target and version >= target else "stopped"
+    if live["finished"] or (target and version >= target):
+        return "finished"
+    return "running" if live["started"] else "waiting for nodes"
+
+
+def trust(peer: dict, now: float) -> str:
+    if peer["banned_until"] > now:
+        return f"banned {peer['banned_until'] - now:.0f} s"
+    if peer["failed_batches"]:
+        return f"{peer['failed_batches']} failed, always checked"
+    return "verified" if peer["verified_batches"] else "new"

@@ -1,0 +1,99 @@
+"""`echo-coordinator status`: the dashboard's numbers in a terminal.
+
+While the coordinator runs, its dashboard API is asked (the URL is in DIR/dashboard.txt), so
+the status shows what only the live process knows: node backends, versions held, measured
+throughput and so the capacity model. Otherwise the run directory is read as the dashboard of a
+stopped run would be.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from echo_coordinator.ledger import Ledger
+from echo_coordinator.observe import RunView
+
+
+def read_report(data_dir: Path) -> dict[str, Any]:
+    """The ledger's run record (the keys `status --json` always had), `peers`, and `progress`
+    (the dashboard's /api/run without its per-step history); `live` says where they came from."""
+    path = Path(data_dir) / "ledger.sqlite"
+    if not path.exists():
+        raise FileNotFoundError(f"no run found in {data_dir} (missing {path.name})")
+    ledger = Ledger(path)
+    try:
+        run, peers = _ask_live(Path(data_dir) / "dashboard.txt")
+        live = run is not None
+        if not live:
+            view = RunView(Path(data_dir), ledger)
+            run, peers = view.run(), view.peers()
+        return {**ledger.run(), "peers": peers, "progress": {k: v for k, v in run.items() if k != "history"},
+                "live": live}
+    finally:
+        ledger.close()
+
+
+def _ask_live(url_file: Path) -> tuple[dict | None, list | None]:
+    if not url_file.exists():
+        return None, None
+    base = url_file.read_text().strip()
+    try:
+        with urllib.request.urlopen(base + "api/run", timeout=3) as r:
+            run = json.load(r)
+        with urllib.request.urlopen(base + "api/peers", timeout=3) as r:
+            peers = json.load(r)
+    except (urllib.error.URLError, OSError, ValueError):
+        return None, None  # not running (a stale file), or not answering: read the files instead
+    return run, peers
+
+
+def render(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console, run, now = Console(), report["progress"], time.time()
+    cap = run["capacity"]
+    console.print(f"[bold]run {report.get('run_id')}[/]  {run.get('model') or ''}  task {run.get('task')}  "
+                  f"mode {report.get('mode')}  [bold]{run['state']}[/]" + ("" if report["live"] else "  (not running)"))
+    console.print(f"version {run['version']} / {run['steps']}, {run['steps_left']} steps left, "
+                  f"ETA {_seconds(run['eta_seconds'])}; {_num(run['samples_per_second'])} samples/s; "
+                  f"trainer busy {_pct(run['trainer_busy'])}; reward {_num(run['reward_mean'], 3)}; "
+                  f"mismatch KL {_num(run['mismatch_kl'], 4)}")
+    if cap["bottleneck"] == "unknown":
+        console.print("capacity: unknown until nodes have pushed and the trainer has stepped"
+                      + ("" if report["live"] else " (needs the running coordinator)"))
+    else:
+        verdict = (f"nodes are the bottleneck: {cap['more_nodes']} more of the median throughput needed"
+                   if cap["bottleneck"] == "nodes" else "the trainer is the bottleneck")
+        console.print(f"capacity: {cap['produced']:.2f} samples/s produced vs {cap['needed']:.2f} needed; {verdict}; "
+                      f"predicted busy {_pct(cap['predicted_busy'])}")
+    if run["rejections_by_reason"]:
+        console.print("refused: " + ", ".join(f"{r} {n}" for r, n in sorted(run["rejections_by_reason"].items())))
+    table = Table()
+    for column in ("name", "node_id", "backend", "share", "accepted", "rejected", "tokens", "tokens/s", "lag",
+                   "verified", "trust", "last_seen"):
+        table.add_column(column)
+    for p in report["peers"]:
+        table.add_row(p["name"], p["node_id"][:12], p["backend"] or "-", _pct(p["share"]), str(p["accepted"]),
+                      str(p["rejected"]), str(p["tokens"]), _num(p["tokens_per_second"], 1),
+                      "-" if p["version_lag"] is None else str(p["version_lag"]),
+                      f"{p['verified_batches']} ok / {p['failed_batches']} failed", p["trust"],
+                      f"{now - p['last_seen']:.0f} s ago")
+    console.print(table if report["peers"] else "no peers yet")
+
+
+def _num(x: float | None, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f} %"
+
+
+def _seconds(x: float | None) -> str:
+    return "-" if x is None else f"{x / 60:.1f} min" if x >= 90 else f"{x:.0f} s"

@@ -1,0 +1,161 @@
+"""What the dashboard, the API, /metrics and `status` read: a real service, SQLite ledger and
+metrics file, served by the real HTTP server on 127.0.0.1."""
+
+import asyncio
+import contextlib
+import json
+import socket
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from echo_coordinator import web
+from echo_coordinator.observe import RunView
+from echo_coordinator.report import read_report
+from protocols.signing import fingerprint, generate_key, public_bytes
+from tests.unit.echo_coordinator.test_service import NOW, answer_batch, lease_request, push, service  # noqa: F401
+
+STEP = dict(version=0, mode="sequential", samples=4, reward_mean=0.75, step_seconds=20.0, wait_seconds=15.0, time=NOW,
+            mismatch_kl=0.01, tis_clipped_fraction=0.02, staleness_histogram={"0": 4}, rejected_by_reason={})
+
+
+@pytest.fixture
+def run_dir(tmp_path, service):  # noqa: F811
+    """One trained step from one node (a lease issued at NOW, pushed 4 s later) and one refusal."""
+    service.ledger.set_run(run_id="run-1", mode="sequential", version=0, steps=10, samples_per_step=4, staleness=4,
+                           model="tiny.gguf", task="arithmetic")
+    node, cheat = generate_key(), generate_key()
+    service.open_step([10, 11])
+    service.throughput.published_version(0, NOW - 1)
+    lease = service.handle_lease(lease_request(node, name="alice", backend="llama_cpp"), "QmA", now=NOW)
+    push(service, answer_batch(service, node, lease), "QmA", now=NOW + 4)
+    service.take_batch()
+    service.publish([])
+    service.gate.advance(1)
+    service.ledger.set_run(version=1)
+    service.ledger.reject(fingerprint(public_bytes(cheat)), "QmC", "<img src=x onerror=alert(1)>", "bad_sampling", 4)
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(STEP) + "\n")
+    return tmp_path, fingerprint(public_bytes(node))
+
+
+def test_run_and_peers_from_ledger_metrics_and_live_state(run_dir, service):  # noqa: F811
+    path, alice = run_dir
+    view = RunView(path, service.ledger, live=service.live)
+    run = view.run(now=NOW + 5)
+    assert (run["version"], run["steps"], run["steps_left"], run["state"]) == (1, 10, 9, "running")
+    assert run["eta_seconds"] == 9 * 20.0 and run["samples_per_second"] == 4 / 20.0
+    assert run["trainer_busy"] == pytest.approx(0.25) and run["reward_mean"] == 0.75
+    assert run["rejections_by_reason"] == {"bad_sampling": 4}
+    cap = run["capacity"]  # 4 samples in 4 s against 4 samples per 5 s of training
+    assert cap["produced"] == pytest.approx(1.0, rel=0.01) and cap["needed"] == pytest.approx(0.8)
+    assert cap["bottleneck"] == "trainer" and cap["predicted_busy"] == pytest.approx(5 / 9, rel=0.01)
+    peers = {p["name"]: p for p in view.peers(now=NOW + 5)}
+    a = peers["alice"]
+    assert (a["node_id"], a["accepted"], a["share"], a["backend"], a["version_lag"]) == (alice, 4, 1.0, "llama_cpp", 1)
+    assert a["tokens_per_second"] == pytest.approx(1.0, rel=0.01) and a["trust"] == "new"
+    assert peers["<img src=x onerror=alert(1)>"]["rejected_by_reason"] == {"bad_sampling": 4}
+    detail = view.peer(alice, now=NOW + 5)
+    assert [(h["version"], h["samples"], h["tokens"]) for h in detail["history"]] == [(1, 4, 4)]
+    assert view.peer("nobody") is None
+
+
+def test_metrics_file_is_read_on_and_half_lines_wait(run_dir, service):  # noqa: F811
+    path, _ = run_dir
+    view = RunView(path, service.ledger)
+    assert len(view.steps()) == 1
+    with open(path / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(dict(STEP, version=1))[:20])  # a step being written
+        f.flush()
+        assert len(view.steps()) == 1
+        f.write(json.dumps(dict(STEP, version=1))[20:] + "\n")
+    assert [s["version"] for s in view.steps()] == [0, 1]
+    run = view.run(now=NOW)
+    assert run["state"] == "stopped" and run["capacity"]["bottleneck"] == "unknown"  # no live process
+
+
+@pytest.fixture
+def server(run_dir, service):  # noqa: F811
+    path, alice = run_dir
+    sock = web.bind("127.0.0.1", 0)
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(web.serve(RunView(path, service.ledger, live=service.live), sock))
+
+    def run():
+        with contextlib.suppress(asyncio.CancelledError):
+            loop.run_until_complete(task)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}/", alice, path
+    loop.call_soon_threadsafe(task.cancel)
+    thread.join(5)
+
+
+def get(url: str, method: str = "GET") -> tuple[int, bytes, str]:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, method=method), timeout=5) as r:
+            return r.status, r.read(), r.headers["content-type"]
+    except urllib.error.HTTPError as e:
+        return e.code, e.read(), e.headers["content-type"]
+
+
+def test_http_api(server):
+    base, alice, path = server
+    status, body, kind = get(base + "api/run")
+    assert status == 200 and kind == "application/json" and json.loads(body)["version"] == 1
+    peers = json.loads(get(base + "api/peers")[1])
+    assert {p["name"] for p in peers} == {"alice", "<img src=x onerror=alert(1)>"}
+    assert json.loads(get(base + f"api/peers/{alice}")[1])["history"][0]["samples"] == 4
+    assert get(base + "api/peers/nobody")[0] == 404
+    assert get(base + "api/run", method="POST")[0] == 405  # read-only
+    assert get(base + "nothing")[0] == 404
+    status, page, kind = get(base)
+    assert status == 200 and kind.startswith("text/html") and b"Echo swarm" in page
+
+
+def test_page_fetches_nothing_from_elsewhere(server):
+    page = get(server[0])[1].decode()
+    assert "src=" not in page and "href=" not in page and "@import" not in page
+    assert "innerHTML" not in page  # peer names and reasons are set as text only
+
+
+def test_prometheus_text(server):
+    base, alice, _ = server
+    status, body, kind = get(base + "metrics")
+    assert status == 200 and kind.startswith("text/plain")
+    families = {f.name: f for f in text_string_to_metric_families(body.decode())}
+    assert families["echo_version"].samples[0].value == 1
+    assert families["echo_steps_target"].samples[0].value == 10
+    assert families["echo_trainer_busy_ratio"].samples[0].value == pytest.approx(0.25)
+    accepted = {s.labels["node_id"]: s.value for s in families["echo_peer_accepted_samples"].samples
+                if s.name.endswith("_total")}
+    assert accepted[alice] == 4
+    refused = [s for s in families["echo_rejected_samples"].samples if s.name.endswith("_total")]
+    assert [(s.labels["reason"], s.value) for s in refused] == [("bad_sampling", 4)]
+
+
+def test_status_reads_the_live_dashboard(server):
+    base, alice, path = server
+    (path / "dashboard.txt").write_text(base + "\n")
+    report = read_report(path)
+    assert report["live"] and report["run_id"] == "run-1" and report["progress"]["version"] == 1
+    assert {p["backend"] for p in report["peers"]} == {"llama_cpp", ""}
+    (path / "dashboard.txt").write_text("http://127.0.0.1:9/\n")  # a stale file: read the directory instead
+    report = read_report(path)
+    assert not report["live"] and report["progress"]["state"] == "stopped"
+
+
+def test_port_in_use_falls_back_to_a_free_one():
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    sock = web.bind("127.0.0.1", port)
+    assert sock.getsockname()[1] not in (port, 0)
+    sock.close()
+    taken.close()
+    with pytest.raises(OSError, match="dashboard cannot listen"):
+        web.bind("203.0.113.1", 0)  # not an address of this machine
