@@ -35,6 +35,7 @@ def start(
     dashboard: Optional[bool] = typer.Option(None, "--dashboard/--no-dashboard", help="Serve the dashboard (default: on)."),
     dashboard_port: Optional[int] = typer.Option(None, help="Dashboard port on 127.0.0.1 (default 8765; any free "
                                                             "port if taken)."),
+    verbose: bool = typer.Option(False, "--verbose", help="A line per step and INFO logs instead of one live status line."),
 ) -> None:
     """Start the coordinator and trainer; prints the `echo-node join` command for volunteers."""
     from echo_coordinator.config import ConfigError, load_config
@@ -50,7 +51,7 @@ def start(
         raise typer.BadParameter(str(e)) from None
     from echo_coordinator.coordinator import run_coordinator
 
-    raise typer.Exit(run_coordinator(run, trainer, demo=demo))
+    raise typer.Exit(run_coordinator(run, trainer, demo=demo, verbose=verbose))
 
 
 @app.command()

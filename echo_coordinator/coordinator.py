@@ -12,6 +12,7 @@ at that version with the same bound.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -60,10 +61,14 @@ def join_command(address: str, run_key_fp: str, model: Path) -> str:
     return f"echo-node join {address} --run-key {run_key_fp} --model {model}"
 
 
-def run_coordinator(run: RunConfig, trainer_config: TrainerConfig, demo: bool = False) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def run_coordinator(run: RunConfig, trainer_config: TrainerConfig, demo: bool = False, verbose: bool = False) -> int:
+    # On a terminal, one live status line; in a log file (or with --verbose), a line per step.
+    live = console.is_terminal and not verbose
+    logging.basicConfig(level=logging.WARNING if live else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        asyncio.run(Coordinator(run, trainer_config, demo).run())
+        with console.status("starting ...") if live else contextlib.nullcontext() as status:
+            asyncio.run(Coordinator(run, trainer_config, demo, status).run())
     except KeyboardInterrupt:
         console.print("[yellow]interrupted; every finished step is in metrics.jsonl and the ledger[/]")
         return 130
@@ -98,7 +103,7 @@ def _report_dashboard_end(task: asyncio.Task) -> None:
 
 
 class Coordinator:
-    def __init__(self, run: RunConfig, trainer_config: TrainerConfig, demo: bool):
+    def __init__(self, run: RunConfig, trainer_config: TrainerConfig, demo: bool, status=None):
         self.run_config, self.trainer_config = run, trainer_config
         self.model = demo_model_path() if demo or not run.model else Path(run.model).expanduser().resolve()
         if not self.model.is_file():
@@ -114,6 +119,8 @@ class Coordinator:
             raise EchoError(str(e)) from None
         self.peer_versions: dict[str, int] = {}  # libp2p peer id -> version it announced
         self.torch_thread = ThreadPoolExecutor(1, thread_name_prefix="trainer")
+        self.status = status  # rich Status: the live line, or None to print a line per step
+        self.last_step: dict = {}  # the last metrics record, for the live line
         try:
             self.allow = read_allow_list(Path(run.allow_keys).expanduser()) if run.allow_keys else None
         except (OSError, ValueError) as e:
@@ -124,7 +131,7 @@ class Coordinator:
         from protocols.transport.dht import SwarmDHT
 
         cfg = self.run_config
-        console.print(f"loading the trainer on {self.model.name} ...")
+        self._waiting(f"loading the trainer on {self.model.name} ...")
         trainer = await self._on_trainer(Trainer, self.model, self.trainer_config, cfg.temperature, cfg.seed, cfg.update)
         base_sha = await asyncio.to_thread(sha256_file, self.model)
         # A persistent libp2p identity keeps our address stable, so nodes reconnect after a restart.
@@ -237,6 +244,7 @@ class Coordinator:
         print(f"  {line}", flush=True)  # never wrapped: people copy this line
         if dashboard:
             console.print(f"dashboard: {dashboard[1]}")
+        ticker = asyncio.create_task(self._show_status(service), name="status-line")
         try:
             await self._wait_for_nodes(cfg.min_nodes, refresher, service)
             service.started = True
@@ -249,10 +257,36 @@ class Coordinator:
             await asyncio.sleep(3.0)  # grace for their final update fetches
         finally:
             refresher.cancel()
+            ticker.cancel()
             if dashboard:
                 dashboard[0].cancel()
                 await asyncio.gather(dashboard[0], return_exceptions=True)
             ledger.close()
+
+    def _waiting(self, what: str) -> None:
+        """A long wait: on the live line, or a line of its own without one."""
+        if self.status is not None:
+            self.status.update(what)
+        else:
+            console.print(what)
+
+    def _say(self, line: str) -> None:
+        if self.status is None:
+            console.print(line)
+
+    async def _show_status(self, service: RunService) -> None:
+        """Refresh the live line once a second: version, nodes, throughput, the last step."""
+        cfg = self.run_config
+        while self.status is not None:
+            live, step = service.live(time.time()), self.last_step
+            text = (f"version {live['version']}/{cfg.steps} · {len(live['nodes'])} nodes · "
+                    f"{sum(live['rates']):.1f} samples/s · {live['buffered_groups']} groups buffered")
+            if step:
+                text += (f" · last step: reward {step['reward_mean']:.3f}, train {step['busy_seconds']:.0f} s, "
+                         f"waited {step['wait_seconds']:.0f} s")
+            if service.started:
+                self.status.update(text)
+            await asyncio.sleep(1.0)
 
     def _start_dashboard(self, ledger: Ledger, service: RunService) -> tuple[asyncio.Task, str] | None:
         """The dashboard server as a task of this loop, and its URL (also in DIR/dashboard.txt)."""
@@ -341,7 +375,7 @@ class Coordinator:
             if nodes >= count:
                 return
             if nodes != shown:
-                console.print(f"waiting for nodes: {nodes}/{count} have asked for work")
+                self._waiting(f"waiting for nodes: {nodes}/{count} have asked for work")
                 shown = nodes
             await asyncio.sleep(0.5)
 
@@ -368,7 +402,7 @@ class Coordinator:
                 reward_mean = sum(batch.rewards) / max(len(batch.rewards), 1)
                 histogram = Counter(batch.staleness)
                 model_turns = [sum(role == "model" for role, _, _ in turns(s)) for s in batch.samples]
-                metrics.write(dict(
+                record = dict(
                     version=version, mode=cfg.mode, samples=len(batch.samples), reward_mean=reward_mean,
                     accepted=len(batch.samples), rejected=sum((service.rejection_counts() - rejected_before).values()),
                     rejected_by_reason=dict(service.rejection_counts() - rejected_before),
@@ -380,11 +414,13 @@ class Coordinator:
                     step_seconds=now - cycle_start, wait_seconds=waited,
                     busy_fraction=stats.busy_seconds / max(now - cycle_start, 1e-9), time=now,
                     **{k: v for k, v in asdict(stats).items() if k != "samples"},
-                ))
+                )
+                metrics.write(record)
                 ranked = sorted(batch.samples, key=lambda x: x.reward)[::-1]
                 examples.write(dict(version=version, samples=[transcript(x, service.transcripts.decode)
                                                               for x in ranked[:1] + ranked[-1:]]))
-                console.print(
+                self.last_step = record
+                self._say(
                     f"version {version} -> {service.version}: reward {reward_mean:.3f} over {len(batch.samples)} samples "
                     f"(staleness max {max(batch.staleness, default=0)}, {batch.dropped} dropped), wait {waited:.1f}s, "
                     f"train {stats.busy_seconds:.1f}s, verify {self.verifier.seconds - verified_before[1]:.1f}s, "

@@ -74,7 +74,7 @@ def show(who: str, line: str, log) -> None:
     log.write(line)
     log.flush()
     # Keep the run's own progress lines; skip library chatter (progress bars, warnings).
-    if any(k in line for k in ("version", "join", "waiting", "loading", "error", "run ")):
+    if any(k in line for k in ("version", "join", "dashboard", "waiting", "loading", "error", "run ")):
         print(f"[{who}] {line.rstrip()}", flush=True)
 
 

@@ -26,6 +26,8 @@ def join(
     threads: int = typer.Option(0, help="Generation threads (0 = all cores)."),
     backend: str = typer.Option("llama_cpp", help="llama_cpp (GGUF, any machine) or transformers (full-mode runs, "
                                                   "CUDA when present)."),
+    verbose: bool = typer.Option(False, "--verbose", help="A line per lease and update, and INFO logs, instead of "
+                                                          "one live status line."),
 ) -> None:
     """Join a run: verify it, then generate rollouts until Ctrl-C."""
     if backend not in ("llama_cpp", "transformers"):
@@ -34,7 +36,7 @@ def join(
 
     config = NodeConfig(
         address=address, run_key=run_key, model=model, name=name, data_dir=data_dir.expanduser(), threads=threads,
-        backend=backend,
+        backend=backend, verbose=verbose,
     )
     raise typer.Exit(run_node(config))
 

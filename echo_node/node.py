@@ -10,6 +10,7 @@ loop keeps the DHT announcement fresh.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import threading
@@ -64,12 +65,17 @@ class NodeConfig:
     data_dir: Path = Path("~/.echo-node")
     threads: int = 0  # generation threads; 0 = all cores
     backend: str = "llama_cpp"  # "llama_cpp" (GGUF, any machine) or "transformers" (full mode, CUDA if present)
+    verbose: bool = False  # a line per lease and update, and INFO logs, instead of one live status line
 
 
 def run_node(config: NodeConfig) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # On a terminal, one live status line; in a log file (or with --verbose), a line per event.
+    live = console.is_terminal and not config.verbose
+    logging.basicConfig(level=logging.WARNING if live else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        asyncio.run(Node(config).run())
+        with console.status("starting ...") if live else contextlib.nullcontext() as status:
+            asyncio.run(Node(config, status).run())
     except JoinRefused as e:
         console.print(f"[red]refused to join:[/] {e}")
         return 3
@@ -89,7 +95,7 @@ def trainer_peer(manifest: RunManifest) -> str:
 
 
 class Node:
-    def __init__(self, config: NodeConfig):
+    def __init__(self, config: NodeConfig, status=None):
         if len(config.run_key) != FINGERPRINT_CHARS or not config.run_key.isalnum():
             raise JoinRefused(f"--run-key must be the {FINGERPRINT_CHARS}-character fingerprint the coordinator printed")
         self.config = config
@@ -106,6 +112,25 @@ class Node:
         self.peer_versions: dict[str, int] = {}  # libp2p peer id -> version it announced
         self.stop_requested = threading.Event()  # seen by the generation thread between samples
         self.task = None  # multi-turn runs: the environment this node steps (see _load_task)
+        self.status = status  # rich Status: the live line, or None to print each event
+        self.accepted = 0  # samples the trainer accepted from us since we joined
+        self.latest = 0  # the newest version the trainer told us of
+
+    def _say(self, event: str) -> None:
+        """An event: a line of its own without a live status line, else folded into that line."""
+        if self.status is None:
+            console.print(event)
+            return
+        lag = max(0, self.latest - self.version)
+        self.status.update(f"{self.name}: version {self.version} (lag {lag}) · {self.accepted} samples accepted · "
+                           f"{self.backend.throughput:.0f} tok/s · {event}")
+
+    def _waiting(self, what: str) -> None:
+        """A long wait, shown on the live line (and logged without one)."""
+        if self.status is not None:
+            self.status.update(what)
+        else:
+            log.info(what)
 
     async def run(self) -> None:
         from protocols.transport.dht import SwarmDHT
@@ -151,6 +176,7 @@ class Node:
             )
         self.manifest, self.trainer = manifest, trainer_peer(manifest)
         self.task = self._load_task() if manifest.task.max_turns > 1 else None
+        self._waiting(f"loading {self.config.model.name} ...")
         await asyncio.to_thread(self._load_backend)
         await self.relay.serve(self.endpoint)
         console.print(f"joined run {manifest.run_id} as {self.name} (node key {fingerprint(self.node_key)}); "
@@ -199,6 +225,7 @@ class Node:
 
         deadline = time.monotonic() + MANIFEST_WAIT
         coordinator = peer_of(self.config.address)
+        self._waiting(f"looking for the run at {self.config.address} ...")
         while True:
             raw = await dht.get(key)
             if isinstance(raw, bytes):
@@ -266,13 +293,19 @@ class Node:
                         await self._bring_to(reply.latest_version)  # leave with the run's final policy
                         console.print(f"the run is finished at version {reply.latest_version}")
                         return
+                    self.latest = max(self.latest, reply.latest_version)
+                    self._say("waiting for work")
                     await asyncio.sleep(reply.retry_after)
                     continue
+                self.latest = max(self.latest, reply.version)
                 await self._bring_to(self._target_version(reply))
+                self._say(f"generating {len(reply.seeds)} prompts")
                 batch = await asyncio.to_thread(self._generate, reply)
                 receipt = await self._push(batch)
-                console.print(f"lease {reply.lease_id}: {receipt.accepted} samples accepted at version {batch.version}, "
-                              f"{self.backend.throughput:.0f} tok/s")
+                self.accepted += receipt.accepted
+                self.latest = max(self.latest, receipt.latest_version)
+                self._say(f"lease {reply.lease_id}: {receipt.accepted} samples accepted at version {batch.version}, "
+                          f"{self.backend.throughput:.0f} tok/s")
                 backoff = 0.5
             except RemoteError as e:
                 if e.code == "not_allowed":
@@ -305,6 +338,7 @@ class Node:
         if version == self.version:
             return
         started = time.perf_counter()
+        self._waiting(f"updating from version {self.version} to {version} ...")
         try:
             while True:
                 try:
@@ -322,7 +356,7 @@ class Node:
             if self.manifest.update == "full" and self.loaded != self.version:
                 await asyncio.to_thread(self._load_full_weights)  # whatever verified prefix we reached
         route = " + ".join(f"{'snapshot' if s.replaces else 'delta'} {s.from_version}->{s.to_version}" for s in chain)
-        console.print(f"updated to version {version} via {route} in {time.perf_counter() - started:.2f}s")
+        self._say(f"updated to version {version} via {route} in {time.perf_counter() - started:.2f}s")
 
     def _providers(self, version: int) -> list[str]:
         """Peers that announced holding `version` or later; the trainer is added after them."""

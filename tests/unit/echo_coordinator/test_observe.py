@@ -159,3 +159,20 @@ def test_port_in_use_falls_back_to_a_free_one():
     taken.close()
     with pytest.raises(OSError, match="dashboard cannot listen"):
         web.bind("203.0.113.1", 0)  # not an address of this machine
+
+
+def test_status_command_renders_the_directory(run_dir):
+    from typer.testing import CliRunner
+
+    from echo_coordinator.cli import app
+
+    path, alice = run_dir
+    out = CliRunner().invoke(app, ["status", "--data-dir", str(path)], env={"COLUMNS": "200"})
+    assert out.exit_code == 0, out.output
+    assert "version 1 / 10" in out.output and "(not running)" in out.output
+    assert "alice" in out.output and "bad_sampling 4" in out.output
+    report = json.loads(CliRunner().invoke(app, ["status", "--data-dir", str(path), "--json"]).output)
+    assert {"run_id", "mode", "version", "steps", "peers"} <= set(report)  # the keys it always had, and more
+    assert report["progress"]["capacity"]["bottleneck"] == "unknown" and not report["live"]
+    missing = CliRunner().invoke(app, ["status", "--data-dir", str(path / "nothing")])
+    assert missing.exit_code == 1 and "no run found" in missing.output
