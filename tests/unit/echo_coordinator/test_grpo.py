@@ -1,0 +1,117 @@
+"""The RL objective: tests that fail when the advantages, the loss, the importance weights, the
+mask or the micro-batching are wrong. The pure parts on hand-made tensors; the trainer's step on
+a tiny real model."""
+
+import numpy as np
+import pytest
+import torch
+
+from echo_coordinator.config import TrainerConfig
+from echo_coordinator.grpo import group_advantages, grpo_loss
+from echo_coordinator.trainer import Trainer, TrainSample
+from tests.support.tiny_model import build_tiny_gguf
+
+
+def test_advantages_are_normalised_within_each_group():
+    rewards = np.array([1.0, 0.0, 0.0, 0.0, 0.5, 0.5, 3.0, 1.0])
+    groups = np.array([7, 7, 7, 7, 2, 2, 9, 9])
+    a = group_advantages(rewards, groups)
+    assert a[:4] == pytest.approx([np.sqrt(3), -1 / np.sqrt(3), -1 / np.sqrt(3), -1 / np.sqrt(3)], rel=1e-4)
+    assert a[4:6].tolist() == [0.0, 0.0]  # no variance, no signal
+    assert a[6:] == pytest.approx([1.0, -1.0], rel=1e-4)
+    for g in (7, 9):  # zero mean, unit (population) std per group
+        assert a[groups == g].mean() == pytest.approx(0, abs=1e-6)
+        assert a[groups == g].std() == pytest.approx(1, rel=1e-4)
+
+
+def loss_of(new, old, behaviour, adv, mask, cap=2.0, eps=0.2):
+    new = new.clone().requires_grad_(True)
+    out = grpo_loss(new, old, behaviour, adv, mask, int(mask.sum()), eps, cap)
+    out.loss.backward()
+    return out, new.grad
+
+
+def test_gradient_raises_positive_and_lowers_negative_advantage_tokens():
+    lp = torch.full((2, 3), -1.0)
+    mask = torch.ones(2, 3)
+    out, grad = loss_of(lp, lp, lp, torch.tensor([1.0, -1.0]), mask)
+    # Gradient descent moves new logprobs against the gradient: up for A > 0, down for A < 0.
+    assert (grad[0] < 0).all() and (grad[1] > 0).all()
+    assert grad[0] == pytest.approx(torch.full((3,), -1 / 6))  # -w * A / tokens, w = 1 on-policy
+    assert out.loss.item() == pytest.approx(0.0, abs=1e-7)  # advantages cancel at ratio 1
+
+
+def test_importance_weights_and_their_cap():
+    old = torch.tensor([[-1.0, -1.0, -1.0]])
+    behaviour = torch.tensor([[-1.0, -1.5, -4.0]])  # pi_old / mu = 1, e^0.5, e^3 (capped at 2)
+    out, grad = loss_of(old, old, behaviour, torch.tensor([1.0]), torch.ones(1, 3))
+    expected_w = torch.tensor([1.0, np.exp(0.5), 2.0])
+    assert grad[0] == pytest.approx(-expected_w / 3, rel=1e-5)
+    assert out.clipped_tis == 1
+    assert out.mismatch_kl_sum == pytest.approx(sum(np.exp(d) - 1 - d for d in (0.0, 0.5, 3.0)), rel=1e-5)
+    assert out.log_ratio_sum == pytest.approx(3.5)
+
+
+def test_masked_tokens_get_no_gradient_and_do_not_count():
+    lp = torch.full((2, 4), -1.0)
+    mask = torch.tensor([[1.0, 0.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])  # env tokens, then padding
+    behaviour = lp.clone()
+    behaviour[mask == 0] = -50.0  # would be capped and counted if the mask leaked
+    out, grad = loss_of(lp, lp, behaviour, torch.tensor([1.0, 2.0]), mask)
+    assert (grad[mask == 0] == 0).all() and (grad[mask == 1] != 0).all()
+    assert out.tokens == 4 and out.clipped_tis == 0 and out.row_tokens == [2, 2]
+
+
+def test_ratio_clipping_stops_the_gradient_beyond_eps():
+    old = torch.full((1, 2), -1.0)
+    new = torch.tensor([[-1.0 + 0.5, -1.0 - 0.5]])  # ratios e^0.5 (past 1 + eps) and e^-0.5
+    out, grad = loss_of(new, old, old, torch.tensor([1.0]), torch.ones(1, 2))
+    assert grad[0, 0] == 0 and grad[0, 1] < 0  # A > 0: the raised token is clipped, the lowered one is not
+    assert out.clipped_ratio == 2
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny_gguf(tmp_path_factory.mktemp("m") / "tiny.gguf", init_std=0.3)
+
+
+def samples_for(trainer):
+    prompt = tuple(trainer.tokenizer("Say a word:", add_special_tokens=False).input_ids)
+    good, bad = (10, 11, 12), (20, 21, 22, 23)
+    env = (30, 31, 32)
+    return [
+        TrainSample(prompt, good, (-1.0,) * 3, (1, 1, 1), 1.0, 0),
+        TrainSample(prompt, bad, (-1.0,) * 4, (1, 1, 1, 1), 0.0, 0),
+        TrainSample(prompt + (5,), good + env + (13,), (-1.0,) * 7, (1, 1, 1, 0, 0, 0, 1), 1.0, 1),
+        TrainSample(prompt + (5,), bad, (-1.0,) * 4, (1, 1, 1, 1), 0.0, 1),
+    ]
+
+
+def completion_logprob(trainer, sample) -> float:
+    return float(trainer.logprobs([sample])[0][np.asarray(sample.loss_mask) == 1].sum())
+
+
+def test_a_step_raises_the_rewarded_completion_and_lowers_the_other(tiny):
+    trainer = Trainer(tiny, TrainerConfig(lora_rank=4, learning_rate=0.01, threads=1), temperature=1.0)
+    batch = samples_for(trainer)
+    before = [completion_logprob(trainer, s) for s in batch]
+    stats = trainer.step(batch)
+    after = [completion_logprob(trainer, s) for s in batch]
+    assert stats.trained_samples == 4 and stats.tokens == 3 + 4 + 4 + 4  # env tokens are not trained
+    assert after[0] > before[0] and after[2] > before[2]
+    assert after[1] < before[1] and after[3] < before[3]
+
+
+def gradients(tiny, micro_batch_tokens: int) -> dict[str, torch.Tensor]:
+    trainer = Trainer(tiny, TrainerConfig(lora_rank=4, lora_init="random", threads=1,
+                                          micro_batch_tokens=micro_batch_tokens), temperature=1.0, seed=3)
+    trainer.optimizer.step = lambda: None  # keep the gradients of one step, unapplied
+    trainer.step(samples_for(trainer))
+    return {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+
+
+def test_micro_batches_give_the_gradient_of_one_batch(tiny):
+    whole, split = gradients(tiny, 10_000), gradients(tiny, 1)  # one micro-batch vs one sample each
+    assert whole.keys() == split.keys() and any(g.abs().sum() > 0 for g in whole.values())
+    for name in whole:
+        assert torch.allclose(whole[name], split[name], rtol=1e-4, atol=1e-7), name
