@@ -78,7 +78,11 @@ class TrainerConfig:
     lora_rank: int = 16
     lora_alpha: float = 32.0
     lora_init: str = "zero"  # "zero": B = 0 (adapter starts as identity); "random": B random, for tests
-    clip_eps: float = 0.2  # PPO/GRPO ratio clip
+    clip_eps: float = 0.2  # PPO/GRPO ratio clip; binds only when a step takes more than one optimiser step
+    # PPO: passes over each batch, each in `ppo_minibatches` optimiser steps. 1 and 1 (the default)
+    # is one plain policy-gradient step per batch, where the ratio is 1 and the clip never binds.
+    ppo_epochs: int = 1
+    ppo_minibatches: int = 1
     tis_cap: float = 2.0  # truncated importance sampling cap on pi_trainer / pi_behaviour per token
     # Padded tokens per forward/backward: bounds activation memory, about 2.7 MB a token on the CPU
     # for SmolLM2-135M with LoRA (measured), so 2048 peaks near 6 GB; long multi-turn transcripts
@@ -92,6 +96,8 @@ class TrainerConfig:
         _check(self.lora_alpha > 0, "lora_alpha", f"must be positive, got {self.lora_alpha}")
         _check(self.lora_init in ("zero", "random"), "lora_init", f"must be 'zero' or 'random', got {self.lora_init!r}")
         _check(0 < self.clip_eps < 1, "clip_eps", f"must be in (0, 1), got {self.clip_eps}")
+        _check(1 <= self.ppo_epochs <= 100, "ppo_epochs", f"must be 1..100, got {self.ppo_epochs}")
+        _check(1 <= self.ppo_minibatches <= 1024, "ppo_minibatches", f"must be 1..1024, got {self.ppo_minibatches}")
         _check(self.tis_cap >= 1, "tis_cap", f"must be at least 1, got {self.tis_cap}")
         _check(self.micro_batch_tokens >= 1, "micro_batch_tokens", f"must be at least 1, got {self.micro_batch_tokens}")
         _check(self.threads >= 0, "threads", f"must be >= 0, got {self.threads}")

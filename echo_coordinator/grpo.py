@@ -16,7 +16,10 @@ each token's term is reweighted by the truncated ratio pi_old/mu (Ionides 2008; 
 rollout/trainer mismatch), which corrects both staleness and quantization mismatch; (2) the
 loss is a token-level mean over the whole batch (DAPO), not a mean of per-sequence means;
 (3) no KL penalty to a reference model. `m_t` is the loss mask: env-written tokens of
-multi-turn episodes are not trained.
+multi-turn episodes are not trained. A step makes `ppo_epochs` passes over the batch in
+`ppo_minibatches` optimiser steps each (TrainerConfig); old_t stays the start-of-step logprob, so
+the ratio clip binds from the second optimiser step on. The default, one of each, is a single
+policy-gradient step with ratio 1.
 """
 
 from __future__ import annotations

@@ -99,6 +99,14 @@ def release_freed_memory() -> None:
         pass
 
 
+def pad_rows(rows: list[torch.Tensor], length: int) -> torch.Tensor:
+    """(B, length) from rows of at most `length` values, zero-padded on the right."""
+    out = torch.zeros((len(rows), length))
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = row
+    return out
+
+
 def micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
     """Sample indices grouped so each group's padded size (count x longest) stays within
     `max_tokens` (a longer sample goes alone); longest first, so similar lengths share padding."""
@@ -132,23 +140,60 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=0.0)
 
     def step(self, samples: list[TrainSample]) -> StepStats:
+        """One GRPO step on a batch: `ppo_epochs` passes, each in `ppo_minibatches` optimiser
+        steps. The PPO ratio is taken against the weights at the start of the step (`old`), so
+        with more than one optimiser step the clip binds; with one, old = new and it cannot."""
         started = time.perf_counter()
         rewards = np.array([s.reward for s in samples], dtype=np.float32)
         advantages = group_advantages(rewards, np.array([s.group for s in samples]))
         # Groups whose samples all scored the same carry no signal (advantage 0): skip their compute.
         trained = [(s, a) for s, a in zip(samples, advantages) if a != 0.0]
-        total_tokens = sum(sum(s.loss_mask) for s, _ in trained)
+        cfg = self.config
+        old = self._start_logprobs([s for s, _ in trained]) if cfg.ppo_epochs * cfg.ppo_minibatches > 1 else None
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        sums = dict(loss=0.0, tokens=0, clipped_tis=0, clipped_ratio=0, kl=0.0, log_ratio=0.0)
+        sums = dict(loss=0.0, tokens=0, clipped_tis=0, clipped_ratio=0, ratio_tokens=0, kl=0.0, log_ratio=0.0)
         by_staleness: dict[int, list[float]] = {}  # staleness -> [log-ratio sum, tokens]
-        lengths = [len(s.prompt_ids) + len(s.completion_ids) for s, _ in trained]
+        for epoch in range(cfg.ppo_epochs):
+            for minibatch in np.array_split(np.arange(len(trained)), min(cfg.ppo_minibatches, max(len(trained), 1))):
+                part = [trained[i] for i in minibatch]
+                if not part:
+                    continue
+                out = self._accumulate(part, None if old is None else [old[i] for i in minibatch])
+                self.optimizer.step()
+                sums["clipped_ratio"] += out["clipped_ratio"]
+                sums["ratio_tokens"] += out["tokens"]
+                if epoch == 0:  # what the batch is, measured once: loss, tokens, mismatch
+                    for key in ("loss", "tokens", "clipped_tis", "kl", "log_ratio"):
+                        sums[key] += out[key]
+                    for staleness, (ratio, n) in out["by_staleness"].items():
+                        bucket = by_staleness.setdefault(staleness, [0.0, 0])
+                        bucket[0] += ratio
+                        bucket[1] += n
+        release_freed_memory()
+        tokens = max(sums["tokens"], 1)
+        return StepStats(
+            samples=len(samples), trained_samples=len(trained), tokens=sums["tokens"], loss=sums["loss"],
+            tis_clipped_fraction=sums["clipped_tis"] / tokens,
+            ratio_clipped_fraction=sums["clipped_ratio"] / max(sums["ratio_tokens"], 1),
+            mismatch_kl=sums["kl"] / tokens, mean_log_ratio=sums["log_ratio"] / tokens,
+            log_ratio_by_staleness={k: r / max(n, 1) for k, (r, n) in sorted(by_staleness.items())},
+            busy_seconds=time.perf_counter() - started,
+        )
+
+    def _accumulate(self, part: list[tuple[TrainSample, float]], old: list[torch.Tensor] | None) -> dict:
+        """Gradients of the loss over `part` (one optimiser step's samples), micro-batched by
+        padded tokens; `old`: each sample's (L-1,) start-of-step logprobs, None = on-policy."""
+        total_tokens = sum(sum(s.loss_mask) for s, _ in part)
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = dict(loss=0.0, tokens=0, clipped_tis=0, clipped_ratio=0, kl=0.0, log_ratio=0.0, by_staleness={})
+        lengths = [len(s.prompt_ids) + len(s.completion_ids) for s, _ in part]
         for indices in micro_batches(lengths, self.config.micro_batch_tokens):
-            part = [trained[i] for i in indices]
-            ids, mask, behaviour = self._pack([s for s, _ in part])
+            micro = [part[i] for i in indices]
+            ids, mask, behaviour = self._pack([s for s, _ in micro])
             new = self._logprobs(ids)  # (B, L-1)
-            adv = torch.tensor([a for _, a in part], dtype=torch.float32)
-            out = grpo_loss(new, new.detach(), behaviour, adv, mask, total_tokens, self.config.clip_eps, self.config.tis_cap)
+            start = new.detach() if old is None else pad_rows([old[i] for i in indices], new.shape[1])
+            adv = torch.tensor([a for _, a in micro], dtype=torch.float32)
+            out = grpo_loss(new, start, behaviour, adv, mask, total_tokens, self.config.clip_eps, self.config.tis_cap)
             out.loss.backward()
             sums["loss"] += float(out.loss.detach())
             sums["tokens"] += out.tokens
@@ -156,21 +201,23 @@ class Trainer:
             sums["clipped_ratio"] += out.clipped_ratio
             sums["kl"] += out.mismatch_kl_sum
             sums["log_ratio"] += out.log_ratio_sum
-            for (s, _), ratio, n in zip(part, out.row_log_ratio, out.row_tokens):
-                bucket = by_staleness.setdefault(s.staleness, [0.0, 0])
+            for (s, _), ratio, n in zip(micro, out.row_log_ratio, out.row_tokens):
+                bucket = sums["by_staleness"].setdefault(s.staleness, [0.0, 0])
                 bucket[0] += ratio
                 bucket[1] += n
-        if trained:
-            self.optimizer.step()
-        release_freed_memory()
-        tokens = max(sums["tokens"], 1)
-        return StepStats(
-            samples=len(samples), trained_samples=len(trained), tokens=sums["tokens"], loss=sums["loss"],
-            tis_clipped_fraction=sums["clipped_tis"] / tokens, ratio_clipped_fraction=sums["clipped_ratio"] / tokens,
-            mismatch_kl=sums["kl"] / tokens, mean_log_ratio=sums["log_ratio"] / tokens,
-            log_ratio_by_staleness={k: r / max(n, 1) for k, (r, n) in sorted(by_staleness.items())},
-            busy_seconds=time.perf_counter() - started,
-        )
+        return sums
+
+    @torch.no_grad()
+    def _start_logprobs(self, samples: list[TrainSample]) -> list[torch.Tensor]:
+        """Each sample's (L_i - 1,) logprobs under the weights at the start of the step."""
+        self.model.eval()
+        out: list[torch.Tensor | None] = [None] * len(samples)
+        lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
+        for indices in micro_batches(lengths, self.config.micro_batch_tokens):
+            lp = self._logprobs(self._pack([samples[i] for i in indices])[0])
+            for row, i in enumerate(indices):
+                out[i] = lp[row, : lengths[i] - 1].clone()
+        return out
 
     def _pack(self, samples: list[TrainSample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Right-padded (B, L) ids and (B, L-1) mask / behaviour logprobs aligned with the

@@ -115,3 +115,19 @@ def test_micro_batches_give_the_gradient_of_one_batch(tiny):
     assert whole.keys() == split.keys() and any(g.abs().sum() > 0 for g in whole.values())
     for name in whole:
         assert torch.allclose(whole[name], split[name], rtol=1e-4, atol=1e-7), name
+
+
+def test_ppo_epochs_make_the_clip_bind(tiny):
+    def step(**ppo):
+        trainer = Trainer(tiny, TrainerConfig(lora_rank=4, learning_rate=0.05, threads=1, clip_eps=0.1, **ppo),
+                          temperature=1.0)
+        batch = samples_for(trainer)
+        before = completion_logprob(trainer, batch[0])
+        stats = trainer.step(batch)
+        return stats, completion_logprob(trainer, batch[0]) - before
+
+    single, _ = step()
+    assert single.ratio_clipped_fraction == 0.0  # one optimiser step: ratio 1, nothing to clip
+    several, gain = step(ppo_epochs=3, ppo_minibatches=2)
+    assert several.ratio_clipped_fraction > 0.1 and gain > 0
+    assert several.tokens == single.tokens and several.mismatch_kl == pytest.approx(single.mismatch_kl)
