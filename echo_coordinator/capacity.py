@@ -67,7 +67,7 @@ class Throughput:
         self.pushes: dict[str, deque[tuple[float, int, float]]] = {}
         self.published: dict[int, float] = {}  # version -> when it was published
         self.heard: deque[float] = deque(maxlen=256)  # seconds from publish to a node holding it
-        self._holds: dict[str, int] = {}  # node id -> version it last said it holds
+        self.held: dict[str, int] = {}  # node id -> version its last signed lease request said it holds
 
     def pushed(self, node_id: str, samples: int, issued: float, now: float) -> None:
         """An accepted batch of `samples`, answering a lease issued at `issued`."""
@@ -82,9 +82,9 @@ class Throughput:
 
     def holds(self, node_id: str, version: int, now: float) -> None:
         """A node said (in a signed lease request) it holds `version`."""
-        if self._holds.get(node_id, -1) < version and version in self.published:
+        if self.held.get(node_id, -1) < version and version in self.published:
             self.heard.append(now - self.published[version])
-        self._holds[node_id] = version
+        self.held[node_id] = version
 
     def rate(self, node_id: str, now: float) -> float | None:
         """Samples per second of producing time over the window; None when nothing recent."""
@@ -101,4 +101,4 @@ class Throughput:
 
     def forget(self, node_id: str) -> None:
         self.pushes.pop(node_id, None)
-        self._holds.pop(node_id, None)
+        self.held.pop(node_id, None)

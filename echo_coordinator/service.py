@@ -112,7 +112,6 @@ class RunService:
         self.names: dict[str, str] = {}  # node id -> display name from its (signed) lease requests
         self.last_seen: dict[str, float] = {}  # node id -> time of its last signed lease request
         self.backends: dict[str, str] = {}  # node id -> backend it says it samples with (display only)
-        self.holds: dict[str, int] = {}  # node id -> version its last lease request said it holds
         self.throughput = Throughput()  # measured rollout throughput per node (the capacity model's μ_i)
         self._streams: dict[str, str] = {}  # node id -> libp2p peer its last lease request came from
         self._judging: set[tuple[str, str]] = set()  # (lease id, signer) of batches being judged now
@@ -204,7 +203,6 @@ class RunService:
                 del self.last_seen[node_id]
                 self.names.pop(node_id, None)
                 self.backends.pop(node_id, None)
-                self.holds.pop(node_id, None)
                 self.throughput.forget(node_id)
                 self._streams.pop(node_id, None)
                 self.told_finished.discard(node_id)
@@ -222,13 +220,13 @@ class RunService:
         the last `prune` window, its backend, held version and measured throughput."""
         with self.lock:
             rates = self.throughput.rates(now)
-            nodes = {n: dict(name=self.names.get(n, n[:8]), backend=self.backends.get(n, ""), holds=self.holds.get(n),
+            nodes = {n: dict(name=self.names.get(n, n[:8]), backend=self.backends.get(n, ""), holds=self.throughput.held.get(n),
                              samples_per_second=rates.get(n), last_request=at)
                      for n, at in self.last_seen.items()}
             return dict(started=self.started, finished=self.finished, version=self.version,
                         buffered_groups=len(self.replay), outstanding_leases=len(self.book.outstanding),
                         update_seconds=self.throughput.update_seconds(), nodes=nodes, unsigned=dict(self.unsigned),
-                        rates=[r for n, r in rates.items()])
+                        rates=list(rates.values()))
 
     def talked(self) -> dict[str, str]:
         """Node id -> the libp2p peer it asked for work from: proof that an announcement is live."""
@@ -249,7 +247,7 @@ class RunService:
             if not self.lease_rate.allow(node_id, now):
                 raise PeerRefused("rate_limited", f"more than {LEASE_RATE.rate:g} lease requests a second")
             self.names[node_id], self.last_seen[node_id] = request.name, now
-            self.backends[node_id], self.holds[node_id] = request.backend, request.version
+            self.backends[node_id] = request.backend
             self.throughput.holds(node_id, request.version, now)
             if peer_id:
                 self._streams[node_id] = peer_id
