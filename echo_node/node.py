@@ -298,7 +298,7 @@ class Node:
                     await asyncio.sleep(reply.retry_after)
                     continue
                 self.latest = max(self.latest, reply.version)
-                await self._bring_to(self._target_version(reply))
+                await self._prepare(reply)
                 self._say(f"generating {len(reply.seeds)} prompts")
                 batch = await asyncio.to_thread(self._generate, reply)
                 receipt = await self._push(batch)
@@ -327,12 +327,18 @@ class Node:
         raw = await self.endpoint.call_one(self.trainer, rpc.LEASE, request.to_wire())
         return decode_one_of(raw, (TaskLease, NoWork))
 
-    def _target_version(self, lease: TaskLease) -> int:
-        """Sequential pull: sample with exactly the lease's version. Async: keep what we hold
-        unless we are S or more versions behind the trainer (the node-side staleness gate)."""
-        if self.manifest.mode == "sequential" or must_update(self.version, lease.version, self.manifest.staleness):
-            return lease.version
-        return self.version
+    async def _prepare(self, lease: TaskLease) -> None:
+        """Move to the lease's version (the trainer's newest) before sampling, in both modes: in
+        async mode fresh rollouts keep staleness near one step, and the bound S is there for
+        stragglers. If an async update fails, sample with what we hold while the bound admits it
+        (the node-side staleness gate); sequential pull needs exactly the lease's version."""
+        try:
+            await self._bring_to(lease.version)
+        except UpdateError as e:
+            if self.manifest.mode == "sequential" or must_update(self.version, lease.version, self.manifest.staleness):
+                raise
+            log.warning("could not update to version %d (%s); sampling with version %d, within the bound",
+                        lease.version, e, self.version)
 
     async def _bring_to(self, version: int) -> None:
         if version == self.version:
