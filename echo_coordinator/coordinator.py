@@ -250,6 +250,7 @@ class Coordinator:
             service.started = True
             await self._step_loop(service, trainer, ledger, dht, manifest)
             service.finished = True
+            service.relay.budget = None  # nothing left to train: serve every node its final fetch ourselves
             # Linger until every node has heard the run is over (and can fetch the final version).
             deadline = time.monotonic() + LINGER_SECONDS
             while not service.all_told_finished() and time.monotonic() < deadline:

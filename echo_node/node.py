@@ -290,8 +290,7 @@ class Node:
                 reply = await self._request_lease()
                 if isinstance(reply, NoWork):
                     if reply.finished:
-                        await self._bring_to(reply.latest_version)  # leave with the run's final policy
-                        console.print(f"the run is finished at version {reply.latest_version}")
+                        await self._finish(reply.latest_version)
                         return
                     self.latest = max(self.latest, reply.latest_version)
                     self._say("waiting for work")
@@ -318,6 +317,16 @@ class Node:
                 log.warning("%s; retrying in %.1f s", e, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF)
+
+    async def _finish(self, version: int) -> None:
+        """Leave with the run's final policy if it can still be fetched; the run is over either way."""
+        try:
+            await self._bring_to(version)
+        except (UpdateError, TransportError, ProtocolError) as e:
+            console.print(f"the run is finished at version {version}; this node stays at version {self.version} "
+                          f"(the final update could not be fetched: {e})")
+            return
+        console.print(f"the run is finished at version {version}")
 
     async def _request_lease(self) -> TaskLease | NoWork:
         request = sign_message(LeaseRequest(
