@@ -2,7 +2,8 @@
 
 A node's rollout throughput μ_i is measured by the coordinator, not told by the node: the samples
 of each accepted batch over the time from the later of its lease's issue and the node's previous
-accepted push to this push (so time a node spent waiting for work does not count against it).
+accepted push to the batch's acceptance (judging included: that is when its work can be trained
+on), so time a node spent waiting for work does not count against it.
 The trainer needs R samples per step and spends T_train seconds on one (training, verification
 and publishing: its own thread's work). The swarm keeps the trainer busy when
 
