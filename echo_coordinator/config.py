@@ -33,6 +33,9 @@ class RunConfig:
     # from peers that hold it (peer relay); 0 = no limit, every node may fetch from the trainer
     steps: int = 20  # trainer steps (versions published) before the run ends
     prompts_per_step: int = 8  # distinct task seeds per trainer step
+    # Async: steps' worth of groups the replay buffer may hold before nodes wait for the trainer.
+    # 1 keeps rollouts about one version stale when nodes outpace the trainer.
+    lead_steps: int = 1
     group_size: int = 8  # completions per prompt (GRPO group)
     max_new_tokens: int = 32
     temperature: float = 1.0  # sampling temperature, applied identically by nodes and trainer
@@ -63,6 +66,7 @@ class RunConfig:
         _check(self.trainer_upload_copies >= 0, "trainer_upload_copies", "must be >= 0 (0 = no limit)")
         _check(self.steps >= 1, "steps", f"must be at least 1, got {self.steps}")
         _check(1 <= self.prompts_per_step <= 4096, "prompts_per_step", f"must be 1..4096, got {self.prompts_per_step}")
+        _check(1 <= self.lead_steps <= 100, "lead_steps", f"must be 1..100, got {self.lead_steps}")
         _check(2 <= self.group_size <= 256, "group_size", f"must be 2..256 (GRPO needs a group), got {self.group_size}")
         _check(1 <= self.max_new_tokens <= 32768, "max_new_tokens", f"must be 1..32768, got {self.max_new_tokens}")
         _check(0.001 <= self.temperature <= 100, "temperature", f"must be in [0.001, 100], got {self.temperature}")

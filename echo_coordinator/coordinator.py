@@ -200,7 +200,7 @@ class Coordinator:
             transcripts=transcripts, ledger=ledger,
             lease_seconds=cfg.lease_seconds, seeds_per_lease=max(1, cfg.prompts_per_step // 4),
             policing=Policing(self.verifier, SpotCheck(cfg.verify_fraction), allow=self.allow),
-            relay=relay, first_seed=cfg.seed * 1_000_003 + 500_000,
+            relay=relay, first_seed=cfg.seed * 1_000_003 + 500_000, max_ahead=cfg.lead_steps * cfg.prompts_per_step,
         )
         self.publisher = self._make_publisher(trainer, manifest.run_id, resuming=bool(state))
         if state:

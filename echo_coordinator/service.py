@@ -88,7 +88,7 @@ class RunService:
     def __init__(
         self, manifest: RunManifest, run_key: Ed25519PrivateKey, task: Task, render_prompt: Callable[[int], tuple[int, ...]],
         transcripts: Transcripts, ledger: Ledger, lease_seconds: float, seeds_per_lease: int,
-        policing: Policing, relay: Relay | None = None, first_seed: int = 0,
+        policing: Policing, relay: Relay | None = None, first_seed: int = 0, max_ahead: int | None = None,
     ):
         self.manifest, self.run_key, self.task, self.ledger = manifest, run_key, task, ledger
         self.policing = policing
@@ -102,6 +102,11 @@ class RunService:
         # Sequential mode trains only on the requested version: a replay bound of 0.
         self.replay = ReplayBuffer(manifest.staleness if self.mode is Mode.ASYNC else 0)
         self.seeds_per_lease = seeds_per_lease
+        # Async: buffered groups at which no lease is issued until the trainer takes some (None =
+        # no cap). Over-producing nodes would otherwise fill the buffer, and the trainer, taking
+        # the oldest groups first, would train S versions behind all the time. Leases out do not
+        # count, so a straggler holding one never stops the others.
+        self.max_ahead = max_ahead
         self.next_seed = first_seed  # async mode draws fresh seeds from here as leases drain them
         self.lock = threading.Lock()  # handlers run on the transport's loop, the step loop elsewhere
         self.prompts: dict[int, tuple[int, ...]] = {}
@@ -258,6 +263,8 @@ class RunService:
             if held >= MAX_LEASES_PER_KEY:
                 raise PeerRefused("lease_limit", f"this key already holds {held} leases; push or let them expire")
             count = min(request.max_seeds, self.seeds_per_lease)
+            if self.mode is Mode.ASYNC and self.max_ahead is not None and len(self.replay) >= self.max_ahead:
+                return NoWork(self.version, RETRY_AFTER)
             if self.mode is Mode.ASYNC and self.book.pending_count < count:
                 fresh = list(range(self.next_seed, self.next_seed + count))
                 self.next_seed += count

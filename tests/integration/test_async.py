@@ -62,7 +62,8 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 def test_slow_node_under_s1_is_dropped_and_counted(tmp_path, tiny_model, processes):
-    run_dir, steps = tmp_path / "run", 6
+    # Enough steps that the slow node's pushes (6 s late) land while the run goes on.
+    run_dir, steps = tmp_path / "run", 20
     coordinator = start_coordinator(processes, async_config(tmp_path / "run.toml", tiny_model, run_dir, steps, 1),
                                     tmp_path / "coordinator.log")
     wait_for((run_dir / "join.txt").exists, 120, "the join line", [coordinator])

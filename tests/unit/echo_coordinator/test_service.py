@@ -210,6 +210,19 @@ def test_async_leases_never_run_dry_and_stale_groups_are_dropped_not_credited(as
     assert by_name["fast"]["rejected_by_reason"] == {"stale": 4}  # 2 dropped in the buffer + 2 refused
 
 
+def test_async_leases_wait_while_the_buffer_holds_a_step(async_service):
+    svc, node, other = async_service, generate_key(), generate_key()
+    svc.max_ahead = 2  # groups buffered
+    for _ in range(2):
+        lease = svc.handle_lease(lease_request(node), now=NOW)
+        push(svc, answer_batch(svc, node, lease), "QmNode", now=NOW)
+    assert svc.buffered_groups() == 2
+    assert isinstance(svc.handle_lease(lease_request(other), now=NOW), NoWork)  # full: wait for the trainer
+    svc.take_batch(1)
+    assert isinstance(svc.handle_lease(lease_request(other), now=NOW), TaskLease)
+    assert isinstance(svc.handle_lease(lease_request(node), now=NOW), TaskLease)  # leases out do not count
+
+
 def test_state_survives_a_restart(async_service, tmp_path):
     svc, node = async_service, generate_key()
     advance(svc, 1)
