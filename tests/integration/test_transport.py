@@ -90,7 +90,9 @@ def test_streams_carry_large_payloads_errors_and_timeouts(swarm):
         with pytest.raises(RemoteError) as e:
             await client.call(server.peer_id, SLOW, b"x", timeout=3)
         assert e.value.code == "busy" and server.errors["t.slow", "busy"] == 1
-        with pytest.raises(TransportError, match="within 5 s"):
+        # The first call ends by its timeout; once, on a loaded machine, its stream broke first
+        # (IncompleteReadError): a typed TransportError either way, never a hang or a reply.
+        with pytest.raises(TransportError, match="within 5 s|stream broke"):
             await first
         with pytest.raises(TransportError):
             await client.call(server.peer_id, Rpc("t.nobody_serves_this", None, (Reply,), 1024, 10.0, 1), b"x")

@@ -173,6 +173,11 @@ def test_topk_keeps_the_largest_magnitudes_within_half_a_step(x, density):
     assert y.dtype == np.float32 and y.shape == x.shape
     y = y.ravel().astype(np.float64)
     assert np.all(y[dropped] == 0)
+    if scale == 0 and peak > 0:
+        # peak / 127 underflows float32 only for subnormal deltas (hypothesis found 1.8e-44): they
+        # are sent as zeros, an error below 127 of the smallest float32 step.
+        assert peak < 127 * float(np.finfo(np.float32).smallest_subnormal) and np.all(y == 0)
+        return
     # Half a quantisation step, plus the final float32 rounding of q * scale.
     tolerance = scale / 2 + float(np.spacing(np.float32(peak)))
     assert np.all(np.abs(y[idx] - flat[idx]) <= tolerance)
