@@ -277,11 +277,13 @@ class Coordinator:
 
     async def _show_status(self, service: RunService) -> None:
         """Refresh the live line once a second: version, nodes, throughput, the last step."""
+        from echo_coordinator.observe import node_rates
+
         cfg = self.run_config
         while self.status is not None:
             live, step = service.live(time.time()), self.last_step
             text = (f"version {live['version']}/{cfg.steps} · {len(live['nodes'])} nodes · "
-                    f"{sum(live['rates']):.1f} samples/s · {live['buffered_groups']} groups buffered")
+                    f"{sum(node_rates(live)):.1f} samples/s · {live['buffered_groups']} groups buffered")
             if step:
                 text += (f" · last step: reward {step['reward_mean']:.3f}, train {step['busy_seconds']:.0f} s, "
                          f"waited {step['wait_seconds']:.0f} s")

@@ -53,7 +53,7 @@ class RunView:
         cycle = statistics.median(s["step_seconds"] for s in recent) if recent else None
         train = statistics.median(s["step_seconds"] - s["wait_seconds"] for s in recent) if recent else None
         per_step = info.get("samples_per_step", 0)
-        capacity = plan(live["rates"] if live else [], train, per_step, info.get("mode", ""), info.get("staleness", 0),
+        capacity = plan(node_rates(live) if live else [], train, per_step, info.get("mode", ""), info.get("staleness", 0),
                         live["update_seconds"] if live else None, cycle)
         rejections = Counter(self.ledger.rejection_totals())
         rejections.update((live or {}).get("unsigned", {}))
@@ -81,7 +81,8 @@ class RunView:
         """Every key the ledger knows, with what the live service knows of it."""
         now = time.time() if now is None else now
         live = live if live is not None else (self.live(now) if self.live else {})
-        nodes, version = live.get("nodes", {}), live.get("version", self.ledger.run().get("version", 0))
+        nodes = live.get("nodes", {})
+        version = live["version"] if live else self.ledger.run().get("version", 0)
         rows = self.ledger.peers()
         total = sum(p["accepted"] for p in rows) or 1
         out = []
@@ -101,6 +102,11 @@ class RunView:
     def peer(self, node_id: str, now: float | None = None) -> dict[str, Any] | None:
         row = next((p for p in self.peers(now) if p["node_id"] == node_id), None)
         return None if row is None else dict(row, history=self.ledger.history(node_id))
+
+
+def node_rates(live: dict) -> list[float]:
+    """The measured throughput (samples/s) of each node that has one: the capacity model's μ_i."""
+    return [n["samples_per_second"] for n in live["nodes"].values() if n["samples_per_second"] is not None]
 
 
 def busy(step: dict) -> float:

@@ -230,8 +230,7 @@ class RunService:
                      for n, at in self.last_seen.items()}
             return dict(started=self.started, finished=self.finished, version=self.version,
                         buffered_groups=len(self.replay), outstanding_leases=len(self.book.outstanding),
-                        update_seconds=self.throughput.update_seconds(), nodes=nodes, unsigned=dict(self.unsigned),
-                        rates=list(rates.values()))
+                        update_seconds=self.throughput.update_seconds(), nodes=nodes, unsigned=dict(self.unsigned))
 
     def talked(self) -> dict[str, str]:
         """Node id -> the libp2p peer it asked for work from: proof that an announcement is live."""

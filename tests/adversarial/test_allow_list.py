@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import shlex
 import subprocess
 import sys
 
-from tests.integration.test_end_to_end import VENV_BIN, processes, spawn, tiny_model, wait_for, write_config  # noqa: F401
+from tests.integration.test_end_to_end import VENV_BIN, join_argv, processes, spawn, tiny_model, write_config  # noqa: F401
 
 
 def test_a_node_not_on_the_allow_list_is_refused_with_its_fingerprint(tmp_path, tiny_model, processes):  # noqa: F811
@@ -16,8 +15,7 @@ def test_a_node_not_on_the_allow_list_is_refused_with_its_fingerprint(tmp_path, 
     allowed.write_text("# the volunteers we know\n" + "a" * 26 + "\n")
     coordinator = spawn(processes, [sys.executable, "-m", "echo_coordinator.cli", "start", "--config", str(config),
                                     "--allow-keys", str(allowed)], tmp_path / "coordinator.log")
-    wait_for((run_dir / "join.txt").exists, 120, "the join line", [coordinator])
-    argv = shlex.split((run_dir / "join.txt").read_text())
+    argv = join_argv(run_dir, coordinator)
     out = subprocess.run([str(VENV_BIN / argv[0]), *argv[1:], "--data-dir", str(tmp_path / "n"), "--threads", "1"],
                          capture_output=True, text=True, timeout=180)
     text = " ".join(out.stdout.split())

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -36,7 +35,7 @@ from protocols.transport.dht import SwarmDHT, peer_of, record_key
 from protocols.transport.streams import OK
 from protocols.wire import decode_one_of
 from tasks import make_task
-from tests.integration.test_end_to_end import VENV_BIN, processes, spawn, wait_for  # noqa: F401 (fixture)
+from tests.integration.test_end_to_end import VENV_BIN, join_argv, processes, spawn, wait_for  # noqa: F401 (fixture)
 from tests.support.tiny_model import build_tiny_gguf
 
 T = 1.0
@@ -185,8 +184,7 @@ threads = 1
 """)
     coordinator = spawn(processes, [sys.executable, "-m", "echo_coordinator.cli", "start", "--config", str(config)],
                         tmp_path / "coordinator.log")
-    wait_for((run_dir / "join.txt").exists, 120, "the join line", [coordinator])
-    argv = shlex.split((run_dir / "join.txt").read_text())
+    argv = join_argv(run_dir, coordinator)
     address, run_fp = argv[2], argv[4]
     node = [str(VENV_BIN / argv[0]), *argv[1:], "--threads", "1"]
     honest = spawn(processes, [*node, "--name", "honest", "--data-dir", str(tmp_path / "honest")], tmp_path / "honest.log")

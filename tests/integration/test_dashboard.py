@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import shutil
 import sqlite3
 import sys
@@ -17,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from echo_coordinator.ledger import Ledger
-from tests.integration.test_end_to_end import VENV_BIN, processes, spawn, tiny_model, wait_for, write_config  # noqa: F401
+from tests.integration.test_end_to_end import VENV_BIN, join_argv, processes, spawn, tiny_model, wait_for, write_config  # noqa: F401
 
 pytestmark = pytest.mark.slow
 
@@ -84,14 +83,13 @@ def test_live_run_in_chromium(tmp_path, tiny_model, processes, browser):  # noqa
     config.write_text(config.read_text().replace("[trainer]", "dashboard_port = 0\n\n[trainer]"))
     coordinator = spawn(processes, [sys.executable, "-m", "echo_coordinator.cli", "start", "--config", str(config)],
                         tmp_path / "coordinator.log")
-    wait_for((run_dir / "join.txt").exists, 120, "the join line", [coordinator])
+    argv = join_argv(run_dir, coordinator)
     url = (run_dir / "dashboard.txt").read_text().strip()
     assert f"dashboard: {url}" in (tmp_path / "coordinator.log").read_text()
     page = browser.new_page(viewport={"width": 1280, "height": 900})
     page.goto(url)
     page.wait_for_selector("#no-peers:not([hidden])")  # before anyone joins
     screenshot(page, tmp_path, "dashboard-waiting")
-    argv = shlex.split((run_dir / "join.txt").read_text().strip())
     for name in ("n1", "n2"):
         spawn(processes, [str(VENV_BIN / argv[0]), *argv[1:], "--name", name, "--data-dir", str(tmp_path / name),
                           "--threads", "1"], tmp_path / f"{name}.log")

@@ -41,6 +41,12 @@ def wait_for(predicate, timeout: float, what: str, procs=()):
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
+def join_argv(run_dir: Path, coordinator: subprocess.Popen) -> list[str]:
+    """Once the coordinator has printed it, the join line as argv: echo-node join ADDR --run-key FP --model M."""
+    wait_for((run_dir / "join.txt").exists, 120, "the join line", [coordinator])
+    return shlex.split((run_dir / "join.txt").read_text())
+
+
 @pytest.fixture
 def processes():
     started: list[subprocess.Popen] = []
@@ -147,8 +153,7 @@ def test_wrong_run_key_or_base_model_is_refused(tmp_path, tiny_model, processes)
     config = write_config(tmp_path / "run.toml", tiny_model, run_dir, task="arithmetic", steps=1)
     coordinator = spawn(processes, [str(VENV_BIN / "echo-coordinator"), "start", "--config", str(config)],
                         tmp_path / "coordinator.log")
-    wait_for((run_dir / "join.txt").exists, 120, "the join line", [coordinator])
-    argv = shlex.split((run_dir / "join.txt").read_text())
+    argv = join_argv(run_dir, coordinator)
     address, key = argv[2], argv[4]
     node = [str(VENV_BIN / "echo-node"), "join", address, "--data-dir", str(tmp_path / "n"), "--threads", "1"]
 

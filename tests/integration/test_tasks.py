@@ -5,12 +5,11 @@ transcript, the trainer replays every episode, scores it and trains on the model
 from __future__ import annotations
 
 import json
-import shlex
 import sqlite3
 import sys
 from pathlib import Path
 
-from tests.integration.test_end_to_end import VENV_BIN, processes, spawn, tiny_model, wait_for  # noqa: F401
+from tests.integration.test_end_to_end import VENV_BIN, join_argv, processes, spawn, tiny_model  # noqa: F401
 
 REPO = Path(__file__).parents[2]
 STEPS = 2
@@ -39,8 +38,7 @@ threads = 1
 """)
     coordinator = spawn(processes, [sys.executable, "-m", "echo_coordinator.cli", "start", "--config", str(config)],
                         tmp_path / "coordinator.log")
-    wait_for((run_dir / "join.txt").exists, 120, "the join line", [coordinator])
-    argv = shlex.split((run_dir / "join.txt").read_text())
+    argv = join_argv(run_dir, coordinator)
     # The volunteer has the environment's package importable (here: the repo on PYTHONPATH).
     node = spawn(processes, [str(VENV_BIN / argv[0]), *argv[1:], "--name", "n1", "--data-dir", str(tmp_path / "n1"),
                              "--threads", "1"], tmp_path / "n1.log", PYTHONPATH=str(REPO))
