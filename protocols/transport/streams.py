@@ -25,6 +25,7 @@ from protocols.rpc import Rpc
 log = logging.getLogger(__name__)
 
 HEADER_BYTES = 8
+REFUSE_LINGER = 2.0  # seconds a refused caller gets to read the reason and hang up
 OK, ERROR, END = b"\x00", b"\x01", b"\x02"
 
 # A handler gets the request payload and the caller's peer id and yields reply payloads.
@@ -62,8 +63,8 @@ class Endpoint:
             peer = info.peer_id.to_base58()
             if active[peer] >= rpc.per_peer:
                 self.errors[name, "busy"] += 1
-                await self._try_send_error(writer, ErrorReply("busy", f"{rpc.per_peer} {name} calls already in flight"))
-                writer.close()
+                await self._refuse(reader, writer, ErrorReply("busy", f"{rpc.per_peer} {name} calls already in flight"),
+                                   max_request_bytes)
                 return
             active[peer] += 1
             try:
@@ -79,7 +80,7 @@ class Endpoint:
             except ProtocolError as e:
                 self.errors[name, e.code] += 1
                 log.info("%s from %s refused: %s", name, peer[-8:], e)
-                await self._try_send_error(writer, ErrorReply(e.code, str(e)))
+                await self._refuse(reader, writer, ErrorReply(e.code, str(e)), max_request_bytes)
             except (asyncio.IncompleteReadError, ConnectionError, TimeoutError) as e:
                 self.errors[name, "disconnected"] += 1
                 log.info("%s from %s: stream ended early (%s)", name, peer[-8:], type(e).__name__)
@@ -94,6 +95,23 @@ class Endpoint:
                     del active[peer]
 
         await self.p2p.add_binary_stream_handler(name, on_stream)
+
+    @classmethod
+    async def _refuse(cls, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, reply: ErrorReply,
+                      max_request_bytes: int) -> None:
+        """Send the error, then give the caller a moment to read it and hang up before we close:
+        closing at once can reset the stream while the caller's request is still arriving, and
+        the caller would see a broken stream instead of the reason. What it still sends is read
+        and dropped, at most one request's worth, for at most `REFUSE_LINGER` seconds."""
+        await cls._try_send_error(writer, reply)
+        try:
+            async with asyncio.timeout(REFUSE_LINGER):
+                budget = max_request_bytes + HEADER_BYTES + 1
+                while budget > 0 and (chunk := await reader.read(min(budget, 65536))):
+                    budget -= len(chunk)
+        except (ConnectionError, TimeoutError):
+            pass
+        writer.close()
 
     @staticmethod
     async def _try_send_error(writer: asyncio.StreamWriter, reply: ErrorReply) -> None:
