@@ -74,6 +74,67 @@ def status(
         render(report)
 
 
+@app.command("eval")
+def eval_command(
+    data_dir: Path = typer.Option(Path("runs/latest"), help="Run directory."),
+    version: Optional[int] = typer.Option(None, help="Version to evaluate (default: the run's latest)."),
+    prompts: Optional[int] = typer.Option(None, help="Evaluation prompts (default: the run's eval_prompts)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON records instead of a table."),
+) -> None:
+    """Re-run the run's held-out evaluation of one version here, with the trainer's weights."""
+    from echo_coordinator.local_eval import evaluate
+    from echo_coordinator.ledger import Ledger
+    from protocols.errors import EchoError
+
+    if version is None:
+        if not (data_dir / "ledger.sqlite").exists():
+            typer.echo(f"no run found in {data_dir} (missing ledger.sqlite)", err=True)
+            raise typer.Exit(1)
+        ledger = Ledger(data_dir / "ledger.sqlite")
+        version = ledger.run().get("version", 0)
+        ledger.close()
+    def progress(sampling: str, done: int, total: int) -> None:
+        if not as_json and (done == total or done % 8 == 0):
+            typer.echo(f"  {sampling}: {done}/{total} prompts", err=True)
+
+    try:
+        records = evaluate(data_dir, version, prompts, progress)
+    except EchoError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
+    swarm = {}
+    metrics = data_dir / "metrics.jsonl"
+    if metrics.exists():
+        for line in metrics.read_text().splitlines():
+            r = json.loads(line)
+            if r.get("eval_version") == version and r.get("eval_complete"):
+                swarm[r["eval_sampling"]] = r["eval_accuracy"]
+    for r in records:
+        r["swarm_accuracy"] = swarm.get(r["eval_sampling"])
+        if as_json:
+            typer.echo(json.dumps(r, sort_keys=True))
+        else:
+            by_swarm = "-" if r["swarm_accuracy"] is None else f"{r['swarm_accuracy']:.3f}"
+            typer.echo(f"version {version} {r['eval_sampling']}: held-out accuracy {r['eval_accuracy']:.3f} "
+                       f"({r['eval_samples']} samples, trainer weights; the swarm measured {by_swarm})")
+
+
+@app.command("plot")
+def plot_command(
+    data_dir: Path = typer.Option(Path("runs/latest"), help="Run directory (running or finished)."),
+    out: Optional[Path] = typer.Option(None, help="PNG to write (default: DIR/curves.png)."),
+) -> None:
+    """Write a PNG of reward, held-out accuracy, staleness and throughput per version."""
+    from echo_coordinator.plot import plot_run
+
+    try:
+        path = plot_run(data_dir, out or data_dir / "curves.png")
+    except FileNotFoundError as e:
+        typer.echo(str(e), err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"wrote {path}")
+
+
 @app.command("dashboard")
 def dashboard_command(
     data_dir: Path = typer.Option(Path("runs/latest"), help="Run directory of a finished or stopped run."),

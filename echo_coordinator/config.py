@@ -50,6 +50,14 @@ class RunConfig:
     # 0.35-0.46 of a training step on it (median 0.385), so 0.3 adds about 12 %, at most 14 %;
     # docs/verification.md has the odds.
     verify_fraction: float = 0.3
+    # Held-out evaluation (docs/protocols.md): every `eval_every` versions, and at version 0 and
+    # the last, nodes answer `eval_prompts` fixed seeds of the task (with `eval_task_params` if
+    # given) at that version; metrics.jsonl gets eval_accuracy. 0 = no evaluation.
+    eval_every: int = 0
+    eval_prompts: int = 32
+    eval_task_params: dict[str, Any] = field(default_factory=dict)  # {} = the run's task_params
+    eval_sampling: str = "greedy"  # "greedy", "sampled" (at the run's temperature) or "both"
+    eval_samples: int = 4  # completions per prompt when sampled
     allow_keys: str = ""  # a file of node key fingerprints, one a line; "" = any key may join
     dashboard: bool = True  # serve the dashboard, JSON API and /metrics (docs/dashboard.md)
     dashboard_host: str = "127.0.0.1"  # the dashboard is read-only, but keep it local unless you mean it
@@ -74,6 +82,11 @@ class RunConfig:
         _check(self.lease_seconds > 0, "lease_seconds", f"must be positive, got {self.lease_seconds}")
         _check(0 <= self.port <= 65535, "port", f"must be 0..65535, got {self.port}")
         _check(0 <= self.dashboard_port <= 65535, "dashboard_port", f"must be 0..65535, got {self.dashboard_port}")
+        _check(self.eval_every >= 0, "eval_every", f"must be >= 0 (0 = no evaluation), got {self.eval_every}")
+        _check(1 <= self.eval_prompts <= 4096, "eval_prompts", f"must be 1..4096, got {self.eval_prompts}")
+        samplings = ("greedy", "sampled", "both")
+        _check(self.eval_sampling in samplings, "eval_sampling", f"must be one of {', '.join(samplings)}")
+        _check(1 <= self.eval_samples <= 256, "eval_samples", f"must be 1..256, got {self.eval_samples}")
         _check(0 < self.verify_fraction <= 1, "verify_fraction", f"must be in (0, 1], got {self.verify_fraction}")
 
 

@@ -25,6 +25,7 @@ from rich.console import Console
 
 from echo_coordinator import publish
 from echo_coordinator.config import RunConfig, TrainerConfig
+from echo_coordinator.evaluation import EvalSet, due, eval_seeds
 from echo_coordinator.ledger import Ledger, MetricsLog
 from echo_coordinator.rewards import Transcripts
 from echo_coordinator.peers import SpotCheck, read_allow_list, relay_holders
@@ -115,12 +116,20 @@ class Coordinator:
         self.fp = fingerprint(public_bytes(self.key))
         try:
             self.task = make_task(run.task, run.task_params)
+            self.eval_task = make_task(run.task, run.eval_task_params or run.task_params)
         except TaskError as e:
             raise EchoError(str(e)) from None
+        if run.eval_task_params and self.task.max_turns > 1:
+            raise EchoError("eval_task_params: a multi-turn task is evaluated with the run's own parameters "
+                            "(nodes play the run's environment); remove eval_task_params")
+        # What `echo-coordinator eval` and `plot` read back.
+        (self.data_dir / "config.json").write_text(json.dumps({"run": asdict(run), "trainer": asdict(trainer_config)},
+                                                              indent=1))
         self.peer_versions: dict[str, int] = {}  # libp2p peer id -> version it announced
         self.torch_thread = ThreadPoolExecutor(1, thread_name_prefix="trainer")
         self.status = status  # rich Status: the live line, or None to print a line per step
         self.last_step: dict = {}  # the last metrics record, for the live line
+        self.last_eval: dict = {}  # the last evaluation record, for the live line
         try:
             self.allow = read_allow_list(Path(run.allow_keys).expanduser()) if run.allow_keys else None
         except (OSError, ValueError) as e:
@@ -195,12 +204,18 @@ class Coordinator:
             # before the gate moves to it.
             SamplingRule(), keep_versions=(cfg.staleness if cfg.mode == "async" else 0) + 1,
         )
+        evaluation = None
+        if cfg.eval_every:
+            evaluation = EvalSet.of(eval_seeds(cfg.eval_prompts),
+                                    lambda seed: prompt_ids(tokenizer, self.eval_task.episode(seed).messages),
+                                    cfg.eval_sampling, cfg.eval_samples, cfg.eval_every)
         service = RunService(
             manifest, self.key, self.task, render_prompt=lambda seed: prompt_ids(tokenizer, self.task.episode(seed).messages),
             transcripts=transcripts, ledger=ledger,
             lease_seconds=cfg.lease_seconds, seeds_per_lease=max(1, cfg.prompts_per_step // 4),
             policing=Policing(self.verifier, SpotCheck(cfg.verify_fraction), allow=self.allow),
             relay=relay, first_seed=cfg.seed * 1_000_003 + 500_000, max_ahead=cfg.lead_steps * cfg.prompts_per_step,
+            evaluation=evaluation, eval_task=self.eval_task,
         )
         self.publisher = self._make_publisher(trainer, manifest.run_id, resuming=bool(state))
         if state:
@@ -213,7 +228,9 @@ class Coordinator:
             console.print(f"resuming run {manifest.run_id} at version {service.version}")
         else:
             initial = trainer.weights()
-            self.verifier.remember(0, lora_base(initial) if cfg.update == "lora" else initial)
+            held = lora_base(initial) if cfg.update == "lora" else initial
+            self.verifier.remember(0, held)
+            self._open_eval(service, 0, held)
         ledger.set_run(run_id=manifest.run_id, mode=cfg.mode, version=service.version, run_key=self.fp, steps=cfg.steps,
                        model=self.model.name, task=cfg.task, staleness=cfg.staleness,
                        samples_per_step=cfg.prompts_per_step * cfg.group_size,
@@ -287,6 +304,8 @@ class Coordinator:
             if step:
                 text += (f" · last step: reward {step['reward_mean']:.3f}, train {step['busy_seconds']:.0f} s, "
                          f"waited {step['wait_seconds']:.0f} s")
+            if self.last_eval.get("eval_accuracy") is not None:
+                text += f" · held-out accuracy {self.last_eval['eval_accuracy']:.3f} (v{self.last_eval['eval_version']})"
             if service.started:
                 self.status.update(text)
             await asyncio.sleep(1.0)
@@ -325,6 +344,11 @@ class Coordinator:
             held = {k: v.copy() for k, v in self.publisher.view().items()}  # the view changes in place
         self.verifier.remember(version, held)  # before nodes can hear of the version
         service.publish(published)
+        self._open_eval(service, version, held)
+
+    def _open_eval(self, service: RunService, version: int, held) -> None:
+        if service.evaluation is not None and due(version, self.run_config.eval_every, self.run_config.steps):
+            service.open_eval(version, held)
 
     def _remember_adapters(self, trainer, version: int) -> None:
         """After a restart, what nodes held at the versions before `version` that the bound still
@@ -383,9 +407,8 @@ class Coordinator:
             await asyncio.sleep(0.5)
 
     async def _step_loop(self, service: RunService, trainer, ledger: Ledger, dht, manifest: RunManifest) -> None:
-        from protocols.transport.dht import record_key
-
-        cfg, metrics = self.run_config, MetricsLog(self.data_dir / "metrics.jsonl")
+        cfg = self.run_config
+        metrics = self.metrics = MetricsLog(self.data_dir / "metrics.jsonl")
         # The best and the worst sample of each step, as text: what the policy is doing.
         examples = MetricsLog(self.data_dir / "transcripts.jsonl")
         cycle_start = time.time()
@@ -430,9 +453,32 @@ class Coordinator:
                     f"mismatch KL {stats.mismatch_kl:.4f}"
                 )
                 cycle_start = now
+                self._log_evals(service)
+            await self._finish_evals(service)
         finally:
             metrics.close()
             examples.close()
+
+    def _log_evals(self, service: RunService, give_up: bool = False) -> None:
+        """Write finished evaluation rounds to metrics.jsonl (lines with `eval_version`)."""
+        for record in service.take_eval_records(give_up):
+            self.metrics.write(record)
+            self.last_eval = record
+            accuracy = "-" if record["eval_accuracy"] is None else f"{record['eval_accuracy']:.3f}"
+            self._say(f"evaluated version {record['eval_version']}: held-out accuracy {accuracy} "
+                      f"({record['eval_sampling']}, {record['eval_samples']} samples, {record['eval_seconds']:.0f} s)"
+                      + ("" if record["eval_complete"] else " [incomplete: gave up waiting]"))
+
+    async def _finish_evals(self, service: RunService) -> None:
+        """After the last step: no more training work; wait (at most a lease's time) for the open
+        evaluation rounds, the last version's above all."""
+        service.training = False
+        deadline = time.monotonic() + self.run_config.lease_seconds
+        while service.evaluating() and time.monotonic() < deadline:
+            self._waiting(f"evaluating version {service.version} ...")
+            self._log_evals(service)
+            await asyncio.sleep(0.2)
+        self._log_evals(service, give_up=True)
 
     async def _collect(self, service: RunService, version: int):
         """Sequential: lease this version's seeds and wait for every group. Async: take the oldest
@@ -442,8 +488,10 @@ class Coordinator:
             base = cfg.seed * 1_000_003 + version * cfg.prompts_per_step
             service.open_step(list(range(base, base + cfg.prompts_per_step)))
             while not service.step_done(time.time()):
+                self._log_evals(service)
                 await asyncio.sleep(0.1)
             return service.take_batch()
         while service.buffered_groups() < cfg.prompts_per_step:
+            self._log_evals(service)
             await asyncio.sleep(0.1)
         return service.take_batch(cfg.prompts_per_step)

@@ -3,10 +3,12 @@
 `DIR/ledger.sqlite` holds the run's identity and current version (table `run`) and one row per
 node key (table `peers`): what it got credited for and what was refused, by reason; and each key's
 verification record and ban (table `trust`), so a ban outlives a restart; and what each key
-was credited with at each step (table `history`), for its page on the dashboard. Only a key that signed
+was credited with at each step (table `history`), for its page on the dashboard; and its
+held-out evaluation answers (table `evaluations`), credited apart because nothing trains on them. Only a key that signed
 what it sent gets a row: a batch whose signature fails never touches the ledger. Every
 write commits at once (WAL), so a crash loses nothing accepted and `echo-coordinator status`
-can read while the trainer writes. `DIR/metrics.jsonl` gets one JSON object per trainer step.
+can read while the trainer writes. `DIR/metrics.jsonl` gets one JSON object per trainer step
+and one per finished evaluation round (those have `eval_version`).
 """
 
 from __future__ import annotations
@@ -45,6 +47,11 @@ CREATE TABLE IF NOT EXISTS history (
     node_id TEXT NOT NULL, version INTEGER NOT NULL,  -- the version the step trained into
     samples INTEGER NOT NULL, tokens INTEGER NOT NULL, time REAL NOT NULL,
     PRIMARY KEY (node_id, version)
+);
+CREATE TABLE IF NOT EXISTS evaluations (
+    node_id TEXT PRIMARY KEY,
+    samples INTEGER NOT NULL DEFAULT 0,  -- evaluation answers accepted
+    tokens INTEGER NOT NULL DEFAULT 0
 );
 """
 
@@ -127,6 +134,17 @@ class Ledger:
                 (node_id, version, samples, tokens, now),
             )
 
+    def credit_eval(self, node_id: str, peer_id: str, name: str, samples: int, tokens: int,
+                    now: float | None = None) -> None:
+        """Credit accepted evaluation answers (held-out accuracy): apart from trained samples."""
+        with self._lock, self.db:
+            self._touch(node_id, peer_id, name, now or time.time())
+            self.db.execute(
+                "INSERT INTO evaluations (node_id, samples, tokens) VALUES (?, ?, ?) ON CONFLICT(node_id) DO UPDATE "
+                "SET samples = samples + excluded.samples, tokens = tokens + excluded.tokens",
+                (node_id, samples, tokens),
+            )
+
     def history(self, node_id: str) -> list[dict[str, Any]]:
         """What `node_id` was credited with, step by step."""
         with self._lock:
@@ -153,19 +171,21 @@ class Ledger:
         with self._lock:
             rows = self.db.execute(
                 "SELECT p.node_id, p.peer_id, p.name, p.accepted, p.rejected, p.tokens, p.first_seen, p.last_seen, "
-                "COALESCE(t.verified, 0), COALESCE(t.failed, 0), COALESCE(t.banned_until, 0) "
-                "FROM peers p LEFT JOIN trust t ON t.node_id = p.node_id ORDER BY p.accepted DESC"
+                "COALESCE(t.verified, 0), COALESCE(t.failed, 0), COALESCE(t.banned_until, 0), COALESCE(e.samples, 0) "
+                "FROM peers p LEFT JOIN trust t ON t.node_id = p.node_id LEFT JOIN evaluations e ON e.node_id = p.node_id "
+                "ORDER BY p.accepted DESC"
             ).fetchall()
             reasons: dict[str, dict[str, int]] = {}
             for node_id, reason, count in self.db.execute("SELECT node_id, reason, count FROM rejections"):
                 reasons.setdefault(node_id, {})[reason] = count
         keys = ("node_id", "peer_id", "name", "accepted", "rejected", "tokens", "first_seen", "last_seen", "verified_batches",
-                "failed_batches", "banned_until")
+                "failed_batches", "banned_until", "eval_samples")
         return [{**dict(zip(keys, row)), "rejected_by_reason": reasons.get(row[0], {})} for row in rows]
 
 
 class MetricsLog:
-    """Appends one JSON line per step and flushes it, so a crash keeps every finished step."""
+    """Appends one JSON line per record (a step, or an evaluation: `eval_version`) and flushes it,
+    so a crash keeps every finished one."""
 
     def __init__(self, path: Path):
         self.file = open(path, "a", encoding="utf-8")

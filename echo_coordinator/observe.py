@@ -28,10 +28,11 @@ class RunView:
     def __init__(self, data_dir: Path, ledger: Ledger, live: Callable[[float], dict] | None = None):
         self.data_dir, self.ledger, self.live = Path(data_dir), ledger, live
         self._steps: list[dict] = []
+        self._evals: list[dict] = []
         self._offset = 0
 
     def steps(self) -> list[dict]:
-        """metrics.jsonl, one record per step, read on from where the last call stopped."""
+        """metrics.jsonl's step records, read on from where the last call stopped."""
         path = self.data_dir / "metrics.jsonl"
         if not path.exists():
             return self._steps
@@ -41,8 +42,14 @@ class RunView:
                 if not line.endswith(b"\n"):
                     break  # a line being written: read it next time
                 self._offset += len(line)
-                self._steps.append(json.loads(line))
+                record = json.loads(line)
+                (self._evals if "eval_version" in record else self._steps).append(record)
         return self._steps
+
+    def evals(self) -> list[dict]:
+        """metrics.jsonl's evaluation records (held-out accuracy per evaluated version)."""
+        self.steps()
+        return self._evals
 
     def run(self, now: float | None = None) -> dict[str, Any]:
         now = time.time() if now is None else now
@@ -58,6 +65,7 @@ class RunView:
         rejections = Counter(self.ledger.rejection_totals())
         rejections.update((live or {}).get("unsigned", {}))
         last = steps[-1] if steps else {}
+        evals = [e for e in self.evals() if e["eval_complete"]]
         return dict(
             run_id=info.get("run_id"), model=info.get("model"), task=info.get("task"), mode=info.get("mode"),
             staleness=info.get("staleness"), samples_per_step=per_step, steps=target, version=version,
@@ -71,9 +79,11 @@ class RunView:
             history=[dict(version=s["version"], reward_mean=s["reward_mean"], samples=s["samples"], time=s["time"],
                           samples_per_second=s["samples"] / max(s["step_seconds"], 1e-9), trainer_busy=busy(s),
                           mismatch_kl=s.get("mismatch_kl"), tis_clipped_fraction=s.get("tis_clipped_fraction"),
-                          staleness_mean=mean_staleness(s.get("staleness_histogram", {})),
-                          **{k: s[k] for k in ("eval_accuracy", "eval_version") if k in s})
+                          staleness_mean=mean_staleness(s.get("staleness_histogram", {})))
                      for s in steps],
+            eval_accuracy=evals[-1]["eval_accuracy"] if evals else None,
+            evals=[dict(version=e["eval_version"], accuracy=e["eval_accuracy"], sampling=e["eval_sampling"],
+                        samples=e["eval_samples"], time=e["time"]) for e in evals],
             time=now,
         )
 

@@ -64,6 +64,8 @@ def render(report: dict[str, Any]) -> None:
                   f"ETA {_seconds(run['eta_seconds'])}; {_num(run['samples_per_second'])} samples/s; "
                   f"trainer busy {_pct(run['trainer_busy'])}; reward {_num(run['reward_mean'], 3)}; "
                   f"mismatch KL {_num(run['mismatch_kl'], 4)}")
+    if run.get("evals"):
+        console.print("held-out accuracy: " + ", ".join(f"v{e['version']} {e['accuracy']:.3f}" for e in run["evals"][-8:]))
     if cap["bottleneck"] == "unknown":
         console.print("capacity: unknown until nodes have pushed and the trainer has stepped"
                       + ("" if report["live"] else " (needs the running coordinator)"))
@@ -75,12 +77,12 @@ def render(report: dict[str, Any]) -> None:
     if run["rejections_by_reason"]:
         console.print("refused: " + ", ".join(f"{r} {n}" for r, n in sorted(run["rejections_by_reason"].items())))
     table = Table()
-    for column in ("name", "node_id", "backend", "share", "accepted", "rejected", "tokens", "tokens/s", "lag",
+    for column in ("name", "node_id", "backend", "share", "accepted", "eval", "rejected", "tokens", "tokens/s", "lag",
                    "verified", "trust", "last_seen"):
         table.add_column(column)
     for p in report["peers"]:
         table.add_row(p["name"], p["node_id"][:12], p["backend"] or "-", _pct(p["share"]), str(p["accepted"]),
-                      str(p["rejected"]), str(p["tokens"]), _num(p["tokens_per_second"], 1),
+                      str(p["eval_samples"]), str(p["rejected"]), str(p["tokens"]), _num(p["tokens_per_second"], 1),
                       "-" if p["version_lag"] is None else str(p["version_lag"]),
                       f"{p['verified_batches']} ok / {p['failed_batches']} failed", p["trust"],
                       f"{now - p['last_seen']:.0f} s ago")

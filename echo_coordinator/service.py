@@ -9,7 +9,8 @@ lock, look up its lease and bind its version to it; outside the lock, check the 
 every episode for its reward and verify the sampling (`verify`); under the lock again, commit:
 the rollout gate, the lease, the replay buffer. When the lease holder's signed batch is refused
 the lease is released and its seeds go straight to the next node that asks. Nothing accepted is
-ever lost.
+ever lost. Evaluation leases (`evaluation`) take the same path to a different end: scored for
+held-out accuracy, credited at once, never trained on.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from echo_coordinator.capacity import Throughput
+from echo_coordinator.evaluation import EvalRound, EvalSet
 from echo_coordinator.ledger import Ledger
 from echo_coordinator.peers import BanRule, RateLimit, SpotCheck
 from echo_coordinator.rewards import Transcripts, score
@@ -43,6 +45,7 @@ from tasks import Task
 REQUEST_MAX_AGE = 300.0  # seconds; older signed lease requests are replays
 RETRY_AFTER = 0.5  # seconds a node waits after NoWork
 MAX_LEASES_PER_KEY = 2  # outstanding at once: one in generation, one whose push is being retried
+MAX_OPEN_EVALS = 4  # evaluation rounds open at once; opening another gives up the oldest
 LEASE_RATE = RateLimit(rate=4.0, burst=8.0)  # lease requests per key; an honest node asks every 0.5 s at most
 
 
@@ -89,15 +92,18 @@ class RunService:
         self, manifest: RunManifest, run_key: Ed25519PrivateKey, task: Task, render_prompt: Callable[[int], tuple[int, ...]],
         transcripts: Transcripts, ledger: Ledger, lease_seconds: float, seeds_per_lease: int,
         policing: Policing, relay: Relay | None = None, first_seed: int = 0, max_ahead: int | None = None,
+        evaluation: EvalSet | None = None, eval_task: Task | None = None,
     ):
         self.manifest, self.run_key, self.task, self.ledger = manifest, run_key, task, ledger
+        self.eval_task = eval_task or task  # the run's task, maybe with other parameters
         self.policing = policing
         self.lease_rate = RateLimit(LEASE_RATE.rate, LEASE_RATE.burst)
         self._draws = random.SystemRandom()  # spot-check draws: a node must not predict them
         self.render_prompt, self.transcripts = render_prompt, transcripts
         self.mode = Mode(manifest.mode)
         # Lease ids must never repeat across restarts: the restored gate remembers accepted ones.
-        self.book = LeaseBook(ttl=lease_seconds, id_prefix=f"{secrets.token_hex(3)}-")
+        self.lease_prefix = f"{secrets.token_hex(3)}-"
+        self.book = LeaseBook(ttl=lease_seconds, id_prefix=self.lease_prefix)
         self.gate = RolloutGate(self.mode, manifest.staleness, version=0)
         # Sequential mode trains only on the requested version: a replay bound of 0.
         self.replay = ReplayBuffer(manifest.staleness if self.mode is Mode.ASYNC else 0)
@@ -112,6 +118,10 @@ class RunService:
         self.prompts: dict[int, tuple[int, ...]] = {}
         self.relay = relay or Relay()  # serves published updates (manifests, index, chunks) to nodes
         self.started = False  # no work is handed out before the step loop starts (min_nodes reached)
+        self.training = True  # false once the last step is taken: only evaluation work is left
+        self.evaluation = evaluation
+        self.evals: list[EvalRound] = []  # open evaluation rounds, oldest first
+        self.eval_records: list[dict] = []  # finished (or given up) rounds, for the step loop to log
         self.finished = False
         self.told_finished: set[str] = set()  # nodes that have heard the run is over
         self.names: dict[str, str] = {}  # node id -> display name from its (signed) lease requests
@@ -186,6 +196,33 @@ class RunService:
                 self.gate.advance(self.relay.latest_version)
             self.throughput.published_version(self.gate.version, time.time())
 
+    def open_eval(self, version: int, weights: dict | None, now: float | None = None) -> None:
+        """Evaluate `version` (`weights`: what nodes hold at it, for verification)."""
+        now = time.time() if now is None else now
+        ev = self.evaluation
+        with self.lock:
+            for sampling in ev.samplings:
+                greedy = sampling == "greedy"
+                book = LeaseBook(ttl=self.book.ttl, id_prefix=f"{self.lease_prefix}e{version}{sampling[0]}-")
+                book.add_seeds(ev.prompts)
+                self.evals.append(EvalRound(version, greedy, 1 if greedy else ev.samples, book, weights, now))
+            while len(self.evals) > MAX_OPEN_EVALS:
+                self.eval_records.append(self.evals.pop(0).record(now))
+
+    def take_eval_records(self, give_up: bool = False, now: float | None = None) -> list[dict]:
+        """Finished evaluation rounds since the last call; `give_up`: end the open ones too, as they stand."""
+        now = time.time() if now is None else now
+        with self.lock:
+            if give_up:
+                self.eval_records += [r.record(now) for r in self.evals]
+                self.evals = []
+            records, self.eval_records = self.eval_records, []
+            return records
+
+    def evaluating(self) -> bool:
+        with self.lock:
+            return bool(self.evals)
+
     def state(self) -> dict:
         """What must survive a trainer restart for the staleness bound to hold across it."""
         with self.lock:
@@ -258,25 +295,54 @@ class RunService:
             if self.finished:
                 self.told_finished.add(node_id)
                 return NoWork(self.version, RETRY_AFTER, finished=True)
-            held = sum(lease.node_id == node_id for lease in self.book.outstanding)
+            books = [self.book] + [r.book for r in self.evals]
+            held = sum(lease.node_id == node_id for book in books for lease in book.outstanding)
             if held >= MAX_LEASES_PER_KEY:
                 raise PeerRefused("lease_limit", f"this key already holds {held} leases; push or let them expire")
-            count = min(request.max_seeds, self.seeds_per_lease)
-            if self.mode is Mode.ASYNC and self.max_ahead is not None and len(self.replay) >= self.max_ahead:
-                return NoWork(self.version, RETRY_AFTER)
-            if self.mode is Mode.ASYNC and self.book.pending_count < count:
-                fresh = list(range(self.next_seed, self.next_seed + count))
-                self.next_seed += count
-                self._add_seeds(fresh)
             if not self.started:
                 return NoWork(self.version, RETRY_AFTER)
-            lease = self.book.issue(node_id, count, self.version, now)
-            if lease is None:
-                return NoWork(self.version, RETRY_AFTER)
-            return TaskLease(
-                lease_id=lease.lease_id, run_id=self.manifest.run_id, node_id=lease.node_id, seeds=lease.seeds,
-                prompts=tuple(self.prompts[s] for s in lease.seeds), version=lease.version, expires_at=lease.expires_at,
-            )
+            count = min(request.max_seeds, self.seeds_per_lease)
+            # Async nodes are never idle, so evaluation goes first; sequential nodes are idle
+            # while the trainer steps, and evaluate then.
+            if self.mode is Mode.ASYNC:
+                work = self._eval_lease(node_id, request, now) or self._train_lease(node_id, count, now)
+            else:
+                work = self._train_lease(node_id, count, now) or self._eval_lease(node_id, request, now)
+            return work or NoWork(self.version, RETRY_AFTER)
+
+    def _train_lease(self, node_id: str, count: int, now: float) -> TaskLease | None:
+        if not self.training:
+            return None
+        if self.mode is Mode.ASYNC and self.max_ahead is not None and len(self.replay) >= self.max_ahead:
+            return None
+        if self.mode is Mode.ASYNC and self.book.pending_count < count:
+            fresh = list(range(self.next_seed, self.next_seed + count))
+            self.next_seed += count
+            self._add_seeds(fresh)
+        lease = self.book.issue(node_id, count, self.version, now)
+        if lease is None:
+            return None
+        return TaskLease(
+            lease_id=lease.lease_id, run_id=self.manifest.run_id, node_id=lease.node_id, seeds=lease.seeds,
+            prompts=tuple(self.prompts[s] for s in lease.seeds), version=lease.version, expires_at=lease.expires_at,
+        )
+
+    def _eval_lease(self, node_id: str, request: LeaseRequest, now: float) -> TaskLease | None:
+        """Seeds of the oldest open evaluation round this node can answer: it must hold the
+        round's version or an older one (nodes move forward, never back)."""
+        for r in self.evals:
+            if request.version > r.version:
+                continue
+            # About a training lease's worth of completions.
+            count = min(request.max_seeds, max(1, self.seeds_per_lease * self.manifest.group_size // r.samples))
+            lease = r.book.issue(node_id, count, r.version, now)
+            if lease is not None:
+                return TaskLease(
+                    lease_id=lease.lease_id, run_id=self.manifest.run_id, node_id=node_id, seeds=lease.seeds,
+                    prompts=tuple(self.evaluation.prompts[s] for s in lease.seeds), version=r.version,
+                    expires_at=lease.expires_at, evaluation=True, samples=r.samples, greedy=r.greedy,
+                )
+        return None
 
     def _admit(self, node_id: str, now: float) -> None:
         """Refuse a key that is not on the allow-list or is serving a ban."""
@@ -304,19 +370,24 @@ class RunService:
         try:
             batch = RolloutBatch.from_dict(body)
             samples = len(batch.samples)
-            groups = self._accept(batch, now)
+            groups, round_ = self._accept(batch, now)
         except ProtocolError as e:
             with self.lock:
                 self.rejections[e.code] += samples
             self.ledger.reject(node_id, peer_id, name, e.code, samples, now)
             raise
+        if round_ is not None:
+            tokens = sum(sum(s.loss_mask) for s in batch.samples)
+            self.ledger.credit_eval(node_id, peer_id, name, len(batch.samples), tokens, now)
+            return PushReceipt(accepted=len(batch.samples), rejected=0, latest_version=self.version)
         with self.lock:
             for seed_samples in groups:
                 tokens = sum(sum(s.loss_mask) for s in seed_samples)  # generated by the node, not env turns
                 self.replay.add(node_id, batch.version, Group(tuple(seed_samples), node_id, peer_id, name, tokens))
         return PushReceipt(accepted=len(batch.samples), rejected=0, latest_version=self.version)
 
-    def _accept(self, batch: RolloutBatch, now: float) -> list[list[TrainSample]]:
+    def _accept(self, batch: RolloutBatch, now: float) -> tuple[list[list[TrainSample]], EvalRound | None]:
+        """Judge a batch; returns its groups to train on, or the evaluation round it answered."""
         if batch.run_id != self.manifest.run_id:
             raise InvalidValue(f"batch for run {batch.run_id!r}, this is {self.manifest.run_id!r}")
         self._admit(batch.node_id, now)
@@ -328,28 +399,35 @@ class RunService:
                 # replay and one verification per lease, never more.
                 raise LeaseError(f"lease {batch.lease_id} is already being judged")
             self._judging.add(judging)
+            round_ = self._round_of(batch.lease_id)
+        book = self.book if round_ is None else round_.book
         try:
             with self.lock:
-                lease = self._held_lease(batch, now)
-                prompts = {seed: self.prompts[seed] for seed in lease.seeds}
+                lease = self._held_lease(batch, now, round_)
+                prompts = {seed: (self.prompts if round_ is None else self.evaluation.prompts)[seed] for seed in lease.seeds}
             # Judged without the lock: replay and verification take a while, other handlers go on.
-            self._check_samples(batch, prompts)
+            self._check_samples(batch, prompts, self.manifest.group_size if round_ is None else round_.samples)
             # Rewards are recomputed here by replaying each episode; nothing the node says counts.
-            rewards = [score(self.task, s, self.transcripts) for s in batch.samples]
-            self._verify(batch, now)
+            task = self.task if round_ is None else self.eval_task
+            rewards = [score(task, s, self.transcripts) for s in batch.samples]
+            self._verify(batch, now, round_)
             now += time.monotonic() - started  # the lease may have expired while we judged
             with self.lock:
-                self._held_lease(batch, now)
-                self._offer(batch)
-                self.book.complete(batch.lease_id, batch.node_id, now)
+                self._held_lease(batch, now, round_)
+                if round_ is None:
+                    self._offer(batch)
+                book.complete(batch.lease_id, batch.node_id, now)
                 self.throughput.pushed(batch.node_id, len(batch.samples), lease.expires_at - self.book.ttl, now)
-                for seed in lease.seeds:
-                    self.prompts.pop(seed, None)  # answered: never leased again
+                if round_ is None:
+                    for seed in lease.seeds:
+                        self.prompts.pop(seed, None)  # answered: never leased again
+                else:
+                    self._answered(round_, batch, rewards, now)
         except ProtocolError:
             # The holder's (signed) attempt failed: its seeds go straight back to other nodes.
             with self.lock:
-                if any(x.lease_id == batch.lease_id and x.node_id == batch.node_id for x in self.book.outstanding):
-                    self.book.release(batch.lease_id, batch.node_id)
+                if any(x.lease_id == batch.lease_id and x.node_id == batch.node_id for x in book.outstanding):
+                    book.release(batch.lease_id, batch.node_id)
             raise
         finally:
             with self.lock:
@@ -358,17 +436,38 @@ class RunService:
         for s, reward in zip(batch.samples, rewards):
             sample = TrainSample(s.prompt_ids, s.completion_ids, s.logprobs, s.loss_mask, reward, s.seed)
             groups.setdefault(s.seed, []).append(sample)
-        return list(groups.values())
+        return list(groups.values()), round_
 
-    def _held_lease(self, batch: RolloutBatch, now: float) -> Lease:
-        """The outstanding lease this batch answers, held by its signer, admitting its version."""
-        self.book.expire(now)
-        lease = next((x for x in self.book.outstanding if x.lease_id == batch.lease_id), None)
+    def _answered(self, round_: EvalRound, batch: RolloutBatch, rewards: list[float], now: float) -> None:
+        """Under the lock: record an accepted evaluation batch; log the round once it is complete."""
+        for s, reward in zip(batch.samples, rewards):
+            round_.rewards.setdefault(s.seed, []).append(reward)
+        round_.tokens += sum(sum(s.loss_mask) for s in batch.samples)
+        if round_.done() and round_ in self.evals:
+            self.evals.remove(round_)
+            self.eval_records.append(round_.record(now))
+
+    def _round_of(self, lease_id: str) -> EvalRound | None:
+        """The open evaluation round a lease id belongs to (None: a training lease, or no open round)."""
+        return next((r for r in self.evals if lease_id.startswith(r.book.prefix)), None)
+
+    def _held_lease(self, batch: RolloutBatch, now: float, round_: EvalRound | None) -> Lease:
+        """The outstanding lease this batch answers (in `round_`'s book for an evaluation), held by
+        its signer, admitting its version."""
+        book = self.book if round_ is None else round_.book
+        book.expire(now)
+        lease = next((x for x in book.outstanding if x.lease_id == batch.lease_id), None)
         if lease is None:
-            self.book.complete(batch.lease_id, batch.node_id, now)  # raises the precise LeaseError
+            book.complete(batch.lease_id, batch.node_id, now)  # raises the precise LeaseError
             raise LeaseError(f"lease {batch.lease_id} is not outstanding")
         if lease.node_id != batch.node_id:
             raise LeaseError(f"lease {batch.lease_id} belongs to another node")
+        if round_ is not None:
+            if batch.version != round_.version:  # an evaluation is of exactly one version
+                verdict = Verdict.FUTURE if batch.version > round_.version else Verdict.WRONG_VERSION
+                raise Refused(verdict, f"{verdict.value}: evaluation lease of version {round_.version}, "
+                                       f"batch claims version {batch.version}")
+            return lease
         if not lease_admits(self.mode, self.manifest.staleness, lease.version, batch.version):
             verdict = Verdict.FUTURE if batch.version > lease.version else Verdict.WRONG_VERSION
             raise Refused(verdict, f"{verdict.value}: batch claims version {batch.version}; its lease of version {lease.version} "
@@ -383,8 +482,9 @@ class RunService:
         if verdict is not Verdict.ACCEPT:
             raise Refused(verdict, f"batch of version {batch.version} refused at version {self.version}: {verdict.value}")
 
-    def _verify(self, batch: RolloutBatch, now: float) -> None:
-        """Check the sampling if the spot-check says so; a failure is a strike and a ban."""
+    def _verify(self, batch: RolloutBatch, now: float, round_: EvalRound | None = None) -> None:
+        """Check the sampling if the spot-check says so; a failure is a strike and a ban. An
+        evaluation batch is checked against its round's weights, greedy or with the lease's noise."""
         verifier = self.policing.verifier
         if verifier is None:
             return
@@ -392,16 +492,18 @@ class RunService:
         if not self.policing.spot.should_check(trust.verified, trust.failed, self._draws.random()):
             return
         try:
-            verifier.check(batch.lease_id, batch.version, batch.samples)
+            if round_ is None:
+                verifier.check(batch.lease_id, batch.version, batch.samples)
+            else:
+                verifier.check(batch.lease_id, batch.version, batch.samples, round_.weights, round_.greedy)
         except VerificationError as e:
             if e.code != "unverifiable":
                 self.ledger.record_check(batch.node_id, False, self.policing.bans.seconds, now)
             raise
         self.ledger.record_check(batch.node_id, True, self.policing.bans.seconds, now)
 
-    def _check_samples(self, batch: RolloutBatch, prompts: dict[int, tuple[int, ...]]) -> None:
+    def _check_samples(self, batch: RolloutBatch, prompts: dict[int, tuple[int, ...]], group: int) -> None:
         batch.check_vocab(self.manifest.vocab_size)
-        group = self.manifest.group_size
         per_seed = Counter(s.seed for s in batch.samples)
         if set(per_seed) != set(prompts) or any(n != group for n in per_seed.values()):
             raise InvalidValue(f"batch must hold {group} samples for each leased seed {sorted(prompts)}, got {dict(per_seed)}")

@@ -248,7 +248,7 @@ class Trainer:
                 for row, s in enumerate(samples)]
 
     @torch.no_grad()
-    def evidence(self, samples: list[TrainSample], seeds: list[int],
+    def evidence(self, samples: list[TrainSample], seeds: list[int | None],
                  weights: dict[str, np.ndarray] | None = None) -> list[SampleEvidence]:
         """Verification: how each sample's model tokens compare with what these weights (or, given
         `weights`, what nodes hold at another version) sample under the lease's noise `seeds`."""

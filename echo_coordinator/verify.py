@@ -19,8 +19,8 @@ from protocols.errors import VerificationError
 from protocols.messages import RolloutSample
 from protocols.sampling import SampleEvidence, SamplingRule, judge, sample_seed
 
-# (samples, their sample seeds, node-held weights of the version) -> evidence per sample
-Evidence = Callable[[list[TrainSample], list[int], dict[str, np.ndarray]], list[SampleEvidence]]
+# (samples, their sample seeds (None: greedy), node-held weights of the version) -> evidence per sample
+Evidence = Callable[[list[TrainSample], list[int | None], dict[str, np.ndarray]], list[SampleEvidence]]
 
 
 def sample_seeds(lease_id: str, samples: Sequence[RolloutSample]) -> list[int]:
@@ -53,17 +53,20 @@ class Verifier:
         held = {**self.held, version: weights}  # copy and swap: handler threads read `held`
         self.held = {v: w for v, w in held.items() if v >= version - self.keep_versions}
 
-    def check(self, lease_id: str, version: int, samples: Sequence[RolloutSample]) -> list[SampleEvidence]:
+    def check(self, lease_id: str, version: int, samples: Sequence[RolloutSample],
+              weights: dict[str, np.ndarray] | None = None, greedy: bool = False) -> list[SampleEvidence]:
         """Raise VerificationError (naming the worst sample) unless the batch is what sampling with
-        `version`'s weights and the lease's noise gives, up to quantization; return the evidence."""
-        weights = self.held.get(version)
+        `version`'s weights and the lease's noise gives, up to quantization; return the evidence.
+        An evaluation batch brings its round's `weights` and may be `greedy` (no noise)."""
+        weights = self.held.get(version) if weights is None else weights
         if weights is None:
             # Only after a restart (older versions died with the process) or for a version the
             # bound no longer admits; either way nothing here can vouch for the batch.
             raise VerificationError("unverifiable", f"no weights of version {version} to check against")
         train = [TrainSample(s.prompt_ids, s.completion_ids, s.logprobs, s.loss_mask, 0.0, s.seed) for s in samples]
         started = time.perf_counter()
-        found = self.evidence(train, sample_seeds(lease_id, samples), weights)
+        seeds = [None] * len(samples) if greedy else sample_seeds(lease_id, samples)
+        found = self.evidence(train, seeds, weights)
         self.seconds += time.perf_counter() - started
         self.checked_samples += len(found)
         reason = judge(found, self.rule)

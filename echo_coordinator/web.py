@@ -79,6 +79,7 @@ class _Collector:
             "echo_samples_produced_per_second": ("Samples/s the nodes produce (capacity model)", cap["produced"]),
             "echo_samples_needed_per_second": ("Samples/s that keep the trainer busy (capacity model)", cap["needed"]),
             "echo_peers_active": ("Node keys seen in the last two minutes", run["peers_active"]),
+            "echo_eval_accuracy": ("Held-out accuracy of the last evaluated version", run["eval_accuracy"]),
         }
         for name, (doc, value) in gauges.items():
             if value is not None:
@@ -91,14 +92,17 @@ class _Collector:
                                        labels=["node_id", "name"])
         tokens = CounterMetricFamily("echo_peer_tokens", "Generated tokens trained on, per node key",
                                      labels=["node_id", "name"])
+        evaluated = CounterMetricFamily("echo_peer_eval_samples", "Held-out evaluation answers accepted, per node key",
+                                        labels=["node_id", "name"])
         refused = CounterMetricFamily("echo_peer_rejected_samples", "Samples refused, per node key and reason",
                                       labels=["node_id", "reason"])
         for p in peers:
             accepted.add_metric([p["node_id"], p["name"]], p["accepted"])
             tokens.add_metric([p["node_id"], p["name"]], p["tokens"])
+            evaluated.add_metric([p["node_id"], p["name"]], p["eval_samples"])
             for reason, count in sorted(p["rejected_by_reason"].items()):
                 refused.add_metric([p["node_id"], reason], count)
-        yield from (accepted, tokens, refused)
+        yield from (accepted, tokens, evaluated, refused)
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -22,7 +22,7 @@ MIN_TURN_ROOM = 16  # tokens a model turn needs to be worth starting
 
 
 def play(backend, episode: Episode, seed: int, prompt: tuple[int, ...], turns: TurnFormat, max_turns: int,
-         max_new_tokens: int, temperature: float, sample_seed: int) -> RolloutSample:
+         max_new_tokens: int, temperature: float, sample_seed: int | None) -> RolloutSample:
     ids: list[int] = []
     logprobs: list[float] = []
     segments: list[Segment] = []

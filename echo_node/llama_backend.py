@@ -59,10 +59,10 @@ class LlamaBackend:
             raise ValueError("a LoRA adapter is active; full-mode reloads do not combine with adapters")
         self.llm = self._load(path)
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int,
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int | None,
                  offset: int = 0) -> Completion:
         """Sample up to `max_new_tokens` tokens after `prompt_ids` with the Gumbel noise of sample
-        `seed`; `offset` is the completion position of the first one (later turns of an episode)."""
+        `seed` (None: greedy); `offset` is the completion position of the first one (later turns of an episode)."""
         started = time.perf_counter()
         limit = min(max_new_tokens, self.llm.n_ctx() - len(prompt_ids))
         self._prefill(prompt_ids)
@@ -70,7 +70,7 @@ class LlamaBackend:
         logprobs: list[float] = []
         while len(tokens) < limit:
             row = self.llm.scores[self.llm.n_tokens - 1].astype(np.float64) / temperature  # (V,)
-            token = sampling.choose(row, sampling.gumbel(seed, [offset + len(tokens)], len(row))[0])
+            token = sampling.choose(row, sampling.noise(seed, [offset + len(tokens)], len(row))[0])
             tokens.append(token)
             logprobs.append(float(sampling.log_softmax(row)[token]))
             if token == self.eos or len(tokens) == limit:

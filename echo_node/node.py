@@ -298,7 +298,7 @@ class Node:
                     continue
                 self.latest = max(self.latest, reply.version)
                 await self._prepare(reply)
-                self._say(f"generating {len(reply.seeds)} prompts")
+                self._say(f"{'evaluating' if reply.evaluation else 'generating'} {len(reply.seeds)} prompts")
                 batch = await asyncio.to_thread(self._generate, reply)
                 receipt = await self._push(batch)
                 self.accepted += receipt.accepted
@@ -340,11 +340,15 @@ class Node:
         """Move to the lease's version (the trainer's newest) before sampling, in both modes: in
         async mode fresh rollouts keep staleness near one step, and the bound S is there for
         stragglers. If an async update fails, sample with what we hold while the bound admits it
-        (the node-side staleness gate); sequential pull needs exactly the lease's version."""
+        (the node-side staleness gate); sequential pull, and every evaluation, needs exactly the
+        lease's version (the trainer gives evaluation leases only to nodes not past it)."""
+        if lease.evaluation and lease.version < self.version:
+            raise UpdateError(f"evaluation of version {lease.version}, but this node holds version {self.version}")
         try:
             await self._bring_to(lease.version)
         except UpdateError as e:
-            if self.manifest.mode == "sequential" or must_update(self.version, lease.version, self.manifest.staleness):
+            strict = self.manifest.mode == "sequential" or lease.evaluation
+            if strict or must_update(self.version, lease.version, self.manifest.staleness):
                 raise
             log.warning("could not update to version %d (%s); sampling with version %d, within the bound",
                         lease.version, e, self.version)
@@ -402,18 +406,20 @@ class Node:
 
     def _generate(self, lease: TaskLease) -> RolloutBatch:
         samples = []
+        group = lease.samples if lease.evaluation else self.manifest.group_size
         for seed, prompt in zip(lease.seeds, lease.prompts):
-            for j in range(self.manifest.group_size):
+            for j in range(group):
                 if self.stop_requested.is_set():
                     raise Stopped("stopping")
-                samples.append(self._sample(seed, prompt, sampling.sample_seed(lease.lease_id, seed, j)))
+                noise = None if lease.greedy else sampling.sample_seed(lease.lease_id, seed, j)  # None: greedy
+                samples.append(self._sample(seed, prompt, noise))
         batch = RolloutBatch(
             run_id=self.manifest.run_id, lease_id=lease.lease_id, version=self.version, node_key=self.node_key,
             samples=tuple(samples), created=time.time(),
         )
         return sign_message(batch, self.key)
 
-    def _sample(self, seed: int, prompt: tuple[int, ...], sample_seed: int) -> RolloutSample:
+    def _sample(self, seed: int, prompt: tuple[int, ...], sample_seed: int | None) -> RolloutSample:
         m = self.manifest
         if self.task is not None:
             return play(self.backend, self.task.episode(seed), seed, prompt, m.turns, m.task.max_turns, m.max_new_tokens,

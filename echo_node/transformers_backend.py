@@ -26,21 +26,31 @@ class TransformersBackend:
     def __init__(self, model_path: Path, threads: int = 0):
         if threads:
             torch.set_num_threads(threads)
-        self.device = "cuda" if torch.cuda.is_available() else "cpu"
         model = AutoModelForCausalLM.from_pretrained(model_path.parent, gguf_file=model_path.name, dtype=torch.float32)
+        self._use(model, AutoTokenizer.from_pretrained(model_path.parent, gguf_file=model_path.name))
+        # Master copy on the CPU: updates apply here bit-exactly, then copy into the model.
+        self.master = distinct_weights(self.model)
+
+    @classmethod
+    def of_model(cls, model, tokenizer) -> TransformersBackend:
+        """Generate with a model already in memory (the trainer's, for `echo-coordinator eval`)."""
+        backend = cls.__new__(cls)
+        backend._use(model, tokenizer)
+        return backend
+
+    def _use(self, model, tokenizer) -> None:
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.model = model.to(self.device).eval()
         self.config = model.config
         self.vocab_size = model.config.vocab_size
         self.eos = model.config.eos_token_id
         self.n_ctx = model.config.max_position_embeddings
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path.parent, gguf_file=model_path.name)
-        # Master copy on the CPU: updates apply here bit-exactly, then copy into the model.
-        self.master = distinct_weights(self.model)
+        self.tokenizer = tokenizer
         self.tokens_generated = 0
         self.seconds_generating = 0.0
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int,
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int | None,
                  offset: int = 0) -> Completion:
         started = time.perf_counter()
         tokens: list[int] = []
@@ -51,7 +61,7 @@ class TransformersBackend:
             out = self.model(input_ids=step, past_key_values=cache, use_cache=True)
             cache = out.past_key_values
             row = out.logits[0, -1].double().cpu().numpy() / temperature  # (V,)
-            token = sampling.choose(row, sampling.gumbel(seed, [offset + len(tokens)], len(row))[0])
+            token = sampling.choose(row, sampling.noise(seed, [offset + len(tokens)], len(row))[0])
             tokens.append(token)
             logprobs.append(float(sampling.log_softmax(row)[token]))
             if token == self.eos:

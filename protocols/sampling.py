@@ -53,6 +53,14 @@ def gumbel(seed: int, positions: np.ndarray | list[int], vocab: int) -> np.ndarr
     return -np.log(-np.log(u))
 
 
+def noise(seed: int | None, positions: np.ndarray | list[int], vocab: int) -> np.ndarray:
+    """A sample's noise at completion `positions`: its Gumbel noise, or zeros when `seed` is None,
+    which is greedy decoding (evaluation leases ask for it); greedy is checked the same way."""
+    if seed is None:
+        return np.zeros((len(positions), vocab))
+    return gumbel(seed, positions, vocab)
+
+
 def choose(scaled_logits: np.ndarray, noise: np.ndarray) -> int:
     """The sampled token: argmax of logits / T plus the position's Gumbel noise."""
     return int(np.argmax(scaled_logits + noise))
@@ -107,15 +115,15 @@ class SampleEvidence:
     mean_logprob_error: float
 
     @classmethod
-    def of(cls, scaled_logits: np.ndarray, seed: int, positions: np.ndarray, tokens: np.ndarray,
+    def of(cls, scaled_logits: np.ndarray, seed: int | None, positions: np.ndarray, tokens: np.ndarray,
            behaviour: np.ndarray, rows_at_once: int = 64) -> SampleEvidence:
         """From the trainer's (P, V) logits / T at the model tokens' completion `positions`, the
-        sample's seed, the node's `tokens` and behaviour logprobs. Noise is drawn `rows_at_once`
+        sample's seed (None: greedy), the node's `tokens` and behaviour logprobs. Noise is drawn `rows_at_once`
         positions at a time: a (1000, 49152) float64 block would be 400 MB."""
         token_margins, trainer = [np.zeros(0)], [np.zeros(0)]
         for a in range(0, len(tokens), rows_at_once):
             rows, ids = scaled_logits[a : a + rows_at_once], tokens[a : a + rows_at_once]
-            token_margins.append(margins(rows, gumbel(seed, positions[a : a + rows_at_once], rows.shape[1]), ids))
+            token_margins.append(margins(rows, noise(seed, positions[a : a + rows_at_once], rows.shape[1]), ids))
             trainer.append(log_softmax(rows)[np.arange(len(ids)), ids])
         m = np.concatenate(token_margins)
         error = np.abs(np.asarray(behaviour, np.float64) - np.concatenate(trainer))

@@ -119,6 +119,11 @@ class LeaseBook:
         self._closed: dict[str, str] = {}
 
     @property
+    def prefix(self) -> str:
+        """What every lease id this book issues starts with."""
+        return self._prefix
+
+    @property
     def outstanding(self) -> tuple[Lease, ...]:
         return tuple(self._outstanding.values())
 

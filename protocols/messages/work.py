@@ -16,6 +16,7 @@ SEGMENT_ROLES = ("model", "env")  # only "model" tokens are trained (loss mask 1
 MAX_SAMPLES = 4096  # per RolloutBatch
 MAX_BATCH_TOKENS = 2**22  # all samples of one batch
 MAX_SEEDS = 4096  # per TaskLease
+MAX_EVAL_SAMPLES = 256  # completions per prompt an evaluation lease may ask for
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,10 @@ class TaskLease(WireMessage):
     """Task seeds handed to one node, single-use, until `expires_at` (trainer clock, unix seconds).
 
     The trainer renders each seed's prompt itself and sends the token ids, so every backend
-    samples from exactly the prompt the trainer will train on (no template or tokenizer drift)."""
+    samples from exactly the prompt the trainer will train on (no template or tokenizer drift).
+
+    An evaluation lease (`evaluation`) asks for `samples` completions per prompt at exactly
+    `version`, greedy or sampled; they are scored for held-out accuracy and never trained on."""
 
     KIND = "task_lease"
     MAX_BYTES = 4 * 2**20
@@ -74,12 +78,17 @@ class TaskLease(WireMessage):
     prompts: tuple[tuple[int, ...], ...]  # prompt token ids, one per seed
     version: int  # sequential: the version to generate with; async: trainer version at issue
     expires_at: float
+    evaluation: bool = False
+    samples: int = 0  # evaluation: completions per prompt (training leases: the run's group size)
+    greedy: bool = False  # evaluation: argmax decoding instead of the lease's noise
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "lease_id": self.lease_id, "run_id": self.run_id, "node_id": self.node_id,
             "seeds": array_bytes(self.seeds, "<u8"), "prompts": [array_bytes(p, "<i4") for p in self.prompts],
             "version": self.version, "expires_at": self.expires_at,
+            # optional: a training lease reads as it always did
+            **({"evaluation": True, "samples": self.samples, "greedy": self.greedy} if self.evaluation else {}),
         }
 
     @classmethod
@@ -98,6 +107,8 @@ class TaskLease(WireMessage):
         return cls(
             lease_id=f.text("lease_id"), run_id=f.text("run_id"), node_id=f.text("node_id"), seeds=seeds,
             prompts=tuple(prompts), version=f.integer("version"), expires_at=f.number("expires_at", 0.0),
+            **(dict(evaluation=True, samples=f.integer("samples", 1, MAX_EVAL_SAMPLES), greedy=f.flag("greedy"))
+               if f.has("evaluation") and f.flag("evaluation") else {}),
         )
 
 

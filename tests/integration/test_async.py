@@ -19,7 +19,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def async_config(path: Path, model: Path, data_dir: Path, steps: int, staleness: int, port: int = 0) -> Path:
+def async_config(path: Path, model: Path, data_dir: Path, steps: int, staleness: int, port: int = 0, extra: str = "") -> Path:
     path.write_text(f"""
 [run]
 model = "{model}"
@@ -34,6 +34,7 @@ min_nodes = 2
 port = {port}
 data_dir = "{data_dir}"
 lease_seconds = 120
+{extra}
 
 [trainer]
 lora_rank = 4
@@ -56,16 +57,18 @@ def start_node(processes, join_line: str, tmp_path: Path, name: str, slow_delay:
                  SLOW_NODE_DELAY=str(slow_delay))
 
 
-def metrics(run_dir: Path) -> list[dict]:
+def metrics(run_dir: Path, evals: bool = False) -> list[dict]:
+    """Step records (or, with `evals`, evaluation records) of metrics.jsonl."""
     path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return [r for r in records if ("eval_version" in r) == evals]
 
 
 def test_slow_node_under_s1_is_dropped_and_counted(tmp_path, tiny_model, processes):
     # Enough steps that the slow node's pushes (6 s late) land while the run goes on.
     run_dir, steps = tmp_path / "run", 20
-    coordinator = start_coordinator(processes, async_config(tmp_path / "run.toml", tiny_model, run_dir, steps, 1),
-                                    tmp_path / "coordinator.log")
+    config = async_config(tmp_path / "run.toml", tiny_model, run_dir, steps, 1, extra="eval_every = 5\neval_prompts = 4")
+    coordinator = start_coordinator(processes, config, tmp_path / "coordinator.log")
     wait_for((run_dir / "join.txt").exists, 120, "the join line", [coordinator])
     join = (run_dir / "join.txt").read_text().strip()
     start_node(processes, join, tmp_path, "fast")
@@ -85,6 +88,12 @@ def test_slow_node_under_s1_is_dropped_and_counted(tmp_path, tiny_model, process
     assert total_dropped > 0
     accepted = dict(db.execute("SELECT name, accepted FROM peers"))
     assert sum(accepted.values()) == 8 * steps  # only what the trainer used is credited
+    # Evaluation goes first in async mode: every round finished (the slow node's later than
+    # others, maybe), none trained on, credited apart.
+    evals = sorted(metrics(run_dir, evals=True), key=lambda r: r["eval_version"])
+    assert [(r["eval_version"], r["eval_complete"], r["eval_samples"]) for r in evals] == [
+        (v, True, 4) for v in range(0, steps + 1, 5)]
+    assert sum(n for (n,) in db.execute("SELECT samples FROM evaluations")) == 4 * len(evals)
 
 
 def test_trainer_restart_resumes_version_and_bound(tmp_path, tiny_model, processes):

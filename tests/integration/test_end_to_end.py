@@ -66,7 +66,7 @@ def tiny_model(tmp_path_factory) -> Path:
     return build_tiny_gguf(tmp_path_factory.mktemp("model") / "tiny.gguf")
 
 
-def write_config(path: Path, model: Path, data_dir: Path, task: str = LETTER_E, steps: int = STEPS) -> Path:
+def write_config(path: Path, model: Path, data_dir: Path, task: str = LETTER_E, steps: int = STEPS, extra: str = "") -> Path:
     path.write_text(f"""
 [run]
 model = "{model}"
@@ -79,6 +79,7 @@ min_nodes = 2
 port = 0
 data_dir = "{data_dir}"
 lease_seconds = 60
+{extra}
 
 [trainer]
 lora_rank = 4
@@ -89,9 +90,12 @@ threads = 1
     return path
 
 
+EVAL = "eval_every = 2\neval_prompts = 6\neval_sampling = \"both\"\neval_samples = 2"
+
+
 def test_sequential_run_with_two_nodes(tmp_path, tiny_model, processes):
     run_dir = tmp_path / "run"
-    config = write_config(tmp_path / "run.toml", tiny_model, run_dir)
+    config = write_config(tmp_path / "run.toml", tiny_model, run_dir, extra=EVAL)
     coordinator = spawn(processes, [sys.executable, "-m", "echo_coordinator.cli", "start", "--config", str(config)],
                         tmp_path / "coordinator.log")
     join_file = run_dir / "join.txt"
@@ -109,13 +113,29 @@ def test_sequential_run_with_two_nodes(tmp_path, tiny_model, processes):
         assert node.wait(timeout=60) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
 
     # One metrics line per version, in the documented shape; rewards recomputed by the trainer.
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = [r for r in lines if "eval_version" not in r]
     assert [r["version"] for r in records] == list(range(STEPS))
     for r in records:
         assert {"version", "mode", "samples", "reward_mean", "accepted", "rejected", "staleness_max", "step_seconds",
                 "wait_seconds", "time"} <= set(r)
         assert r["mode"] == "sequential" and r["samples"] == 16 and r["accepted"] == 16 and r["staleness_max"] == 0
         assert 0 < r["reward_mean"] < 1 and r["trained_samples"] > 0
+
+    # Held-out evaluation of versions 0, 2 and the last (3), greedy and sampled, answered by the
+    # nodes at exactly those versions; the trainer's own re-run agrees on greedy answers (the tiny
+    # model is unquantized, so nodes and trainer pick the same tokens).
+    evals = {(r["eval_version"], r["eval_sampling"]): r for r in lines if "eval_version" in r}
+    assert sorted(evals) == [(v, s) for v in (0, 2, STEPS) for s in ("greedy", "sampled")]
+    for (version, sampling), r in evals.items():
+        assert r["eval_complete"] and r["eval_prompts"] == 6 and r["eval_samples"] == (6 if sampling == "greedy" else 12)
+        assert 0 <= r["eval_accuracy"] <= 1
+    local = subprocess.run([sys.executable, "-m", "echo_coordinator.cli", "eval", "--data-dir", str(run_dir), "--json"],
+                           capture_output=True, text=True, check=True, cwd=Path(__file__).parents[2])
+    rerun = {r["eval_sampling"]: r for r in map(json.loads, local.stdout.splitlines())}
+    assert rerun["greedy"]["eval_version"] == STEPS
+    assert rerun["greedy"]["eval_accuracy"] == pytest.approx(evals[(STEPS, "greedy")]["eval_accuracy"], abs=1 / 6 + 1e-9)
+    assert rerun["greedy"]["swarm_accuracy"] == evals[(STEPS, "greedy")]["eval_accuracy"]
 
     # Every node ends on the last version, holding exactly the trainer's adapter.
     trainer = {STEPS: load_file(str(run_dir / "adapters" / f"v{STEPS}.safetensors")),
@@ -144,7 +164,8 @@ def test_sequential_run_with_two_nodes(tmp_path, tiny_model, processes):
     report = json.loads(status.stdout)
     assert report["version"] == STEPS and report["mode"] == "sequential"
     assert sorted(p["name"] for p in report["peers"]) == ["n1", "n2"]
-    assert sum(p["accepted"] for p in report["peers"]) == 16 * STEPS
+    assert sum(p["accepted"] for p in report["peers"]) == 16 * STEPS  # evaluation answers are never trained on
+    assert sum(p["eval_samples"] for p in report["peers"]) == 3 * (6 + 12)  # and are credited apart
     assert all(p["rejected"] == 0 and p["tokens"] > 0 for p in report["peers"])
 
 
