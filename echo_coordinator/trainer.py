@@ -190,7 +190,7 @@ class Trainer:
         for indices in micro_batches(lengths, self.config.micro_batch_tokens):
             micro = [part[i] for i in indices]
             ids, mask, behaviour = self._pack([s for s, _ in micro])
-            new = self._logprobs(ids)  # (B, L-1)
+            new = self._logprobs(ids, mask > 0)  # (B, L-1)
             start = new.detach() if old is None else pad_rows([old[i] for i in indices], new.shape[1])
             adv = torch.tensor([a for _, a in micro], dtype=torch.float32)
             out = grpo_loss(new, start, behaviour, adv, mask, total_tokens, self.config.clip_eps, self.config.tis_cap)
@@ -214,7 +214,8 @@ class Trainer:
         out: list[torch.Tensor | None] = [None] * len(samples)
         lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
         for indices in micro_batches(lengths, self.config.micro_batch_tokens):
-            lp = self._logprobs(self._pack([samples[i] for i in indices])[0])
+            ids, mask, _ = self._pack([samples[i] for i in indices])
+            lp = self._logprobs(ids, mask > 0)
             for row, i in enumerate(indices):
                 out[i] = lp[row, : lengths[i] - 1].clone()
         return out
@@ -233,17 +234,30 @@ class Trainer:
             behaviour[row, p - 1 : p - 1 + c] = torch.tensor(s.behaviour, dtype=torch.float32)
         return ids, mask, behaviour
 
-    def _logprobs(self, ids: torch.Tensor) -> torch.Tensor:
-        # Right padding needs no attention mask: real tokens never attend to later pad tokens.
-        logits = self.model(input_ids=ids).logits[:, :-1].float() / self.temperature  # (B, L-1, V)
-        return torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, L-1)
+    def _scaled_logits(self, ids: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+        """(N, V) logits / T of the next token at the N positions `where` (B, L-1) marks, in row
+        order. The vocabulary projection, the largest matmul of a small model, and the softmax
+        over it run only where a token is scored, not over prompts and padding. Right padding
+        needs no attention mask: real tokens never attend to later pad tokens."""
+        causal = self.model.get_base_model() if self.update == "lora" else self.model
+        hidden = causal.model(input_ids=ids).last_hidden_state[:, :-1]  # (B, L-1, H)
+        return causal.lm_head(hidden[where]).float() / self.temperature
+
+    def _logprobs(self, ids: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+        """(B, L-1) logprob of each next token at the positions `where` marks, 0 elsewhere."""
+        logits = self._scaled_logits(ids, where)
+        chosen = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:][where][:, None]).squeeze(-1)
+        return torch.zeros(where.shape).masked_scatter(where, chosen)
 
     @torch.no_grad()
     def logprobs(self, samples: list[TrainSample]) -> list[np.ndarray]:
         """Trainer logprobs of each sample's completion tokens (for verification and tests)."""
         self.model.eval()
         ids, _, _ = self._pack(samples)
-        lp = self._logprobs(ids)
+        where = torch.zeros((len(samples), ids.shape[1] - 1), dtype=torch.bool)
+        for row, s in enumerate(samples):
+            where[row, len(s.prompt_ids) - 1 : len(s.prompt_ids) - 1 + len(s.completion_ids)] = True
+        lp = self._logprobs(ids, where)
         return [lp[row, len(s.prompt_ids) - 1 : len(s.prompt_ids) - 1 + len(s.completion_ids)].numpy()
                 for row, s in enumerate(samples)]
 
@@ -258,11 +272,14 @@ class Trainer:
             lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
             for indices in micro_batches(lengths, self.config.micro_batch_tokens):
                 part = [samples[i] for i in indices]
-                ids, _, _ = self._pack(part)
-                logits = self.model(input_ids=ids).logits[:, :-1] / self.temperature  # (B, L-1, V)
-                for row, (i, s) in enumerate(zip(indices, part)):
-                    positions = np.flatnonzero(s.loss_mask)  # model tokens; env tokens are not sampled
-                    rows = logits[row, len(s.prompt_ids) - 1 + positions].double().numpy()  # (P, V)
+                ids, mask, _ = self._pack(part)
+                # Model tokens only (env tokens are not sampled), each row's in order.
+                logits = self._scaled_logits(ids, mask > 0).double().numpy()  # (N, V)
+                start = 0
+                for i, s in zip(indices, part):
+                    positions = np.flatnonzero(s.loss_mask)
+                    rows = logits[start : start + len(positions)]  # (P, V)
+                    start += len(positions)
                     out[i] = SampleEvidence.of(rows, seeds[i], positions, np.asarray(s.completion_ids)[positions],
                                                np.asarray(s.behaviour)[positions])
                 del logits
