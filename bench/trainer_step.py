@@ -7,8 +7,9 @@ peft, full-vocabulary log-softmax, -A * logprob averaged over completion tokens,
 
     .venv/bin/python bench/trainer_step.py [--repeats 3] [--threads 0]
 
-Prints the median seconds of each and a final JSON line with `step_over_plain` (lower is better;
-1.0 = as fast as the plain loop).
+Also times verifying the same batch (`Trainer.evidence`, what a spot check costs). Prints the
+median seconds of each and a final JSON line with `step_over_plain` (lower is better; 1.0 = as
+fast as the plain loop) and `verify_over_step`.
 """
 
 from __future__ import annotations
@@ -83,13 +84,17 @@ def main() -> None:
     tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
     print(f"batch: {len(samples)} samples, {tokens} tokens, {torch.get_num_threads()} threads", flush=True)
     results = {}
-    for name, fn in (("plain", lambda: plain_step(trainer, samples)), ("trainer", lambda: trainer.step(samples))):
+    seeds = list(range(len(samples)))
+    for name, fn in (("plain", lambda: plain_step(trainer, samples)), ("trainer", lambda: trainer.step(samples)),
+                     ("verify", lambda: trainer.evidence(samples, seeds))):
         fn()  # warm-up: allocator, kernels
         results[name] = timed(fn, args.repeats)
         print(f"{name:10} " + " ".join(f"{t:.2f}" for t in results[name]) + f"   median {statistics.median(results[name]):.2f} s",
               flush=True)
     plain, step = statistics.median(results["plain"]), statistics.median(results["trainer"])
+    verify = statistics.median(results["verify"])
     print(json.dumps(dict(step_seconds=round(step, 2), plain_seconds=round(plain, 2), step_over_plain=round(step / plain, 3),
+                          verify_seconds=round(verify, 2), verify_over_step=round(verify / step, 3),
                           samples=len(samples), threads=torch.get_num_threads())))
 
 

@@ -474,8 +474,9 @@ class Coordinator:
         evaluation rounds, the last version's above all."""
         service.training = False
         deadline = time.monotonic() + self.run_config.lease_seconds
+        if service.evaluating():
+            self._waiting(f"waiting up to {self.run_config.lease_seconds:.0f} s for the last evaluations ...")
         while service.evaluating() and time.monotonic() < deadline:
-            self._waiting(f"evaluating version {service.version} ...")
             self._log_evals(service)
             await asyncio.sleep(0.2)
         self._log_evals(service, give_up=True)

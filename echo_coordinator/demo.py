@@ -1,5 +1,6 @@
 """`make demo`: a coordinator and two local nodes on SmolLM2-135M, a short sequential-pull run,
-live progress, and the reward per version at the end. Every process is ours and is stopped by
+live progress, and at the end the reward and held-out accuracy per version, with their curves
+as a PNG. Every process is ours and is stopped by
 PID on the way out, Ctrl-C included.
 
 `make demo TASK=sokoban` (or `python -m echo_coordinator.demo sokoban`) runs the same swarm on
@@ -7,7 +8,6 @@ another shipped config, `echo_coordinator/configs/<TASK>.toml`: sokoban, math or
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import signal
@@ -66,7 +66,7 @@ def main(task: str = "demo") -> int:
         code = 130
     finally:
         stop(children)
-    print_rewards(data_dir / "metrics.jsonl", time.monotonic() - started)
+    print_rewards(data_dir, time.monotonic() - started)
     return code
 
 
@@ -100,14 +100,23 @@ def stop(children: list[subprocess.Popen]) -> None:
             p.wait()
 
 
-def print_rewards(metrics: Path, seconds: float) -> None:
-    if not metrics.exists():
+def print_rewards(data_dir: Path, seconds: float) -> None:
+    """The reward per version, the held-out accuracy where evaluated, and the curves as a PNG."""
+    from echo_coordinator.plot import plot_run, read_metrics
+
+    try:
+        steps, evals = read_metrics(data_dir)
+    except FileNotFoundError:
         return
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    print(f"\nreward per version ({len(records)} versions, {seconds / 60:.1f} min wall):")
-    for r in records:
-        bar = "#" * round(40 * r["reward_mean"])
-        print(f"  v{r['version']:<3} {r['reward_mean']:.3f} {bar}")
+    accuracy = {e["eval_version"]: e["eval_accuracy"] for e in evals if e["eval_sampling"] == "greedy"}
+    print(f"\nreward per version ({len(steps)} versions, {seconds / 60:.1f} min wall), held-out accuracy (greedy):")
+    for version in range(max([s["version"] for s in steps] + list(accuracy) + [-1]) + 1):
+        step = next((s for s in steps if s["version"] == version), None)
+        reward = f"reward {step['reward_mean']:.3f} {'#' * round(20 * step['reward_mean']):20}" if step else " " * 34
+        held_out = f"  held-out {accuracy[version]:.3f} {'*' * round(20 * accuracy[version])}" if version in accuracy else ""
+        print(f"  v{version:<3} {reward}{held_out}")
+    if steps:
+        print(f"curves: {plot_run(data_dir, data_dir / 'curves.png')}")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ def read_metrics(data_dir: Path) -> tuple[list[dict], list[dict]]:
     path = Path(data_dir) / "metrics.jsonl"
     if not path.exists():
         raise FileNotFoundError(f"no metrics in {data_dir} (missing metrics.jsonl)")
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+    # Only whole lines: the last one may be being written.
+    records = [json.loads(line) for line in path.read_text().split("\n")[:-1] if line]
     steps = [r for r in records if "eval_version" not in r]
     evals = [r for r in records if "eval_version" in r and r["eval_complete"]]
     return steps, evals

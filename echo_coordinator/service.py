@@ -303,8 +303,10 @@ class RunService:
                 return NoWork(self.version, RETRY_AFTER)
             count = min(request.max_seeds, self.seeds_per_lease)
             # Async nodes are never idle, so evaluation goes first; sequential nodes are idle
-            # while the trainer steps, and evaluate then.
-            if self.mode is Mode.ASYNC:
+            # while the trainer steps, and evaluate then. Either way a node that holds an open
+            # round's version answers it before training work moves it on: then it no longer can.
+            holds_round = any(r.version == request.version and r.book.pending_count for r in self.evals)
+            if self.mode is Mode.ASYNC or (holds_round and request.version < self.version):
                 work = self._eval_lease(node_id, request, now) or self._train_lease(node_id, count, now)
             else:
                 work = self._train_lease(node_id, count, now) or self._eval_lease(node_id, request, now)
@@ -484,12 +486,14 @@ class RunService:
 
     def _verify(self, batch: RolloutBatch, now: float, round_: EvalRound | None = None) -> None:
         """Check the sampling if the spot-check says so; a failure is a strike and a ban. An
-        evaluation batch is checked against its round's weights, greedy or with the lease's noise."""
+        evaluation batch is always checked, against its round's weights, greedy or with the lease's noise."""
         verifier = self.policing.verifier
         if verifier is None:
             return
         trust = self.ledger.trust(batch.node_id)
-        if not self.policing.spot.should_check(trust.verified, trust.failed, self._draws.random()):
+        # Every evaluation batch is checked: held-out accuracy is the number a run is judged by,
+        # and its batches are small (a lease of greedy answers).
+        if round_ is None and not self.policing.spot.should_check(trust.verified, trust.failed, self._draws.random()):
             return
         try:
             if round_ is None:

@@ -34,7 +34,8 @@ def make_service(tmp_path, mode="sequential", sampling="greedy", verify=False) -
         verifier.remember(0, {})
     svc = RunService(manifest, run_key, task, render_prompt=lambda seed: (1, 2, 3 + seed % 50), transcripts=TRANSCRIPTS,
                      ledger=Ledger(tmp_path / "ledger.sqlite"), lease_seconds=60, seeds_per_lease=1,
-                     policing=Policing(verifier, SpotCheck(fraction=1.0)), evaluation=evaluation)
+                     # Spot checks that never draw a training batch: evaluation batches are checked anyway.
+                     policing=Policing(verifier, SpotCheck(fraction=1e-9, trust_after=0)), evaluation=evaluation)
     svc.started = True
     return svc
 
@@ -79,6 +80,19 @@ def test_sequential_evaluates_when_idle_and_never_trains_on_it(tmp_path):
     assert [s.group for s in batch.samples] == [1] * GROUP
     (peer,) = svc.ledger.peers()
     assert peer["accepted"] == GROUP and peer["eval_samples"] == 4
+
+
+def test_a_node_answers_the_round_of_its_version_before_moving_on(tmp_path):
+    """Sequential: round 0 still has seeds when step 1's work appears; a node holding version 0 takes
+    them first, or nobody could (nodes never move back)."""
+    svc = make_service(tmp_path)
+    svc.open_eval(0, None, now=NOW)
+    svc.gate.advance(1)
+    svc.open_step([1])
+    at_zero = svc.handle_lease(lease_request(generate_key(), version=0), now=NOW)
+    assert at_zero.evaluation and at_zero.version == 0
+    at_one = svc.handle_lease(lease_request(generate_key(), version=1), now=NOW)
+    assert not at_one.evaluation and at_one.version == 1
 
 
 def test_async_evaluates_first_and_only_nodes_not_past_the_version(tmp_path):
