@@ -8,7 +8,7 @@ on the same number of samples in both; the swarm evaluates versions 0, `--eval-e
 the last on `--eval-prompts` fixed problems, greedy (echo_coordinator.evaluation).
 
     .venv/bin/python bench/sync_modes.py [--steps 16] [--prompts 4] [--group 8] [--staleness 4]
-        [--eval-every 4] [--eval-prompts 48] [--target T] [--quick] [--png FILE] [--model FILE]
+        [--eval-every 4] [--eval-prompts 48] [--target T] [--quick] [--png FILE] [--keep DIR] [--model FILE]
 
 Prints the held-out accuracy per evaluated version (trained samples, wall seconds) for each mode,
 a table, writes both curves to a PNG, and ends with a JSON line:
@@ -151,6 +151,7 @@ def main() -> None:
                         "from version 0's accuracy to sequential's final)")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 4 steps of 2 prompts, 8 evaluation prompts")
     parser.add_argument("--png", default="sync_modes.png", help="where to write the comparison's curves")
+    parser.add_argument("--keep", default=None, help="keep both run directories (metrics, ledgers, logs) under this one")
     parser.add_argument("--model", default="")
     args = parser.parse_args()
     if args.quick:
@@ -164,6 +165,8 @@ def main() -> None:
         raise SystemExit("needs at least 2 CPUs: one for the trainer, the rest for the nodes")
     trainer_cpus, node_cpus = {cpus[0]}, set(cpus[1:])
     with tempfile.TemporaryDirectory(prefix="echo-bench-") as tmp:
+        if args.keep:
+            tmp = args.keep
         results = {mode: summarise(*run_mode(mode, args, Path(tmp), trainer_cpus, node_cpus))
                    for mode in ("sequential", "async")}
     sync, asyn = results["sequential"], results["async"]

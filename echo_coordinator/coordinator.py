@@ -199,10 +199,11 @@ class Coordinator:
         relay = Relay(budget=budget, peers_holding=lambda v: sum(held >= v for held in self.peer_versions.values()))
         # Verification runs the trainer's forward pass, so on the trainer's thread; handler threads wait.
         self.verifier = Verifier(
-            lambda samples, seeds, weights: self.torch_thread.submit(trainer.evidence, samples, seeds, weights).result(),
+            trainer.evidence, SamplingRule(),
             # One version more than the bound admits: a publish remembers the new version a moment
             # before the gate moves to it.
-            SamplingRule(), keep_versions=(cfg.staleness if cfg.mode == "async" else 0) + 1,
+            keep_versions=(cfg.staleness if cfg.mode == "async" else 0) + 1,
+            run=lambda fn: self.torch_thread.submit(fn).result(),
         )
         evaluation = None
         if cfg.eval_every:

@@ -42,11 +42,17 @@ def lora_base(adapter: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 class Verifier:
-    def __init__(self, evidence: Evidence, rule: SamplingRule, keep_versions: int):
-        self.evidence, self.rule, self.keep_versions = evidence, rule, keep_versions
+    """`run(fn)` runs `fn()` where the trainer's forward passes may run (the coordinator: its one
+    torch thread) and returns its result; by default, here."""
+
+    def __init__(self, evidence: Evidence, rule: SamplingRule, keep_versions: int,
+                 run: Callable[[Callable], object] = lambda fn: fn()):
+        self.evidence, self.rule, self.keep_versions, self.run = evidence, rule, keep_versions, run
         self.held: dict[int, dict[str, np.ndarray]] = {}  # version -> what nodes hold at it
         self.checked_samples = 0  # for metrics: samples verified so far
-        self.seconds = 0.0  # and the trainer time it took (forward passes, noise, margins)
+        # and the trainer time it took (forward passes, noise, margins), not the wait for the
+        # trainer's thread, which a training step may hold for a while
+        self.seconds = 0.0
 
     def remember(self, version: int, weights: dict[str, np.ndarray]) -> None:
         """Nodes hold `weights` at `version`; versions the bound no longer admits are forgotten."""
@@ -64,10 +70,14 @@ class Verifier:
             # bound no longer admits; either way nothing here can vouch for the batch.
             raise VerificationError("unverifiable", f"no weights of version {version} to check against")
         train = [TrainSample(s.prompt_ids, s.completion_ids, s.logprobs, s.loss_mask, 0.0, s.seed) for s in samples]
-        started = time.perf_counter()
         seeds = [None] * len(samples) if greedy else sample_seeds(lease_id, samples)
-        found = self.evidence(train, seeds, weights)
-        self.seconds += time.perf_counter() - started
+
+        def timed() -> tuple[list[SampleEvidence], float]:
+            started = time.perf_counter()
+            return self.evidence(train, seeds, weights), time.perf_counter() - started
+
+        found, seconds = self.run(timed)
+        self.seconds += seconds
         self.checked_samples += len(found)
         reason = judge(found, self.rule)
         if reason is not None:
