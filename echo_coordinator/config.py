@@ -46,9 +46,9 @@ class RunConfig:
     data_dir: str = "runs/latest"  # run key, metrics.jsonl, ledger, checkpoints
     seed: int = 0  # task seeds and torch initialisation
     # Share of a trusted key's batches whose sampling is verified (a key's first 4 batches, and
-    # every batch of a key that ever failed, always are). Verifying a batch costs the trainer
-    # 0.35-0.46 of a training step on it (median 0.385), so 0.3 adds about 12 %, at most 14 %;
-    # docs/verification.md has the odds.
+    # every batch of a key that ever failed, always are; evaluation batches always are). Verifying a
+    # batch costs the trainer 0.46 of a training step on it (bench/trainer_step.py; 0.35-0.46 before
+    # the step got faster), so 0.3 adds about 14 %; docs/verification.md has the odds.
     verify_fraction: float = 0.3
     # Held-out evaluation (docs/protocols.md): every `eval_every` versions, and at version 0 and
     # the last, nodes answer `eval_prompts` fixed seeds of the task (with `eval_task_params` if
