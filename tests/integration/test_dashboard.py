@@ -79,8 +79,8 @@ def no_sideways_scroll(page) -> bool:
 
 def test_live_run_in_chromium(tmp_path, tiny_model, processes, browser):  # noqa: F811
     run_dir = tmp_path / "run"
-    config = write_config(tmp_path / "run.toml", tiny_model, run_dir, steps=40)
-    config.write_text(config.read_text().replace("[trainer]", "dashboard_port = 0\n\n[trainer]"))
+    config = write_config(tmp_path / "run.toml", tiny_model, run_dir, steps=40,
+                          extra="dashboard_port = 0\neval_every = 1\neval_prompts = 4")
     coordinator = spawn(processes, [sys.executable, "-m", "echo_coordinator.cli", "start", "--config", str(config)],
                         tmp_path / "coordinator.log")
     argv = join_argv(run_dir, coordinator)
@@ -114,6 +114,10 @@ def test_live_run_in_chromium(tmp_path, tiny_model, processes, browser):  # noqa
     steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     points = page.evaluate("document.querySelector('#reward-chart polyline').getAttribute('points').split(' ').length")
     assert points >= version  # one point per trained step shown
+    # Held-out accuracy: a point per finished evaluation, and the answers credited per peer.
+    evals = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if "eval_version" in x]
+    page.wait_for_selector("#eval-chart polyline")
+    assert evals and sum(int(r["eval answers"]) for r in table(page).values()) >= 4 * len(evals) - 4
     assert page.locator("#share-chart text", has_text="n1").count() == 1
     assert page.locator("#capacity .card").count() >= 6
     assert steps and page.locator("#state").text_content() == "running"
