@@ -296,6 +296,8 @@ class RunService:
                 self.told_finished.add(node_id)
                 return NoWork(self.version, RETRY_AFTER, finished=True)
             books = [self.book] + [r.book for r in self.evals]
+            for book in books:
+                book.expire(now)  # an expired lease no longer counts against its key
             held = sum(lease.node_id == node_id for book in books for lease in book.outstanding)
             if held >= MAX_LEASES_PER_KEY:
                 raise PeerRefused("lease_limit", f"this key already holds {held} leases; push or let them expire")
