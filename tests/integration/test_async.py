@@ -67,8 +67,8 @@ def metrics(run_dir: Path, evals: bool = False) -> list[dict]:
 def test_slow_node_under_s1_is_dropped_and_counted(tmp_path, tiny_model, processes):
     # Enough steps that the slow node's pushes (6 s late) land while the run goes on.
     run_dir, steps = tmp_path / "run", 20
-    config = async_config(tmp_path / "run.toml", tiny_model, run_dir, steps, 1, extra="eval_every = 5\neval_prompts = 4")
-    coordinator = start_coordinator(processes, config, tmp_path / "coordinator.log")
+    coordinator = start_coordinator(processes, async_config(tmp_path / "run.toml", tiny_model, run_dir, steps, 1),
+                                    tmp_path / "coordinator.log")
     wait_for((run_dir / "join.txt").exists, 120, "the join line", [coordinator])
     join = (run_dir / "join.txt").read_text().strip()
     start_node(processes, join, tmp_path, "fast")
@@ -88,17 +88,11 @@ def test_slow_node_under_s1_is_dropped_and_counted(tmp_path, tiny_model, process
     assert total_dropped > 0
     accepted = dict(db.execute("SELECT name, accepted FROM peers"))
     assert sum(accepted.values()) == 8 * steps  # only what the trainer used is credited
-    # Evaluation goes first in async mode: every round finished (the slow node's later than
-    # others, maybe), none trained on, credited apart.
-    evals = sorted(metrics(run_dir, evals=True), key=lambda r: r["eval_version"])
-    assert [(r["eval_version"], r["eval_complete"], r["eval_samples"]) for r in evals] == [
-        (v, True, 4) for v in range(0, steps + 1, 5)]
-    assert sum(n for (n,) in db.execute("SELECT samples FROM evaluations")) == 4 * len(evals)
 
 
 def test_trainer_restart_resumes_version_and_bound(tmp_path, tiny_model, processes):
     run_dir, port = tmp_path / "run", free_port()
-    config = async_config(tmp_path / "run.toml", tiny_model, run_dir, 8, 2, port)
+    config = async_config(tmp_path / "run.toml", tiny_model, run_dir, 8, 2, port, extra="eval_every = 4\neval_prompts = 4")
     first = start_coordinator(processes, config, tmp_path / "coordinator1.log")
     wait_for((run_dir / "join.txt").exists, 120, "the join line", [first])
     join = (run_dir / "join.txt").read_text().strip()
@@ -119,6 +113,13 @@ def test_trainer_restart_resumes_version_and_bound(tmp_path, tiny_model, process
     # (A crash between checkpoint and metrics line can lose that one line, hence >= 7.)
     assert versions == sorted(set(versions)) and versions[-1] == 7 and len(versions) >= 7
     assert all(r["staleness_max"] <= 2 for r in records)
+    # Evaluation in async mode, across the restart: the rounds open at the crash died with it, the
+    # resumed coordinator opens its version's if due, and the last version is evaluated in full;
+    # answers are credited apart from trained samples.
+    evals = {r["eval_version"]: r for r in metrics(run_dir, evals=True) if r["eval_complete"]}
+    assert 8 in evals and evals[8]["eval_samples"] == 4
+    db = sqlite3.connect(run_dir / "ledger.sqlite")
+    assert sum(n for (n,) in db.execute("SELECT samples FROM evaluations")) >= 4 * len(evals)
     for node in nodes:
         assert node.wait(timeout=60) == 0
     for name in ("n1", "n2"):
