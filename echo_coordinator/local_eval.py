@@ -77,6 +77,7 @@ def _run(trainer, task, run: RunConfig, version: int, prompts: int | None, progr
     from echo_coordinator.trainer import prompt_ids, turn_format
     from echo_node.episodes import play
     from echo_node.transformers_backend import TransformersBackend
+
     tokenizer = trainer.tokenizer
     rules = Transcripts(
         decode=lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False),
