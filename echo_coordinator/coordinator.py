@@ -209,7 +209,7 @@ class Coordinator:
         if cfg.eval_every:
             evaluation = EvalSet.of(eval_seeds(cfg.eval_prompts),
                                     lambda seed: prompt_ids(tokenizer, self.eval_task.episode(seed).messages),
-                                    cfg.eval_sampling, cfg.eval_samples, cfg.eval_every)
+                                    cfg.eval_sampling, cfg.eval_samples)
         service = RunService(
             manifest, self.key, self.task, render_prompt=lambda seed: prompt_ids(tokenizer, self.task.episode(seed).messages),
             transcripts=transcripts, ledger=ledger,

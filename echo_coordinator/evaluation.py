@@ -44,12 +44,10 @@ class EvalSet:
     prompts: dict[int, tuple[int, ...]]  # seed -> prompt token ids, rendered once
     samplings: tuple[str, ...]  # "greedy" and/or "sampled"
     samples: int  # completions per prompt when sampled (greedy: 1, all would be the same)
-    every: int  # versions between evaluations
 
     @classmethod
-    def of(cls, seeds: tuple[int, ...], render: Callable[[int], tuple[int, ...]], sampling: str, samples: int,
-           every: int) -> EvalSet:
-        return cls({seed: render(seed) for seed in seeds}, SAMPLINGS[sampling], samples, every)
+    def of(cls, seeds: tuple[int, ...], render: Callable[[int], tuple[int, ...]], sampling: str, samples: int) -> EvalSet:
+        return cls({seed: render(seed) for seed in seeds}, SAMPLINGS[sampling], samples)
 
 
 @dataclass

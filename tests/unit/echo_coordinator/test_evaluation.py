@@ -27,7 +27,7 @@ def make_service(tmp_path, mode="sequential", sampling="greedy", verify=False) -
     manifest = factories.manifest(run_key=public_bytes(run_key), group_size=GROUP, max_new_tokens=8, vocab_size=1000,
                                   mode=mode)
     task = make_task("arithmetic")
-    evaluation = EvalSet.of(EVAL_SEEDS, lambda seed: (4, 5, seed % 50), sampling, samples=3, every=2)
+    evaluation = EvalSet.of(EVAL_SEEDS, lambda seed: (4, 5, seed % 50), sampling, samples=3)
     verifier = None
     if verify:
         verifier = Verifier(toy_evidence, SamplingRule(), keep_versions=0)
