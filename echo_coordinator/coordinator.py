@@ -189,10 +189,7 @@ class Coordinator:
             created=time.time(),
         ), self.key)
         tokenizer = trainer.tokenizer
-        transcripts = Transcripts(
-            decode=lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False),
-            eos=tokenizer.eos_token_id, turns=manifest.turns, max_new_tokens=cfg.max_new_tokens,
-        )
+        transcripts = Transcripts.of(tokenizer, manifest.turns, cfg.max_new_tokens)
         ledger = Ledger(self.data_dir / "ledger.sqlite")
         # The trainer sends about `trainer_upload_copies` of each update; nodes relay the rest.
         budget = UploadBudget(cfg.trainer_upload_copies) if cfg.trainer_upload_copies > 0 else None

@@ -79,9 +79,7 @@ def _run(trainer, task, run: RunConfig, version: int, prompts: int | None, progr
     from echo_node.transformers_backend import TransformersBackend
 
     tokenizer = trainer.tokenizer
-    rules = Transcripts(
-        decode=lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False),
-        eos=tokenizer.eos_token_id, turns=turn_format(tokenizer), max_new_tokens=run.max_new_tokens)
+    rules = Transcripts.of(tokenizer, turn_format(tokenizer), run.max_new_tokens)
     backend = TransformersBackend.of_model(trainer.model, tokenizer)
     seeds = eval_seeds(prompts or run.eval_prompts)
     records = []

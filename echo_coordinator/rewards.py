@@ -27,6 +27,13 @@ class Transcripts:
     turns: TurnFormat
     max_new_tokens: int  # per model turn
 
+    @classmethod
+    def of(cls, tokenizer, turns: TurnFormat, max_new_tokens: int) -> Transcripts:
+        """The rules for an HF tokenizer: decode writes special tokens out, as nodes' backends do."""
+        return cls(decode=lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False,
+                                                       clean_up_tokenization_spaces=False),
+                   eos=tokenizer.eos_token_id, turns=turns, max_new_tokens=max_new_tokens)
+
 
 def score(task: Task, sample: RolloutSample, rules: Transcripts) -> float:
     episode = task.episode(sample.seed)

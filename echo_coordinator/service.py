@@ -436,6 +436,8 @@ class RunService:
         finally:
             with self.lock:
                 self._judging.discard(judging)
+        if round_ is not None:
+            return [], round_  # scored and recorded: nothing to train on
         groups: dict[int, list[TrainSample]] = {}
         for s, reward in zip(batch.samples, rewards):
             sample = TrainSample(s.prompt_ids, s.completion_ids, s.logprobs, s.loss_mask, reward, s.seed)
