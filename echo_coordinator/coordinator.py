@@ -5,8 +5,12 @@ the signed manifest, print the join line, then step. Sequential pull: each step 
 step's seeds at the current version (reassigning leases that time out) and waits for every
 group. Async push-pull: nodes lease and push continuously; a step takes the oldest groups the
 staleness bound admits as soon as there are enough. Either way one GRPO step runs off the event
-loop, the next version is published, and a checkpoint plus `state.json` make a restart resume
-at that version with the same bound.
+loop, then, in this order: the step's checkpoint (`checkpoints/vN`), its metrics line,
+`state.json` naming the new version (the step is done once this file is replaced), its credits
+in the ledger, and the publish. A crash at any point resumes at the version `state.json` names,
+with the journal's buffer and leases (`journal.py`); nodes never hear of a version that a
+restart could lose. SIGINT and SIGTERM stop within seconds whatever the trainer is doing: what a
+restart needs is on disk already, so the step in progress is abandoned.
 """
 
 from __future__ import annotations
@@ -15,6 +19,10 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
+import shutil
+import signal
+import sys
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +44,7 @@ from protocols.errors import EchoError, TransportError
 from protocols.messages import LeaseRequest, RunManifest, TaskSpec, verified_announcements
 from protocols.sampling import SamplingRule
 from protocols.signing import fingerprint, load_or_create_key, public_bytes, sha256_file, sign_message
+from protocols.supervise import Backoff, Supervisor
 from protocols.sync import Mode
 from protocols.transport.relay import Relay
 from protocols.uploads import UploadBudget
@@ -47,6 +56,15 @@ console = Console(soft_wrap=True)
 RECORD_TTL = 120.0  # seconds; DHT records are refreshed at a third of this
 PEER_REFRESH = 1.0  # seconds between reads of the nodes' announcements (who can relay what)
 LINGER_SECONDS = 15.0  # after the last step, how long to keep serving nodes that have not heard
+STOP_SECONDS = 5.0  # on SIGINT/SIGTERM, how long the run gets to close its files and the DHT
+
+
+class Stopped(EchoError):
+    """SIGINT or SIGTERM: the run stopped where it was; a restart resumes it."""
+
+    def __init__(self, message: str, sig: int):
+        super().__init__(message)
+        self.signal = sig
 
 
 def demo_model_path() -> Path:
@@ -70,8 +88,11 @@ def run_coordinator(run: RunConfig, trainer_config: TrainerConfig, demo: bool = 
     try:
         with console.status("starting ...") if live else contextlib.nullcontext() as status:
             asyncio.run(Coordinator(run, trainer_config, demo, status).run())
-    except KeyboardInterrupt:
-        console.print("[yellow]interrupted; every finished step is in metrics.jsonl and the ledger[/]")
+    except Stopped as e:
+        console.print(f"[yellow]{e}[/]")
+        return 0 if e.signal == signal.SIGTERM else 130
+    except KeyboardInterrupt:  # before the run could install its own handler
+        console.print("[yellow]interrupted[/]")
         return 130
     except (EchoError, OSError) as e:
         console.print(f"[red]error:[/] {e}")
@@ -127,6 +148,8 @@ class Coordinator:
                                                               indent=1))
         self.peer_versions: dict[str, int] = {}  # libp2p peer id -> version it announced
         self.torch_thread = ThreadPoolExecutor(1, thread_name_prefix="trainer")
+        self.trainer_busy = False  # a call is running on the trainer thread
+        self.service: RunService | None = None
         self.status = status  # rich Status: the live line, or None to print a line per step
         self.last_step: dict = {}  # the last metrics record, for the live line
         self.last_eval: dict = {}  # the last evaluation record, for the live line
@@ -136,6 +159,35 @@ class Coordinator:
             raise EchoError(f"allow_keys: {e}") from None
 
     async def run(self) -> None:
+        """The run, until it ends or a signal stops it (`Stopped`). After a signal, a trainer call
+        still running (a step takes many seconds) is abandoned: the process exits at once, its
+        files closed, rather than wait for it."""
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        received: list[int] = []
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, lambda sig=sig: (received.append(sig), stop.set()))
+        work = asyncio.create_task(self._run(), name="run")
+        signalled = asyncio.create_task(stop.wait(), name="signal")
+        await asyncio.wait({work, signalled}, return_when=asyncio.FIRST_COMPLETED)
+        if work.done():
+            signalled.cancel()
+            return work.result()
+        work.cancel()  # its `finally` blocks close the ledger and leave the DHT
+        await asyncio.wait({work}, timeout=STOP_SECONDS)
+        version = self.service.version if self.service else 0
+        buffered = len(self.service.replay) if self.service else 0
+        stopped = Stopped(f"stopped at version {version} ({signal.Signals(received[0]).name}); {buffered} groups "
+                          "buffered are kept in the journal; the same command resumes the run", received[0])
+        if self.trainer_busy:
+            console.print(f"[yellow]{stopped}[/] (the step in progress is abandoned)")
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0 if stopped.signal == signal.SIGTERM else 130)
+        raise stopped
+
+    async def _run(self) -> None:
         from echo_coordinator.trainer import Trainer  # heavy: torch, transformers
         from protocols.transport.dht import SwarmDHT
 
@@ -155,26 +207,43 @@ class Coordinator:
         """Run torch work off the event loop, always on the same thread: glibc gives each thread
         its own malloc arena, and a step on a fresh thread would grow a fresh one to the step's
         peak (measured: 3 steps of 24 Sokoban transcripts on 3 threads reached 24 GB)."""
-        return await asyncio.get_running_loop().run_in_executor(self.torch_thread, fn, *args)
+        def call():
+            self.trainer_busy = True
+            try:
+                return fn(*args)
+            finally:
+                self.trainer_busy = False
+
+        return await asyncio.get_running_loop().run_in_executor(self.torch_thread, call)
 
     def _load_state(self) -> dict | None:
         path = self.data_dir / "state.json"
         return json.loads(path.read_text()) if path.exists() else None
 
-    def _save_state(self, run_id: str, service: RunService, trainer, weights) -> None:
-        """After each publish: checkpoint, then the state that points at it (atomic replace)."""
+    def _save_checkpoint(self, version: int, trainer, weights) -> None:
+        """The trainer (weights, optimiser) and, in full mode, what nodes hold, into a directory
+        of their own: the previous checkpoint stays whole until `state.json` names this one."""
         from echo_coordinator.trainer import save_tensors
 
-        trainer.save(self.data_dir / "checkpoint", weights)
+        directory = self.data_dir / "checkpoints" / f"v{version}"
+        trainer.save(directory, weights)
         if self.publisher is not None:
-            save_tensors(self.publisher.view(), self.data_dir / "checkpoint" / "view.safetensors")
+            save_tensors(self.publisher.view(), directory / "view.safetensors")
+
+    def _write_state(self, run_id: str, version: int, service: RunService) -> None:
+        """Name `version` (and its checkpoint) as the one to resume at: an atomic replace. Older
+        checkpoints, and any a crash left half-written, go."""
+        checkpoint = f"checkpoints/v{version}" if version else None
         tmp = self.data_dir / "state.json.tmp"
-        tmp.write_text(json.dumps({"run_id": run_id, "version": service.version, "service": service.state()}))
+        tmp.write_text(json.dumps({"run_id": run_id, "version": version, "checkpoint": checkpoint,
+                                   "service": service.state()}))
         tmp.replace(self.data_dir / "state.json")
+        for old in (self.data_dir / "checkpoints").glob("v*"):
+            if f"checkpoints/{old.name}" != checkpoint:
+                shutil.rmtree(old, ignore_errors=True)
 
     async def _serve(self, dht, trainer, base_sha: str) -> None:
         from echo_coordinator.trainer import prompt_ids, turn_format
-        from protocols.transport.dht import record_key
 
         cfg, tcfg = self.run_config, self.trainer_config
         state = self._load_state()
@@ -215,20 +284,28 @@ class Coordinator:
             relay=relay, first_seed=cfg.seed * 1_000_003 + 500_000, max_ahead=cfg.lead_steps * cfg.prompts_per_step,
             evaluation=evaluation, eval_task=self.eval_task,
         )
-        self.publisher = self._make_publisher(trainer, manifest.run_id, resuming=bool(state))
+        self.service = service
+        resumed = state is not None and state["version"] > 0
+        self.publisher = self._make_publisher(trainer, manifest.run_id, state if resumed else None)
         if state:
-            # Version, accepted rollouts and counters come back with the trainer's weights, so the
-            # staleness bound and single-use leases hold across the restart (cf. AReaL #1388).
-            service.restore(state["service"])
-            await self._on_trainer(trainer.load, self.data_dir / "checkpoint")
+            # The version comes back with the trainer's weights, the gate, and from the journal the
+            # buffered groups and the leases nodes hold.
+            service.restore(state["service"], state["version"])
+            MetricsLog.rewind(self.data_dir / "metrics.jsonl", state["version"])
+        if resumed:
+            await self._on_trainer(trainer.load, self.data_dir / state["checkpoint"])
             self._remember_adapters(trainer, service.version)
-            self._publish(service, manifest, service.version, trainer.weights(), resumed=True)
-            console.print(f"resuming run {manifest.run_id} at version {service.version}")
+            published, held = self._build_updates(manifest, service.version, trainer.weights(), resumed=True)
+            self._serve_version(service, service.version, published, held)
         else:
             initial = trainer.weights()
             held = lora_base(initial) if cfg.update == "lora" else initial
             self.verifier.remember(0, held)
             self._open_eval(service, 0, held)
+            self._write_state(manifest.run_id, 0, service)  # the run's id, before any work is accepted
+        if state:
+            console.print(f"resuming run {manifest.run_id} at version {service.version} "
+                          f"({len(service.replay)} groups buffered)")
         ledger.set_run(run_id=manifest.run_id, mode=cfg.mode, version=service.version, run_key=self.fp, steps=cfg.steps,
                        model=self.model.name, task=cfg.task, staleness=cfg.staleness,
                        samples_per_step=cfg.prompts_per_step * cfg.group_size,
@@ -236,22 +313,8 @@ class Coordinator:
         endpoint = await dht.endpoint()
         await self._register_handlers(endpoint, service)
 
-        async def refresh_records() -> None:
-            last_put = -RECORD_TTL
-            while True:
-                try:
-                    if time.monotonic() - last_put > RECORD_TTL / 3:
-                        await dht.put(record_key(self.fp, "manifest"), manifest.to_wire(), RECORD_TTL)
-                        last_put = time.monotonic()
-                    # Who holds which version: the relay's budget lets them serve before we do.
-                    announced = verified_announcements(await dht.get(record_key(self.fp, "peers")))
-                    self.peer_versions = relay_holders(announced, service.talked())
-                    service.prune(time.time())
-                except TransportError as e:
-                    log.warning("DHT refresh failed, will retry: %s", e)
-                await asyncio.sleep(PEER_REFRESH)
-
-        refresher = asyncio.create_task(refresh_records(), name="dht-refresh")
+        supervisor = Supervisor()
+        supervisor.start(self._refresh_records(dht, manifest, service), "dht-refresh")
         dashboard = self._start_dashboard(ledger, service)
         line = join_command(addresses[0], self.fp, self.model)
         (self.data_dir / "join.txt").write_text(line + "\n")
@@ -259,25 +322,48 @@ class Coordinator:
         print(f"  {line}", flush=True)  # never wrapped: people copy this line
         if dashboard:
             console.print(f"dashboard: {dashboard[1]}")
-        ticker = asyncio.create_task(self._show_status(service), name="status-line")
+        if self.status is not None:
+            supervisor.start(self._show_status(service), "status-line")
         try:
-            await self._wait_for_nodes(cfg.min_nodes, refresher, service)
-            service.started = True
-            await self._step_loop(service, trainer, ledger, dht, manifest)
-            service.finished = True
-            service.relay.budget = None  # nothing left to train: serve every node its final fetch ourselves
-            # Linger until every node has heard the run is over (and can fetch the final version).
-            deadline = time.monotonic() + LINGER_SECONDS
-            while not service.all_told_finished() and time.monotonic() < deadline:
-                await asyncio.sleep(0.2)
-            await asyncio.sleep(3.0)  # grace for their final update fetches
+            await supervisor.run(self._steps(service, trainer, ledger, manifest))
         finally:
-            refresher.cancel()
-            ticker.cancel()
             if dashboard:
                 dashboard[0].cancel()
                 await asyncio.gather(dashboard[0], return_exceptions=True)
             ledger.close()
+
+    async def _steps(self, service: RunService, trainer, ledger: Ledger, manifest: RunManifest) -> None:
+        await self._wait_for_nodes(self.run_config.min_nodes, service)
+        service.started = True
+        await self._step_loop(service, trainer, ledger, manifest)
+        service.finished = True
+        service.relay.budget = None  # nothing left to train: serve every node its final fetch ourselves
+        # Linger until every node has heard the run is over (and can fetch the final version).
+        deadline = time.monotonic() + LINGER_SECONDS
+        while not service.all_told_finished() and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        await asyncio.sleep(3.0)  # grace for their final update fetches
+
+    async def _refresh_records(self, dht, manifest: RunManifest, service: RunService) -> None:
+        """Keep the manifest record alive and learn who holds which version (the relay's budget
+        lets them serve before we do). A DHT failure is logged and retried with backoff."""
+        from protocols.transport.dht import record_key
+
+        last_put, backoff = -RECORD_TTL, Backoff()
+        while True:
+            try:
+                if time.monotonic() - last_put > RECORD_TTL / 3:
+                    await dht.put(record_key(self.fp, "manifest"), manifest.to_wire(), RECORD_TTL)
+                    last_put = time.monotonic()
+                announced = verified_announcements(await dht.get(record_key(self.fp, "peers")))
+                self.peer_versions = relay_holders(announced, service.talked())
+                service.prune(time.time())
+                backoff.reset()
+                await asyncio.sleep(PEER_REFRESH)
+            except TransportError as e:
+                delay = backoff.next()
+                log.warning("DHT refresh failed (%s); retrying in %.1f s", e, delay)
+                await asyncio.sleep(delay)
 
     def _waiting(self, what: str) -> None:
         """A long wait: on the live line, or a line of its own without one."""
@@ -325,21 +411,24 @@ class Coordinator:
         task.add_done_callback(_report_dashboard_end)
         return task, url
 
-    def _publish(self, service: RunService, manifest: RunManifest, version: int, weights, resumed: bool = False) -> None:
-        """`weights`: the trainer's `weights()` after the step (exported once, shared with the checkpoint)."""
+    def _build_updates(self, manifest: RunManifest, version: int, weights, resumed: bool = False):
+        """The signed update(s) into `version` and what nodes will hold at it; `weights`: the
+        trainer's `weights()` after the step (exported once, shared with the checkpoint)."""
         from echo_coordinator.trainer import save_tensors
 
         if manifest.update == "lora":
             published = [publish.build_lora_update(manifest.run_id, version, weights, dict(manifest.update_params), self.key)]
             save_tensors(weights, self.data_dir / "adapters" / f"v{version}.safetensors")
-            held = weights
+            return published, weights
+        if resumed:
+            # The delta into this version died with the old process; a snapshot serves everyone.
+            published = [self.publisher.snapshot(version)]
         else:
-            if resumed:
-                # The delta into this version died with the old process; a snapshot serves everyone.
-                published = [self.publisher.snapshot(version)]
-            else:
-                published = self.publisher.publish(version, weights)
-            held = {k: v.copy() for k, v in self.publisher.view().items()}  # the view changes in place
+            published = self.publisher.publish(version, weights)
+        return published, {k: v.copy() for k, v in self.publisher.view().items()}  # the view changes in place
+
+    def _serve_version(self, service: RunService, version: int, published, held) -> None:
+        """Make `version` current: nodes hear of it from here on."""
         self.verifier.remember(version, held)  # before nodes can hear of the version
         service.publish(published)
         self._open_eval(service, version, held)
@@ -363,14 +452,14 @@ class Coordinator:
             elif path.exists():
                 self.verifier.remember(v, load_file(str(path)))
 
-    def _make_publisher(self, trainer, run_id: str, resuming: bool):
-        """Full mode: the publisher tracks what nodes hold; a restart restores that view."""
+    def _make_publisher(self, trainer, run_id: str, state: dict | None):
+        """Full mode: the publisher tracks what nodes hold; a restart (`state`) restores that view."""
         if self.run_config.update != "full":
             return None
         from safetensors.numpy import load_file
 
         cfg = self.run_config
-        base = load_file(str(self.data_dir / "checkpoint" / "view.safetensors")) if resuming else trainer.weights()
+        base = load_file(str(self.data_dir / state["checkpoint"] / "view.safetensors")) if state else trainer.weights()
         return publish.FullPublisher(run_id, self.key, base, cfg.update_encoding, cfg.update_density, cfg.snapshot_every)
 
     async def _register_handlers(self, endpoint, service: RunService) -> None:
@@ -389,13 +478,11 @@ class Coordinator:
         await endpoint.serve(rpc.PUSH, push)
         await service.relay.serve(endpoint)  # echo.update, echo.updates, echo.chunks
 
-    async def _wait_for_nodes(self, count: int, refresher: asyncio.Task, service: RunService) -> None:
+    async def _wait_for_nodes(self, count: int, service: RunService) -> None:
         """Until `count` nodes have asked us for work over their own streams. A DHT announcement
         alone does not count: anyone can announce any number of nodes."""
         shown = -1
         while True:
-            if refresher.done():
-                refresher.result()  # re-raise why the DHT refresh died
             nodes = len(service.talked())
             if nodes >= count:
                 return
@@ -404,7 +491,7 @@ class Coordinator:
                 shown = nodes
             await asyncio.sleep(0.5)
 
-    async def _step_loop(self, service: RunService, trainer, ledger: Ledger, dht, manifest: RunManifest) -> None:
+    async def _step_loop(self, service: RunService, trainer, ledger: Ledger, manifest: RunManifest) -> None:
         cfg = self.run_config
         metrics = self.metrics = MetricsLog(self.data_dir / "metrics.jsonl")
         # The best and the worst sample of each step, as text: what the policy is doing.
@@ -419,9 +506,8 @@ class Coordinator:
                 waited = time.time() - cycle_start
                 stats = await self._on_trainer(trainer.step, batch.samples)
                 weights = await self._on_trainer(trainer.weights)
-                await self._on_trainer(self._publish, service, manifest, version + 1, weights)
-                await self._on_trainer(self._save_state, manifest.run_id, service, trainer, weights)
-                ledger.set_run(version=service.version)
+                published, held = await self._on_trainer(self._build_updates, manifest, version + 1, weights)
+                await self._on_trainer(self._save_checkpoint, version + 1, trainer, weights)
                 now = time.time()
                 reward_mean = sum(batch.rewards) / max(len(batch.rewards), 1)
                 histogram = Counter(batch.staleness)
@@ -440,6 +526,10 @@ class Coordinator:
                     **{k: v for k, v in asdict(stats).items() if k != "samples"},
                 )
                 metrics.write(record)
+                self._write_state(manifest.run_id, version + 1, service)  # the step is done
+                await asyncio.to_thread(service.commit_step, version)  # its groups credited, once
+                await self._on_trainer(self._serve_version, service, version + 1, published, held)
+                ledger.set_run(version=service.version)
                 ranked = sorted(batch.samples, key=lambda x: x.reward)[::-1]
                 examples.write(dict(version=version, samples=[transcript(x, service.transcripts.decode)
                                                               for x in ranked[:1] + ranked[-1:]]))

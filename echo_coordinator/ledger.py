@@ -5,18 +5,24 @@ node key (table `peers`): what it got credited for and what was refused, by reas
 verification record and ban (table `trust`), so a ban outlives a restart; and what each key
 was credited with at each step (table `history`), for its page on the dashboard; and its
 held-out evaluation answers (table `evaluations`), credited apart because nothing trains on them. Only a key that signed
-what it sent gets a row: a batch whose signature fails never touches the ledger. Every
-write commits at once (WAL), so a crash loses nothing accepted and `echo-coordinator status`
-can read while the trainer writes. `DIR/metrics.jsonl` gets one JSON object per trainer step
+what it sent gets a row: a batch whose signature fails never touches the ledger. The same file
+holds the coordinator's journal (`journal.py`: accepted groups not yet trained on, the lease
+book), so a step's credits and its groups leave the buffer in one transaction. Every write
+commits before its caller goes on (WAL), so a crash, SIGKILL included, loses nothing accepted,
+and `echo-coordinator status` can read while the trainer writes. `DIR/metrics.jsonl` gets one JSON object per trainer step
 and one per finished evaluation round (those have `eval_version`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,27 +69,77 @@ class Trust:
     banned_until: float = 0.0
 
 
+def _owned(method):
+    """Run `method` on the ledger's own thread and wait for it (inline when already there)."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        if threading.current_thread() is self._owner:
+            return method(self, *args, **kwargs)
+        return self.submit(method, self, *args, **kwargs).result()
+
+    return run
+
+
 class Ledger:
-    """One connection shared by the handler threads and the step loop; `_lock` keeps their
-    transactions from interleaving on it."""
+    """The ledger's one writer: a thread that owns the connection and runs every read and write.
+    Handler threads, the step loop and the dashboard hand it work and wait for the answer, so
+    transactions never interleave and nothing is shared across threads but the queue."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        self.db = sqlite3.connect(self.path, timeout=10, isolation_level=None, check_same_thread=False)
-        self._lock = threading.RLock()
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="ledger")
+        self._depth = 0  # open `transaction()` blocks (on the ledger thread)
+        self._closed = False
+        self._thread.submit(self._connect).result()
+
+    def _connect(self) -> None:
+        self._owner = threading.current_thread()
+        # isolation_level=None: autocommit, and `transaction()` says where a transaction begins.
+        # synchronous=NORMAL in WAL mode: a commit survives the process dying (SIGKILL); only an
+        # OS crash or power cut can lose the last few.
+        self.db = sqlite3.connect(self.path, timeout=10, isolation_level=None)
         self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.executescript(SCHEMA)
 
+    @_owned
+    def add_tables(self, schema: str) -> None:
+        """More tables in this file (the journal's), written by this same thread."""
+        self.db.executescript(schema)
+
+    def submit(self, fn: Callable, *args, **kwargs) -> Future:
+        """Queue `fn` on the ledger thread; calls run in the order they were submitted."""
+        return self._thread.submit(fn, *args, **kwargs)
+
+    @contextlib.contextmanager
+    def transaction(self):
+        """All or nothing (on the ledger thread); nested blocks join the outer one."""
+        if self._depth == 0:
+            self.db.execute("BEGIN IMMEDIATE")
+        self._depth += 1
+        try:
+            yield self.db
+        except BaseException:
+            self._depth -= 1
+            if self._depth == 0:
+                self.db.execute("ROLLBACK")
+            raise
+        self._depth -= 1
+        if self._depth == 0:
+            self.db.execute("COMMIT")
+
+    @_owned
     def trust(self, node_id: str) -> Trust:
-        with self._lock:
-            row = self.db.execute("SELECT verified, failed, banned_until FROM trust WHERE node_id = ?",
-                                  (node_id,)).fetchone()
+        row = self.db.execute("SELECT verified, failed, banned_until FROM trust WHERE node_id = ?",
+                              (node_id,)).fetchone()
         return Trust(*row) if row else Trust()
 
+    @_owned
     def record_check(self, node_id: str, passed: bool, ban_seconds, now: float) -> Trust:
         """Count one verified batch; a failure is a strike and bans the key for
         `ban_seconds(strikes)` from `now`. Returns the key's record after it."""
-        with self._lock, self.db:
+        with self.transaction():
             old = self.trust(node_id)
             new = Trust(old.verified + passed, old.failed + (not passed),
                         old.banned_until if passed else max(old.banned_until, now + ban_seconds(old.failed + 1)))
@@ -96,18 +152,29 @@ class Ledger:
         return new
 
     def close(self) -> None:
-        self.db.close()
+        """Checkpoint the WAL into the main file and close; waits for queued work first."""
+        if self._closed:
+            return
+        self._closed = True
 
+        def close() -> None:
+            self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            self.db.close()
+
+        self.submit(close).result()
+        self._thread.shutdown()
+
+    @_owned
     def set_run(self, **values: Any) -> None:
-        with self._lock, self.db:
+        with self.transaction():
             self.db.executemany(
                 "INSERT INTO run (key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = excluded.value",
                 [(k, json.dumps(v)) for k, v in values.items()],
             )
 
+    @_owned
     def run(self) -> dict[str, Any]:
-        with self._lock:
-            return {k: json.loads(v) for k, v in self.db.execute("SELECT key, value FROM run")}
+        return {k: json.loads(v) for k, v in self.db.execute("SELECT key, value FROM run")}
 
     def _touch(self, node_id: str, peer_id: str, name: str, now: float) -> None:
         self.db.execute(
@@ -117,11 +184,12 @@ class Ledger:
             (node_id, peer_id, name, now, now),
         )
 
+    @_owned
     def credit(self, node_id: str, peer_id: str, name: str, samples: int, tokens: int, now: float | None = None,
                version: int = 0) -> None:
         """Credit trained samples; `version` is the one the step that trained them publishes."""
         now = now or time.time()
-        with self._lock, self.db:
+        with self.transaction():
             self._touch(node_id, peer_id, name, now)
             self.db.execute(
                 "UPDATE peers SET accepted = accepted + ?, tokens = tokens + ? WHERE node_id = ?",
@@ -134,10 +202,11 @@ class Ledger:
                 (node_id, version, samples, tokens, now),
             )
 
+    @_owned
     def credit_eval(self, node_id: str, peer_id: str, name: str, samples: int, tokens: int,
                     now: float | None = None) -> None:
         """Credit accepted evaluation answers (held-out accuracy): apart from trained samples."""
-        with self._lock, self.db:
+        with self.transaction():
             self._touch(node_id, peer_id, name, now or time.time())
             self.db.execute(
                 "INSERT INTO evaluations (node_id, samples, tokens) VALUES (?, ?, ?) ON CONFLICT(node_id) DO UPDATE "
@@ -145,15 +214,16 @@ class Ledger:
                 (node_id, samples, tokens),
             )
 
+    @_owned
     def history(self, node_id: str) -> list[dict[str, Any]]:
         """What `node_id` was credited with, step by step."""
-        with self._lock:
-            rows = self.db.execute("SELECT version, samples, tokens, time FROM history WHERE node_id = ? ORDER BY version",
-                                   (node_id,)).fetchall()
+        rows = self.db.execute("SELECT version, samples, tokens, time FROM history WHERE node_id = ? ORDER BY version",
+                               (node_id,)).fetchall()
         return [dict(zip(("version", "samples", "tokens", "time"), row)) for row in rows]
 
+    @_owned
     def reject(self, node_id: str, peer_id: str, name: str, reason: str, samples: int = 1, now: float | None = None) -> None:
-        with self._lock, self.db:
+        with self.transaction():
             self._touch(node_id, peer_id, name, now or time.time())
             self.db.execute("UPDATE peers SET rejected = rejected + ? WHERE node_id = ?", (samples, node_id))
             self.db.execute(
@@ -162,22 +232,22 @@ class Ledger:
                 (node_id, reason, samples),
             )
 
+    @_owned
     def rejection_totals(self) -> dict[str, int]:
         """Samples refused, by reason, over every key."""
-        with self._lock:
-            return dict(self.db.execute("SELECT reason, SUM(count) FROM rejections GROUP BY reason").fetchall())
+        return dict(self.db.execute("SELECT reason, SUM(count) FROM rejections GROUP BY reason").fetchall())
 
+    @_owned
     def peers(self) -> list[dict[str, Any]]:
-        with self._lock:
-            rows = self.db.execute(
-                "SELECT p.node_id, p.peer_id, p.name, p.accepted, p.rejected, p.tokens, p.first_seen, p.last_seen, "
-                "COALESCE(t.verified, 0), COALESCE(t.failed, 0), COALESCE(t.banned_until, 0), COALESCE(e.samples, 0) "
-                "FROM peers p LEFT JOIN trust t ON t.node_id = p.node_id LEFT JOIN evaluations e ON e.node_id = p.node_id "
-                "ORDER BY p.accepted DESC"
-            ).fetchall()
-            reasons: dict[str, dict[str, int]] = {}
-            for node_id, reason, count in self.db.execute("SELECT node_id, reason, count FROM rejections"):
-                reasons.setdefault(node_id, {})[reason] = count
+        rows = self.db.execute(
+            "SELECT p.node_id, p.peer_id, p.name, p.accepted, p.rejected, p.tokens, p.first_seen, p.last_seen, "
+            "COALESCE(t.verified, 0), COALESCE(t.failed, 0), COALESCE(t.banned_until, 0), COALESCE(e.samples, 0) "
+            "FROM peers p LEFT JOIN trust t ON t.node_id = p.node_id LEFT JOIN evaluations e ON e.node_id = p.node_id "
+            "ORDER BY p.accepted DESC"
+        ).fetchall()
+        reasons: dict[str, dict[str, int]] = {}
+        for node_id, reason, count in self.db.execute("SELECT node_id, reason, count FROM rejections"):
+            reasons.setdefault(node_id, {})[reason] = count
         keys = ("node_id", "peer_id", "name", "accepted", "rejected", "tokens", "first_seen", "last_seen", "verified_batches",
                 "failed_batches", "banned_until", "eval_samples")
         return [{**dict(zip(keys, row)), "rejected_by_reason": reasons.get(row[0], {})} for row in rows]
@@ -196,3 +266,16 @@ class MetricsLog:
 
     def close(self) -> None:
         self.file.close()
+
+    @staticmethod
+    def rewind(path: Path, version: int) -> None:
+        """After a restart at `version`: drop the lines of steps from `version` on (a crash after
+        a step's metrics line but before its `state.json` loses that step; it is trained again)."""
+        if not path.exists():
+            return
+        lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+        kept = [line for line in lines if line.strip() and ("eval_version" in (r := json.loads(line)) or r["version"] < version)]
+        if len(kept) != len(lines):
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text("".join(kept), encoding="utf-8")
+            tmp.replace(path)

@@ -52,7 +52,9 @@ def weights_of(data_dir: Path, run: RunConfig, trainer, version: int) -> dict[st
     if version != state.get("version"):
         raise EchoError(f"a full-mode run keeps only its latest version ({state.get('version')}); "
                         f"version {version} cannot be evaluated")
-    return load_file(str(data_dir / "checkpoint" / "weights.safetensors"))
+    if not state.get("checkpoint"):
+        return trainer.weights()  # version 0: the base model
+    return load_file(str(data_dir / state["checkpoint"] / "weights.safetensors"))
 
 
 def evaluate(data_dir: Path, version: int, prompts: int | None = None, progress=None) -> list[dict]:

@@ -9,8 +9,10 @@ lock, look up its lease and bind its version to it; outside the lock, check the 
 every episode for its reward and verify the sampling (`verify`); under the lock again, commit:
 the rollout gate, the lease, the replay buffer. When the lease holder's signed batch is refused
 the lease is released and its seeds go straight to the next node that asks. Nothing accepted is
-ever lost. Evaluation leases (`evaluation`) take the same path to a different end: scored for
-held-out accuracy, credited at once, never trained on.
+ever lost: a batch's groups are in the journal (`journal.py`) before its push is acknowledged,
+and every training lease before it is handed out, so a restarted coordinator goes on with both.
+Evaluation leases (`evaluation`) take the same path to a different end: scored for held-out
+accuracy, credited at once, never trained on.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from echo_coordinator.capacity import Throughput
 from echo_coordinator.evaluation import EvalRound, EvalSet
+from echo_coordinator.journal import Group, Journal
 from echo_coordinator.ledger import Ledger
 from echo_coordinator.peers import BanRule, RateLimit, SpotCheck
 from echo_coordinator.rewards import Transcripts, score
@@ -68,17 +71,6 @@ class Refused(ProtocolError):
         self.code = verdict.value
 
 
-@dataclass(frozen=True)
-class Group:
-    """The G samples of one task seed from one accepted batch: GRPO's unit of comparison."""
-
-    samples: tuple[TrainSample, ...]
-    node_id: str
-    peer_id: str
-    name: str
-    tokens: int
-
-
 @dataclass
 class StepBatch:
     samples: list[TrainSample]
@@ -95,13 +87,15 @@ class RunService:
         evaluation: EvalSet | None = None, eval_task: Task | None = None,
     ):
         self.manifest, self.run_key, self.task, self.ledger = manifest, run_key, task, ledger
+        self.journal = Journal(ledger)
         self.eval_task = eval_task or task  # the run's task, maybe with other parameters
         self.policing = policing
         self.lease_rate = RateLimit(LEASE_RATE.rate, LEASE_RATE.burst)
         self._draws = random.SystemRandom()  # spot-check draws: a node must not predict them
         self.render_prompt, self.transcripts = render_prompt, transcripts
         self.mode = Mode(manifest.mode)
-        # Lease ids must never repeat across restarts: the restored gate remembers accepted ones.
+        # Lease ids must never repeat across restarts (the gate remembers accepted ones): evaluation
+        # books get a fresh prefix each start; the training book is restored, counter and all.
         self.lease_prefix = f"{secrets.token_hex(3)}-"
         self.book = LeaseBook(ttl=lease_seconds, id_prefix=self.lease_prefix)
         self.gate = RolloutGate(self.mode, manifest.staleness, version=0)
@@ -141,9 +135,17 @@ class RunService:
     # -- driven by the step loop -------------------------------------------------------------
 
     def open_step(self, seeds: list[int]) -> None:
-        """Sequential mode: lease exactly these seeds at the current version."""
+        """Sequential mode: lease exactly these seeds at the current version (after a restart,
+        those the restored book and buffer do not already hold)."""
         with self.lock:
-            self._add_seeds(seeds)
+            buffered = {entry.item.seed for entry in self.replay}
+            self._add_seeds([s for s in seeds if not self.book.knows(s) and s not in buffered])
+            saved = self.journal.save(self._book_state())
+        saved.result()
+
+    def _book_state(self) -> dict:
+        """Under the lock: the training leases, for the journal."""
+        return {"leases": self.book.to_dict(), "next_seed": self.next_seed}
 
     def _add_seeds(self, seeds: list[int]) -> None:
         for seed in seeds:
@@ -158,15 +160,21 @@ class RunService:
 
     def buffered_groups(self) -> int:
         with self.lock:
-            self._drop(self.replay.prune(self.version))
-            return len(self.replay)
+            dropped = self.replay.prune(self.version)
+            saved = self._drop(dropped) if dropped else None
+            count = len(self.replay)
+        if saved:
+            saved.result()
+        return count
 
     def take_batch(self, groups: int | None = None) -> StepBatch:
-        """Take up to `groups` groups (all if None) that the staleness bound still admits; credit
-        their nodes now, so a group that goes stale in the buffer is never credited."""
+        """Take up to `groups` groups (all if None) that the staleness bound still admits, for
+        the step from the current version. Their nodes are credited by `commit_step`, once the
+        step is saved: a group that goes stale in the buffer, or whose step dies in a crash, is
+        not credited (the latter is trained on again after the restart)."""
         with self.lock:
             taken, dropped = self.replay.take(len(self.replay) if groups is None else groups, self.version)
-            self._drop(dropped)
+            saved = self._drop(dropped, taken=taken)
             batch = StepBatch([], [], [], self._dropped)
             self._dropped = 0
             for entry in taken:
@@ -174,17 +182,19 @@ class RunService:
                 batch.samples += [dataclasses.replace(s, staleness=staleness) for s in entry.item.samples]
                 batch.rewards += [s.reward for s in entry.item.samples]
                 batch.staleness += [staleness] * len(entry.item.samples)
-        for entry in taken:
-            g = entry.item
-            self.ledger.credit(g.node_id, g.peer_id, g.name, len(g.samples), g.tokens, version=self.version + 1)
+        saved.result()
         return batch
 
-    def _drop(self, entries) -> None:
-        for entry in entries:
-            g = entry.item
-            self._dropped += len(g.samples)
-            self.rejections["stale"] += len(g.samples)
-            self.ledger.reject(g.node_id, g.peer_id, g.name, "stale", len(g.samples))
+    def commit_step(self, version: int) -> None:
+        """The step from `version` is checkpointed: credit the groups it trained on."""
+        self.journal.commit_step(version).result()
+
+    def _drop(self, dropped, taken=()):
+        """Under the lock: count groups dropped as too stale; journal them with those `taken`."""
+        for entry in dropped:
+            self._dropped += len(entry.item.samples)
+            self.rejections["stale"] += len(entry.item.samples)
+        return self.journal.take([e.item for e in taken], self.version, [e.item for e in dropped])
 
     def publish(self, updates: list[tuple[WeightUpdate, dict[str, bytes]]]) -> None:
         """Serve `updates` (all ending at one new version: a delta and maybe a snapshot) and make
@@ -224,14 +234,28 @@ class RunService:
             return bool(self.evals)
 
     def state(self) -> dict:
-        """What must survive a trainer restart for the staleness bound to hold across it."""
+        """What `state.json` keeps of the service besides the version: the gate's counters."""
         with self.lock:
-            return {"gate": self.gate.to_dict(), "next_seed": self.next_seed}
+            return {"gate": self.gate.to_dict()}
 
-    def restore(self, state: dict) -> None:
+    def restore(self, state: dict, version: int) -> None:
+        """After a restart at `version` (the checkpoint's): the gate, and from the journal every
+        accepted group not yet trained on and the training leases, so the staleness bound and
+        single-use leases hold across the restart (cf. AReaL #1388) and nodes push what they hold."""
+        recovered = self.journal.recover(version)
         with self.lock:
-            self.gate = RolloutGate.from_dict(state["gate"])
-            self.next_seed = int(state["next_seed"])
+            gate = state["gate"]
+            keys = {k for k in gate["accepted_keys"] if isinstance(k, str)} | recovered.accepted
+            self.gate = RolloutGate.from_dict({**gate, "version": version, "accepted_keys": sorted(keys)})
+            for group in recovered.groups:
+                self.replay.add(group.node_id, group.version, group)
+            if "leases" in recovered.values:
+                book = LeaseBook.from_dict(recovered.values["leases"])
+                book.ttl = self.book.ttl  # this start's setting, for the leases it issues
+                self.book = book
+                self.next_seed = int(recovered.values["next_seed"])
+                for seed in book.pending_seeds + tuple(s for lease in book.outstanding for s in lease.seeds):
+                    self.prompts[seed] = self.render_prompt(seed)
 
     def all_told_finished(self) -> bool:
         with self.lock:
@@ -312,7 +336,12 @@ class RunService:
                 work = self._eval_lease(node_id, request, now) or self._train_lease(node_id, count, now)
             else:
                 work = self._train_lease(node_id, count, now) or self._eval_lease(node_id, request, now)
-            return work or NoWork(self.version, RETRY_AFTER)
+            if work is None:
+                return NoWork(self.version, RETRY_AFTER)
+            saved = None if work.evaluation else self.journal.save(self._book_state())
+        if saved:
+            saved.result()  # a training lease is in the journal before the node has it
+        return work
 
     def _train_lease(self, node_id: str, count: int, now: float) -> TaskLease | None:
         if not self.training:
@@ -374,24 +403,22 @@ class RunService:
         try:
             batch = RolloutBatch.from_dict(body)
             samples = len(batch.samples)
-            groups, round_ = self._accept(batch, now)
+            saved = self._accept(batch, peer_id, name, now)
         except ProtocolError as e:
             with self.lock:
                 self.rejections[e.code] += samples
             self.ledger.reject(node_id, peer_id, name, e.code, samples, now)
             raise
-        if round_ is not None:
+        if saved is None:  # an evaluation answer
             tokens = sum(sum(s.loss_mask) for s in batch.samples)
             self.ledger.credit_eval(node_id, peer_id, name, len(batch.samples), tokens, now)
-            return PushReceipt(accepted=len(batch.samples), rejected=0, latest_version=self.version)
-        with self.lock:
-            for seed_samples in groups:
-                tokens = sum(sum(s.loss_mask) for s in seed_samples)  # generated by the node, not env turns
-                self.replay.add(node_id, batch.version, Group(tuple(seed_samples), node_id, peer_id, name, tokens))
+        else:
+            saved.result()  # in the journal before the node hears it was accepted
         return PushReceipt(accepted=len(batch.samples), rejected=0, latest_version=self.version)
 
-    def _accept(self, batch: RolloutBatch, now: float) -> tuple[list[list[TrainSample]], EvalRound | None]:
-        """Judge a batch; returns its groups to train on, or the evaluation round it answered."""
+    def _accept(self, batch: RolloutBatch, peer_id: str, name: str, now: float):
+        """Judge a batch and buffer its groups; returns the journal write to wait for (None for
+        an evaluation answer: scored, nothing to train on)."""
         if batch.run_id != self.manifest.run_id:
             raise InvalidValue(f"batch for run {batch.run_id!r}, this is {self.manifest.run_id!r}")
         self._admit(batch.node_id, now)
@@ -416,17 +443,20 @@ class RunService:
             rewards = [score(task, s, self.transcripts) for s in batch.samples]
             self._verify(batch, now, round_)
             now += time.monotonic() - started  # the lease may have expired while we judged
+            groups = [] if round_ is not None else self._groups(batch, rewards, peer_id, name)
             with self.lock:
                 self._held_lease(batch, now, round_)
                 if round_ is None:
                     self._offer(batch)
                 book.complete(batch.lease_id, batch.node_id, now)
                 self.throughput.pushed(batch.node_id, len(batch.samples), lease.expires_at - self.book.ttl, now)
-                if round_ is None:
-                    for seed in lease.seeds:
-                        self.prompts.pop(seed, None)  # answered: never leased again
-                else:
+                if round_ is not None:
                     self._answered(round_, batch, rewards, now)
+                    return None
+                for group in groups:
+                    self.prompts.pop(group.seed, None)  # answered: never leased again
+                    self.replay.add(group.node_id, group.version, group)
+                return self.journal.accept(batch.lease_id, groups, self._book_state())
         except ProtocolError:
             # The holder's (signed) attempt failed: its seeds go straight back to other nodes.
             with self.lock:
@@ -436,13 +466,17 @@ class RunService:
         finally:
             with self.lock:
                 self._judging.discard(judging)
-        if round_ is not None:
-            return [], round_  # scored and recorded: nothing to train on
-        groups: dict[int, list[TrainSample]] = {}
+
+    @staticmethod
+    def _groups(batch: RolloutBatch, rewards: list[float], peer_id: str, name: str) -> list[Group]:
+        """A judged batch as GRPO groups, one per seed, with the rewards we computed."""
+        by_seed: dict[int, list[TrainSample]] = {}
         for s, reward in zip(batch.samples, rewards):
-            sample = TrainSample(s.prompt_ids, s.completion_ids, s.logprobs, s.loss_mask, reward, s.seed)
-            groups.setdefault(s.seed, []).append(sample)
-        return list(groups.values()), round_
+            by_seed.setdefault(s.seed, []).append(
+                TrainSample(s.prompt_ids, s.completion_ids, s.logprobs, s.loss_mask, reward, s.seed))
+        return [Group(batch.lease_id, seed, batch.version, tuple(samples), batch.node_id, peer_id, name,
+                      tokens=sum(sum(s.loss_mask) for s in samples))  # generated by the node, not env turns
+                for seed, samples in by_seed.items()]
 
     def _answered(self, round_: EvalRound, batch: RolloutBatch, rewards: list[float], now: float) -> None:
         """Under the lock: record an accepted evaluation batch; log the round once it is complete."""

@@ -28,7 +28,6 @@ Invariants
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections import deque
 from collections.abc import Hashable, Iterable, Mapping
@@ -106,10 +105,11 @@ class LeaseBook:
         if not isinstance(ttl, (int, float)) or not math.isfinite(ttl) or ttl <= 0:
             raise InvalidValue(f"lease ttl must be a finite number of seconds > 0, got {ttl!r}")
         self.ttl = float(ttl)
-        # Ids are a counter, not random, so runs and tests are reproducible; give each
-        # coordinator start its own prefix if leases from a previous start may still be in flight.
+        # Ids are a counter, not random, so runs and tests are reproducible. Leases from a
+        # previous start may still be in flight: restore its book (`from_dict`), or give this
+        # start's book its own prefix.
         self._prefix = id_prefix
-        self._ids = itertools.count()
+        self._next_id = 0
         self._pending: deque[int] = deque()
         self._outstanding: dict[str, Lease] = {}  # insertion order == issue order
         self._known: set[int] = set()
@@ -161,7 +161,8 @@ class LeaseBook:
         if not self._pending:
             return None
         seeds = tuple(self._pending.popleft() for _ in range(min(count, len(self._pending))))
-        lease = Lease(f"{self._prefix}{next(self._ids)}", node_id, seeds, version, now + self.ttl)
+        lease = Lease(f"{self._prefix}{self._next_id}", node_id, seeds, version, now + self.ttl)
+        self._next_id += 1
         self._outstanding[lease.lease_id] = lease
         return lease
 
@@ -195,6 +196,40 @@ class LeaseBook:
             raise LeaseError(f"lease {lease_id!r} is not outstanding for this node")
         self._reopen([lease], "released")
         return lease
+
+    def knows(self, seed: int) -> bool:
+        """Was `seed` ever added (pending, outstanding or completed)?"""
+        return seed in self._known
+
+    def to_dict(self) -> dict[str, Any]:
+        """What a restart needs to go on handing out and taking back the same leases: pending
+        seeds, outstanding leases and the id counter. Completed seeds and the reasons of closed
+        ids are left out (they grow with the run): after a restart a closed id is "unknown",
+        refused all the same, and the caller must not add a completed seed again."""
+        return {
+            "ttl": self.ttl, "prefix": self._prefix, "next_id": self._next_id, "pending": list(self._pending),
+            "outstanding": [[x.lease_id, x.node_id, list(x.seeds), x.version, x.expires_at]
+                            for x in self._outstanding.values()],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> LeaseBook:
+        if not isinstance(data, Mapping):
+            raise InvalidValue("lease book state must be a mapping")
+        try:
+            book = cls(data["ttl"], data["prefix"])
+            book._next_id = _check_version("lease book next_id", data["next_id"])
+            pending = list(data["pending"])
+            leases = [Lease(lease_id, node_id, tuple(seeds), _check_version("lease version", version), float(expires_at))
+                      for lease_id, node_id, seeds, version, expires_at in data["outstanding"]]
+        except (KeyError, TypeError, ValueError) as e:
+            raise InvalidValue(f"lease book state is missing or has a bad field: {e!r}") from None
+        if not all(isinstance(x.lease_id, str) and isinstance(x.node_id, str) for x in leases):
+            raise InvalidValue("lease book state: lease and node ids must be strings")
+        book.add_seeds(pending + [s for x in leases for s in x.seeds])  # checks them: ints, none held twice
+        book._pending = deque(pending)
+        book._outstanding = {x.lease_id: x for x in leases}
+        return book
 
     def _close(self, lease_id: str, reason: str) -> None:
         self._closed[lease_id] = reason
@@ -266,6 +301,10 @@ class ReplayBuffer:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def __iter__(self):
+        """The buffered entries, oldest first (a snapshot: taking or pruning does not disturb it)."""
+        return iter(tuple(self._entries))
 
     def add(self, peer_id: str, version: int, item: Any) -> None:
         self._entries.append(Entry(peer_id, _check_version("version", version), item))

@@ -48,6 +48,9 @@ log = logging.getLogger(__name__)
 async def _die_with_parent(_dht, _node) -> None:
     """Runs inside the DHT process: without this, a coordinator or node killed with SIGKILL leaves
     the DHT process and its p2pd daemon running forever, still holding the port and identity."""
+    # The fork inherited the parent's SIGTERM handler (an asyncio one that does nothing here):
+    # back to the default, so SIGTERM ends this process as it should.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if sys.platform == "linux":
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 

@@ -77,6 +77,7 @@ def test_sequential_evaluates_when_idle_and_never_trains_on_it(tmp_path):
     assert isinstance(svc.handle_lease(lease_request(node), now=NOW), NoWork) and not svc.evaluating()
     # Never trained on: only the one training group is in the buffer; credited apart.
     batch = svc.take_batch()
+    svc.commit_step(0)
     assert [s.group for s in batch.samples] == [1] * GROUP
     (peer,) = svc.ledger.peers()
     assert peer["accepted"] == GROUP and peer["eval_samples"] == 4

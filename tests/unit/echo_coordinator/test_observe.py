@@ -33,6 +33,7 @@ def run_dir(tmp_path, service):  # noqa: F811
     lease = service.handle_lease(lease_request(node, name="alice", backend="llama_cpp"), "QmA", now=NOW)
     push(service, answer_batch(service, node, lease), "QmA", now=NOW + 4)
     service.take_batch()
+    service.commit_step(0)
     service.publish([])
     service.gate.advance(1)
     service.ledger.set_run(version=1)

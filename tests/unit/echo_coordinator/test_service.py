@@ -73,6 +73,8 @@ def test_lease_push_and_rewards_recomputed(service):
     batch = service.take_batch()
     assert batch.rewards == [1.0] * 4 and batch.staleness == [0] * 4 and batch.dropped == 0
     assert [s.group for s in batch.samples] == [10, 10, 11, 11]
+    assert service.ledger.peers() == []  # ... and the step that trained on it is saved
+    service.commit_step(0)
     peer = service.ledger.peers()[0]
     assert (peer["name"], peer["accepted"], peer["tokens"], peer["rejected"]) == ("alice", 4, 4, 0)
     assert not service.step_done(NOW)  # seed 12 still pending
@@ -197,6 +199,7 @@ def test_async_leases_never_run_dry_and_stale_groups_are_dropped_not_credited(as
     # Both buffered groups are now 2 and 1 versions old: the version-0 one is dropped, not credited.
     assert svc.buffered_groups() == 1
     batch = svc.take_batch(4)
+    svc.commit_step(2)
     assert batch.staleness == [1, 1] and all(s.staleness == 1 for s in batch.samples)
     by_name = {p["name"]: p for p in svc.ledger.peers()}
     assert by_name["fast"]["accepted"] == 0 and by_name["fast"]["rejected_by_reason"] == {"stale": 2}
@@ -223,23 +226,76 @@ def test_async_leases_wait_while_the_buffer_holds_a_step(async_service):
     assert isinstance(svc.handle_lease(lease_request(node), now=NOW), TaskLease)  # leases out do not count
 
 
-def test_state_survives_a_restart(async_service, tmp_path):
+def restart(svc, version: int, ledger_path) -> RunService:
+    """What a coordinator does on a restart at `version`: the same ledger file (journal and all)."""
+    state = svc.state()  # (state.json; the service itself is gone, as after a SIGKILL)
+    again = RunService(svc.manifest, svc.run_key, svc.task, svc.render_prompt, svc.transcripts, Ledger(ledger_path),
+                       60, svc.seeds_per_lease, Policing(None))
+    again.restore(state, version)
+    again.started = True
+    return again
+
+
+def test_a_restart_keeps_the_gate_the_buffer_and_the_leases(async_service, tmp_path):
     svc, node = async_service, generate_key()
     advance(svc, 1)
     advance(svc, 2)
-    lease = svc.handle_lease(lease_request(node), now=NOW)
-    batch = answer_batch(svc, node, lease)
-    push(svc, batch, "QmNode", now=NOW)
-    state = svc.state()
+    leases = [svc.handle_lease(lease_request(node), now=NOW) for _ in range(2)]
+    first = answer_batch(svc, node, leases[0])
+    push(svc, first, "QmNode", now=NOW)  # acknowledged, buffered: never trained on before the crash
+    svc.ledger.close()
 
-    ledger = Ledger(tmp_path / "ledger2.sqlite")
-    restarted = RunService(svc.manifest, svc.run_key, svc.task, svc.render_prompt, svc.transcripts, ledger, 60, 1,
-                           Policing(None))
-    restarted.restore(state)
-    assert restarted.version == 2 and restarted.next_seed == svc.next_seed
-    assert restarted.gate.is_accepted(lease.lease_id)  # the same batch cannot be counted twice
-    assert restarted.gate.offer(batch.node_id, "new-lease", 0).value == "stale"  # the bound holds after restart
-    ledger.close()
+    again = restart(svc, 2, tmp_path / "ledger.sqlite")
+    assert again.version == 2 and again.next_seed == svc.next_seed
+    assert again.gate.is_accepted(first.lease_id)  # the same batch cannot be counted twice ...
+    with pytest.raises(LeaseError):
+        push(again, first, "QmNode", now=NOW + 1)
+    assert again.gate.offer(first.node_id, "new-lease", 0).value == "stale"  # ... and the bound holds
+    # The lease the node held at the crash is still its own: what it generated is accepted.
+    assert push(again, answer_batch(again, node, leases[1]), "QmNode", now=NOW + 1).accepted == GROUP
+    fresh = again.handle_lease(lease_request(node), now=NOW + 1)
+    assert fresh.lease_id not in {x.lease_id for x in leases} and fresh.seeds[0] not in leases[0].seeds + leases[1].seeds
+    batch = again.take_batch()
+    assert [s.group for s in batch.samples] == [leases[0].seeds[0]] * GROUP + [leases[1].seeds[0]] * GROUP
+    again.commit_step(2)
+    (peer,) = again.ledger.peers()
+    assert peer["accepted"] == 2 * GROUP and again.ledger.history(peer["node_id"])[0]["version"] == 3
+    again.ledger.close()
+
+
+def test_a_step_that_dies_before_its_checkpoint_is_trained_again_and_credited_once(async_service, tmp_path):
+    svc, node = async_service, generate_key()
+    for _ in range(2):
+        push(svc, answer_batch(svc, node, svc.handle_lease(lease_request(node), now=NOW)), "QmNode", now=NOW)
+    assert len(svc.take_batch(1).samples) == GROUP  # the step from version 0 took one group, then the crash
+    svc.ledger.close()
+    again = restart(svc, 0, tmp_path / "ledger.sqlite")  # state.json still names version 0
+    assert again.buffered_groups() == 2 and again.ledger.peers() == []
+    again.take_batch(2)
+    again.ledger.close()
+    # This time the step's checkpoint landed (version 1) but the process died before crediting.
+    third = restart(again, 1, tmp_path / "ledger.sqlite")
+    assert third.buffered_groups() == 0
+    (peer,) = third.ledger.peers()
+    assert peer["accepted"] == 2 * GROUP and [h["version"] for h in third.ledger.history(peer["node_id"])] == [1]
+    third.commit_step(0)  # a late commit of the same step credits nothing more
+    assert third.ledger.peers()[0]["accepted"] == 2 * GROUP
+    third.ledger.close()
+
+
+def test_sequential_restart_leases_only_what_the_step_still_needs(service, tmp_path):
+    node = generate_key()
+    service.open_step([10, 11, 12])
+    lease = service.handle_lease(lease_request(node), now=NOW)
+    push(service, answer_batch(service, node, lease), "QmNode", now=NOW)
+    held = service.handle_lease(lease_request(node), now=NOW)  # seed 12, outstanding at the crash
+    service.ledger.close()
+    again = restart(service, 0, tmp_path / "ledger.sqlite")
+    again.open_step([10, 11, 12])  # the step loop asks for the step's seeds again
+    assert isinstance(again.handle_lease(lease_request(node), now=NOW), NoWork) and not again.step_done(NOW)
+    push(again, answer_batch(again, node, held), "QmNode", now=NOW)
+    assert again.step_done(NOW) and sorted({s.group for s in again.take_batch().samples}) == [10, 11, 12]
+    again.ledger.close()
 
 
 # -- verification, bans, spot checks and the allow-list, with the real Verifier on a toy model ------

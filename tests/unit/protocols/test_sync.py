@@ -543,3 +543,32 @@ def test_release_puts_seeds_back_first_and_is_holder_only():
     assert book.pending_seeds == (1, 2, 3, 4)
     with pytest.raises(LeaseError, match="released"):
         book.complete(lease.lease_id, "a", now=1)
+
+
+def test_a_restored_book_goes_on_issuing_and_taking_back_the_same_leases():
+    book = LeaseBook(10.0, id_prefix="x-")
+    book.add_seeds(range(6))
+    done, held, lost = (book.issue(n, 2, 3, now=0.0) for n in ("a", "b", "c"))
+    book.complete(done.lease_id, "a", 1.0)
+    book.release(lost.lease_id, "c")  # seeds 4, 5 back to pending
+    again = LeaseBook.from_dict(json.loads(json.dumps(book.to_dict())))
+    assert again.outstanding == (held,) and again.pending_seeds == (4, 5) and again.prefix == "x-"
+    assert again.complete(held.lease_id, "b", 2.0) == held
+    assert again.issue("d", 1, 3, 2.0).lease_id == "x-3"  # ids go on from where they were: never reused
+    with pytest.raises(InvalidValue):
+        again.add_seeds([2])  # a seed the book still holds (outstanding at the save) cannot come back twice
+    expiring = LeaseBook.from_dict(book.to_dict())
+    assert expiring.expire(now=10.0) == [held] and expiring.pending_seeds == (2, 3, 4, 5)
+
+
+@pytest.mark.parametrize("bad", [
+    None, {}, {"ttl": 1.0, "prefix": "L", "next_id": -1, "pending": [], "outstanding": []},
+    {"ttl": 1.0, "prefix": "L", "next_id": 0, "pending": [1, 1], "outstanding": []},
+    {"ttl": 1.0, "prefix": "L", "next_id": 0, "pending": [1], "outstanding": [["L0", "a", [1], 0, 5.0]]},
+    {"ttl": 1.0, "prefix": "L", "next_id": 0, "pending": [], "outstanding": [["L0", "a", [1], 0]]},
+    {"ttl": 1.0, "prefix": "L", "next_id": 0, "pending": [], "outstanding": [[0, "a", [1], 0, 5.0]]},
+    {"ttl": 1.0, "prefix": "L", "next_id": 0, "pending": ["1"], "outstanding": []},
+])
+def test_a_bad_book_state_is_refused(bad):
+    with pytest.raises(InvalidValue):
+        LeaseBook.from_dict(bad)
