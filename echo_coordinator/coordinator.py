@@ -176,9 +176,8 @@ class Coordinator:
         work.cancel()  # its `finally` blocks close the ledger and leave the DHT
         await asyncio.wait({work}, timeout=STOP_SECONDS)
         version = self.service.version if self.service else 0
-        buffered = len(self.service.replay) if self.service else 0
-        stopped = Stopped(f"stopped at version {version} ({signal.Signals(received[0]).name}); {buffered} groups "
-                          "buffered are kept in the journal; the same command resumes the run", received[0])
+        stopped = Stopped(f"stopped at version {version} ({signal.Signals(received[0]).name}); accepted groups not yet "
+                          "trained on are kept in the journal; the same command resumes the run", received[0])
         if self.trainer_busy:
             console.print(f"[yellow]{stopped}[/] (the step in progress is abandoned)")
             logging.shutdown()
@@ -502,6 +501,7 @@ class Coordinator:
                 version = service.version
                 rejected_before = service.rejection_counts()
                 verified_before = (self.verifier.checked_samples, self.verifier.seconds)
+                expired_before = service.expired_leases()
                 batch = await self._collect(service, version)
                 waited = time.time() - cycle_start
                 stats = await self._on_trainer(trainer.step, batch.samples)
@@ -519,6 +519,7 @@ class Coordinator:
                     verified_samples=self.verifier.checked_samples - verified_before[0],
                     verify_seconds=self.verifier.seconds - verified_before[1],
                     dropped_stale=batch.dropped, staleness_max=max(batch.staleness, default=0),
+                    leases_expired=service.expired_leases() - expired_before,
                     staleness_histogram={str(k): histogram[k] for k in sorted(histogram)},
                     turns_mean=sum(model_turns) / max(len(model_turns), 1),
                     step_seconds=now - cycle_start, wait_seconds=waited,

@@ -276,6 +276,11 @@ class RunService:
 
     # -- handlers ------------------------------------------------------------------------------
 
+    def expired_leases(self) -> int:
+        """Training leases that expired unanswered since this start (their seeds were leased again)."""
+        with self.lock:
+            return self.book.expired_count
+
     def rejection_counts(self) -> Counter[str]:
         """Samples refused so far, by reason (a copy: handler threads keep counting)."""
         with self.lock:

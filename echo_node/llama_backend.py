@@ -12,6 +12,7 @@ group (6x faster on a 263-token prompt) give the same tokens as a cold start.
 from __future__ import annotations
 
 import ctypes
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,11 +32,17 @@ class Completion:
     logprobs: tuple[float, ...]
 
 
+class Interrupted(Exception):
+    """`interrupt` was set while generating: the sample is dropped."""
+
+
 class LlamaBackend:
     name = "llama_cpp"
 
-    def __init__(self, model_path: Path, threads: int = 0, n_ctx: int = 2048):
+    def __init__(self, model_path: Path, threads: int = 0, n_ctx: int = 2048, interrupt: threading.Event | None = None):
+        """`interrupt`: when set (the node stopping), generation stops at the next token."""
         self.threads, self.n_ctx = threads, n_ctx
+        self.interrupt = interrupt or threading.Event()
         self.llm = self._load(model_path)
         meta = self.llm.metadata
         self.file_type = int(meta.get("general.file_type", 0))  # the quant type to requantize to
@@ -69,6 +76,8 @@ class LlamaBackend:
         tokens: list[int] = []
         logprobs: list[float] = []
         while len(tokens) < limit:
+            if self.interrupt.is_set():
+                raise Interrupted("generation interrupted")
             row = self.llm.scores[self.llm.n_tokens - 1].astype(np.float64) / temperature  # (V,)
             token = sampling.choose(row, sampling.noise(seed, [offset + len(tokens)], len(row))[0])
             tokens.append(token)

@@ -29,6 +29,7 @@ from protocols.messages import (
     LeaseRequest, NoWork, PeerAnnouncement, PushReceipt, RolloutBatch, RolloutSample, RunManifest, TaskLease,
     WeightUpdate, verified_announcements,
 )
+from protocols.supervise import Backoff
 from protocols.signing import (
     FINGERPRINT_CHARS, fingerprint, load_or_create_key, public_bytes, sha256_file, sign_message, verify_message,
 )
@@ -44,8 +45,9 @@ ANNOUNCE_TTL = 60.0  # seconds
 PEER_REFRESH = 5.0  # seconds between re-announcing and re-reading peers' versions
 MANIFEST_WAIT = 60.0  # seconds to find the run's manifest in the DHT before giving up
 CALL_TIMEOUT = 60.0
-MAX_BACKOFF = 30.0
 BUSY_RETRY = 0.3  # seconds; the trainer's copy went to a peer that will relay it shortly
+UNREACHABLE_SAY = 60.0  # seconds without an answer from the coordinator before we say so (then each such period)
+STOP_SECONDS = 5.0  # on Ctrl-C, how long the work gets to end before we leave anyway
 
 
 class JoinRefused(EchoError):
@@ -110,7 +112,7 @@ class Node:
         self.relay = Relay()
         self.version_changed = asyncio.Event()
         self.peer_versions: dict[str, int] = {}  # libp2p peer id -> version it announced
-        self.stop_requested = threading.Event()  # seen by the generation thread between samples
+        self.stop_requested = threading.Event()  # seen by the generation thread (llama.cpp: between tokens)
         self.task = None  # multi-turn runs: the environment this node steps (see _load_task)
         self.status = status  # rich Status: the live line, or None to print each event
         self.accepted = 0  # samples the trainer accepted from us since we joined
@@ -133,17 +135,36 @@ class Node:
             log.info(what)
 
     async def run(self) -> None:
-        from protocols.transport.dht import SwarmDHT
-
-        # main thread: see SwarmDHT.start
-        dht = SwarmDHT.start("127.0.0.1", 0, [self.config.address], run_fingerprint=self.config.run_key)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._request_stop)
+        dht = await self._join_dht()
+        if dht is None:
+            return  # stopped before the coordinator could be reached
         try:
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, self._request_stop)
             await self._run(dht)
         finally:
             dht.shutdown()
+
+    async def _join_dht(self):
+        """The DHT, through the coordinator's address; while it cannot be reached (not started
+        yet, restarting) keep trying with backoff and say so. None if stopped meanwhile."""
+        from protocols.transport.dht import SwarmDHT
+
+        backoff, since = Backoff(), time.monotonic()
+        while not self.stopping.is_set():
+            try:
+                # main thread: see SwarmDHT.start
+                return SwarmDHT.start("127.0.0.1", 0, [self.config.address], run_fingerprint=self.config.run_key)
+            except TransportError as e:
+                delay = backoff.next()
+                log.warning("%s; retrying in %.1f s", e, delay)
+                if time.monotonic() - since > UNREACHABLE_SAY:
+                    since = time.monotonic()
+                    console.print(f"[yellow]cannot reach the coordinator at {self.config.address}[/] ({e}); still trying")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.stopping.wait(), delay)
+        return None
 
     def _load_backend(self) -> None:
         """The generation backend, and in full mode the float32 master weights updates apply to."""
@@ -159,7 +180,7 @@ class Node:
 
         multi_turn = self.manifest.task.max_turns > 1
         n_ctx = 4096 if self.manifest.max_new_tokens > 2048 or multi_turn else 2048
-        self.backend = LlamaBackend(self.config.model, self.config.threads, n_ctx)
+        self.backend = LlamaBackend(self.config.model, self.config.threads, n_ctx, interrupt=self.stop_requested)
         if self.manifest.update == "full":
             self.hf_config, self.master = load_master(self.config.model)
 
@@ -194,12 +215,12 @@ class Node:
             self.stopping.set()
             for task in (work, stop, announcer):
                 task.cancel()
-            # Bounded: a generation thread finishes its current sample before the work task ends.
-            await asyncio.wait({work, stop, announcer}, timeout=10.0)
+            # Bounded: the generation thread stops at its next token.
+            await asyncio.wait({work, stop, announcer}, timeout=STOP_SECONDS)
             try:
                 # Withdraw: a signed "left" announcement outlives the live one (the DHT keeps the later expiry).
                 await dht.put(peers_key, self._announcement(left=True).to_wire(), ANNOUNCE_TTL * 2,
-                              subkey=fingerprint(self.node_key), timeout=5.0)
+                              subkey=fingerprint(self.node_key), timeout=2.0)
             except TransportError as e:
                 log.warning("could not withdraw the announcement: %s", e)
             console.print(f"left the run at version {self.version}")
@@ -282,12 +303,15 @@ class Node:
         ), self.key)
 
     async def _work_loop(self, announcer: asyncio.Task) -> None:
-        backoff = 0.5
+        backoff = Backoff()
+        self.last_answer = time.monotonic()  # the coordinator last answered us (anything, even a refusal)
+        self.said_unreachable = 0.0  # when we last said it has not
         while True:
             if announcer.done():
                 announcer.result()  # re-raise why announcing failed
             try:
                 reply = await self._request_lease()
+                self.last_answer = time.monotonic()
                 if isinstance(reply, NoWork):
                     if reply.finished:
                         await self._finish(reply.latest_version)
@@ -300,23 +324,31 @@ class Node:
                 await self._prepare(reply)
                 self._say(f"{'evaluating' if reply.evaluation else 'generating'} {len(reply.seeds)} prompts")
                 batch = await asyncio.to_thread(self._generate, reply)
-                receipt = await self._push(batch)
+                receipt = await self._push(batch, reply.expires_at)
                 self.accepted += receipt.accepted
                 self.latest = max(self.latest, receipt.latest_version)
                 self._say(f"lease {reply.lease_id}: {receipt.accepted} samples accepted at version {batch.version}, "
                           f"{self.backend.throughput:.0f} tok/s")
-                backoff = 0.5
+                backoff.reset()
             except RemoteError as e:
+                self.last_answer = time.monotonic()
                 if e.code == "not_allowed":
                     raise JoinRefused(f"this run admits only listed node keys; ask its operator to add "
                                       f"{fingerprint(self.node_key)}") from None
-                log.warning("%s; retrying in %.1f s", e, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, MAX_BACKOFF)
+                await self._retry(e, backoff)
             except (TransportError, ProtocolError, UpdateError) as e:
-                log.warning("%s; retrying in %.1f s", e, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, MAX_BACKOFF)
+                await self._retry(e, backoff)
+
+    async def _retry(self, error: Exception, backoff: Backoff) -> None:
+        """Log a failed round and wait; say so plainly when the coordinator has not answered for a while."""
+        delay = backoff.next()
+        log.warning("%s; retrying in %.1f s", error, delay)
+        silent = time.monotonic() - self.last_answer
+        if silent > UNREACHABLE_SAY and time.monotonic() - self.said_unreachable > UNREACHABLE_SAY:
+            self.said_unreachable = time.monotonic()
+            console.print(f"[yellow]the coordinator has not answered for {silent / 60:.0f} min[/] ({error}); "
+                          "still trying: this node picks up again when the coordinator is back")
+        await asyncio.sleep(delay)
 
     async def _finish(self, version: int) -> None:
         """Leave with the run's final policy if it can still be fetched; the run is over either way."""
@@ -427,6 +459,20 @@ class Node:
         out = self.backend.generate(list(prompt), m.max_new_tokens, m.temperature, sample_seed)
         return RolloutSample(seed=seed, prompt_ids=prompt, completion_ids=out.token_ids, logprobs=out.logprobs)
 
-    async def _push(self, batch: RolloutBatch) -> PushReceipt:
-        raw = await self.endpoint.call_one(self.trainer, rpc.PUSH, batch.to_wire())
-        return PushReceipt.from_wire(raw)
+    async def _push(self, batch: RolloutBatch, expires_at: float) -> PushReceipt:
+        """Push until the trainer answers. A broken stream (the coordinator restarting, say) is
+        retried while the lease lasts: a restarted coordinator still knows the lease, and what
+        it acknowledges it keeps. A refusal is final."""
+        backoff = Backoff()
+        while True:
+            try:
+                raw = await self.endpoint.call_one(self.trainer, rpc.PUSH, batch.to_wire())
+                self.last_answer = time.monotonic()
+                return PushReceipt.from_wire(raw)
+            except TransportError as e:
+                delay = backoff.next()
+                if time.time() + delay >= expires_at:
+                    raise
+                log.warning("pushing lease %s failed (%s); retrying in %.1f s while the lease lasts",
+                            batch.lease_id, e, delay)
+                await asyncio.sleep(delay)

@@ -126,4 +126,7 @@ async def apply_lora(update: WeightUpdate, payloads: dict[str, bytes], backend, 
     await asyncio.to_thread(write_lora_adapter, tensors, float(alpha), path, backend.n_layers, backend.n_head,
                             backend.n_head_kv)
     await asyncio.to_thread(backend.set_adapter, path)
+    for old in adapter_dir.glob("v*.gguf"):  # llama.cpp holds the adapter in memory: one file is enough
+        if old != path:
+            old.unlink(missing_ok=True)
     return path

@@ -114,6 +114,7 @@ class LeaseBook:
         self._outstanding: dict[str, Lease] = {}  # insertion order == issue order
         self._known: set[int] = set()
         self._completed_count = 0
+        self._expired_count = 0
         # Closed lease ids and why, so a late or repeated completion gets a precise error; only
         # the newest MAX_CLOSED are remembered (older ones are "unknown": refused all the same).
         self._closed: dict[str, str] = {}
@@ -139,6 +140,11 @@ class LeaseBook:
     def completed_count(self) -> int:
         """Number of seeds (not leases) completed so far."""
         return self._completed_count
+
+    @property
+    def expired_count(self) -> int:
+        """Number of leases that expired (their seeds went back to pending) since this book was made."""
+        return self._expired_count
 
     def add_seeds(self, seeds: Iterable[int]) -> None:
         new = list(seeds)
@@ -186,6 +192,7 @@ class LeaseBook:
         """Close leases with `expires_at <= now`, oldest first; their seeds go back to the front."""
         expired = [lease for lease in self._outstanding.values() if lease.expires_at <= now]
         self._reopen(expired, "expired")
+        self._expired_count += len(expired)
         return expired
 
     def release(self, lease_id: str, node_id: str) -> Lease:

@@ -9,9 +9,9 @@ from echo_node.node import Node
 _push = Node._push
 
 
-async def _slow_push(self, batch):
+async def _slow_push(self, batch, expires_at):
     await asyncio.sleep(float(os.environ["SLOW_NODE_DELAY"]))
-    return await _push(self, batch)
+    return await _push(self, batch, expires_at)
 
 
 Node._push = _slow_push
