@@ -466,7 +466,9 @@ class Coordinator:
             yield service.manifest.to_wire()
 
         async def lease(request: bytes, peer: str):
-            yield service.handle_lease(LeaseRequest.from_wire(request), peer).to_wire()
+            # Off the loop: a lease waits for its journal write.
+            reply = await asyncio.to_thread(service.handle_lease, LeaseRequest.from_wire(request), peer)
+            yield reply.to_wire()
 
         async def push(request: bytes, peer: str):
             receipt = await asyncio.to_thread(service.handle_push, request, peer)

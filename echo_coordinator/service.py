@@ -234,9 +234,11 @@ class RunService:
             return bool(self.evals)
 
     def state(self) -> dict:
-        """What `state.json` keeps of the service besides the version: the gate's counters."""
+        """What `state.json` keeps of the service besides the version: the gate's counters. (Its
+        accepted lease ids are in the journal, written as they are accepted: a file rewritten
+        each step must not grow with the run.)"""
         with self.lock:
-            return {"gate": self.gate.to_dict()}
+            return {"gate": {**self.gate.to_dict(), "accepted_keys": []}}
 
     def restore(self, state: dict, version: int) -> None:
         """After a restart at `version` (the checkpoint's): the gate, and from the journal every
@@ -244,9 +246,8 @@ class RunService:
         single-use leases hold across the restart (cf. AReaL #1388) and nodes push what they hold."""
         recovered = self.journal.recover(version)
         with self.lock:
-            gate = state["gate"]
-            keys = {k for k in gate["accepted_keys"] if isinstance(k, str)} | recovered.accepted
-            self.gate = RolloutGate.from_dict({**gate, "version": version, "accepted_keys": sorted(keys)})
+            self.gate = RolloutGate.from_dict({**state["gate"], "version": version,
+                                               "accepted_keys": sorted(recovered.accepted)})
             for group in recovered.groups:
                 self.replay.add(group.node_id, group.version, group)
             if "leases" in recovered.values:

@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.integration.test_async import async_config, free_port, metrics, start_coordinator, start_node
 from tests.integration.test_end_to_end import processes, spawn, tiny_model, wait_for  # noqa: F401
 
@@ -77,7 +79,7 @@ def test_sigterm_mid_step_stops_within_seconds_and_the_restart_trains_what_was_t
     second = start_coordinator(processes, config, tmp_path / "coordinator2.log")
     nodes[1] = start_node(processes, join, tmp_path, "n2")
     assert second.wait(timeout=300) == 0, (tmp_path / "coordinator2.log").read_text()[-3000:]
-    assert f"resuming run" in (tmp_path / "coordinator2.log").read_text()
+    assert "resuming run" in (tmp_path / "coordinator2.log").read_text()
     assert [r["version"] for r in metrics(run_dir)] == list(range(steps))
     books = check_books(run_dir)
     assert books["trained"] == steps * PROMPTS * GROUP
@@ -107,7 +109,7 @@ def test_sigkill_with_groups_buffered_and_pushes_in_flight(tmp_path, tiny_model,
     second = start_coordinator(processes, config, tmp_path / "coordinator2.log")
     assert second.wait(timeout=300) == 0, (tmp_path / "coordinator2.log").read_text()[-3000:]
     log = (tmp_path / "coordinator2.log").read_text()
-    assert f"resuming run" in log and f"at version {crashed_at} (" in log
+    assert "resuming run" in log and f"at version {crashed_at} (" in log
     records = metrics(run_dir)
     assert [r["version"] for r in records] == list(range(steps))  # none trained twice, none skipped
     assert all(r["staleness_max"] <= 2 for r in records)
@@ -119,3 +121,51 @@ def test_sigkill_with_groups_buffered_and_pushes_in_flight(tmp_path, tiny_model,
         assert node.wait(timeout=60) == 0
     for name in ("n1", "n2", "n3"):
         assert "finished at version 8" in (tmp_path / f"{name}.log").read_text()
+
+
+def outstanding_holders(run_dir: Path) -> set[str]:
+    """Node keys that hold a training lease now, from the journal's copy of the lease book."""
+    rows = journal(run_dir, "SELECT value FROM journal WHERE key = 'leases'")
+    return {lease[1] for lease in json.loads(rows[0][0])["outstanding"]} if rows else set()
+
+
+def node_key(log: Path) -> str | None:
+    text = log.read_text() if log.exists() else ""
+    return text.split("(node key ", 1)[1].split(")", 1)[0] if "(node key " in text else None
+
+
+@pytest.mark.slow
+def test_churn_half_the_nodes_killed_mid_rollout_three_times(tmp_path, tiny_model, processes):
+    """Async run; three times, SIGKILL half the nodes while they hold leases and start others.
+    The run keeps stepping, the dead nodes' leases expire and their seeds go to others, and no
+    accepted group is lost or credited twice."""
+    run_dir, steps = tmp_path / "run", 40
+    config = async_config(tmp_path / "run.toml", tiny_model, run_dir, steps, 2, extra="lease_seconds = 6")
+    coordinator = start_coordinator(processes, config, tmp_path / "coordinator.log")
+    wait_for((run_dir / "join.txt").exists, 120, "the join line", [coordinator])
+    join = (run_dir / "join.txt").read_text().strip()
+    # Pushes held back 1 s: a node holds its lease a while after generating, so "mid-rollout" is easy to hit.
+    live = {name: start_node(processes, join, tmp_path, name, slow_delay=1.0) for name in ("a0", "b0", "c0", "d0")}
+    killed: list[str] = []
+    for round_ in range(1, 4):
+        versions = len(metrics(run_dir))
+        wait_for(lambda: len(metrics(run_dir)) >= versions + 2, 180, "two more versions", [coordinator])
+        victims = sorted(live)[:2]
+        keys = {name: node_key(tmp_path / f"{name}.log") for name in victims}
+        wait_for(lambda: set(keys.values()) <= outstanding_holders(run_dir), 60, "the victims holding leases",
+                 [coordinator])
+        for name in victims:
+            live.pop(name).send_signal(signal.SIGKILL)
+            killed.append(name)
+        for name in victims:
+            fresh = f"{name[0]}{round_}"
+            live[fresh] = start_node(processes, join, tmp_path, fresh, slow_delay=1.0)
+    assert coordinator.wait(timeout=600) == 0, (tmp_path / "coordinator.log").read_text()[-3000:]
+
+    records = metrics(run_dir)
+    assert [r["version"] for r in records] == list(range(steps))  # it kept stepping through all of it
+    assert sum(r["leases_expired"] for r in records) >= 3  # the dead nodes' leases, reissued to others
+    assert all(r["staleness_max"] <= 2 for r in records)
+    check_books(run_dir)
+    for node in live.values():
+        assert node.wait(timeout=60) == 0

@@ -62,7 +62,8 @@ threads = 1
     assert "via snapshot 0->" in late_log  # it did not replay every delta from version 0
 
     # The llama.cpp node's re-exported weights are the publisher's view, bit for bit.
-    view = load_file(str(run_dir / "checkpoint" / "view.safetensors"))
+    checkpoint = run_dir / json.loads((run_dir / "state.json").read_text())["checkpoint"]
+    view = load_file(str(checkpoint / "view.safetensors"))
     exported = {t.name: np.array(t.data) for t in gguf.GGUFReader(tmp_path / "llama" / "weights" / f"v{STEPS}.gguf").tensors}
     assert exported, "no re-exported model"
     checked = 0
@@ -75,5 +76,5 @@ threads = 1
         assert got.tobytes() == expected.tobytes(), name
         checked += 1
     assert checked == 14
-    trained = load_file(str(run_dir / "checkpoint" / "weights.safetensors"))
+    trained = load_file(str(checkpoint / "weights.safetensors"))
     assert max(float(np.abs(trained[k] - view[k]).max()) for k in view) < 0.05  # the lossy view tracks training
