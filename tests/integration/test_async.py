@@ -19,7 +19,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def async_config(path: Path, model: Path, data_dir: Path, steps: int, staleness: int, port: int = 0, extra: str = "") -> Path:
+def async_config(path: Path, model: Path, data_dir: Path, steps: int, staleness: int, port: int = 0, extra: str = "",
+                 lease_seconds: float = 120) -> Path:
     path.write_text(f"""
 [run]
 model = "{model}"
@@ -33,7 +34,7 @@ max_new_tokens = 8
 min_nodes = 2
 port = {port}
 data_dir = "{data_dir}"
-lease_seconds = 120
+lease_seconds = {lease_seconds}
 {extra}
 
 [trainer]
