@@ -186,7 +186,16 @@ def run_mode(mode: str, args, work: Path, model: Path) -> dict:
     growth = {k: last[k][0] / first[k][0] for k in both}
     worst = max(growth, key=growth.get)
     children = sorted({k.split("/")[1].split(":")[0] for k in last if "/" in k})
-    return dict(samples=samples, rss_growth_ratio=round(growth[worst], 3), worst_process=worst,
+    by_kind: dict[str, list[str]] = {}
+    for key in both:  # coordinator, node, and their children by program: p2pd, python (the DHT process)
+        name, _, child = key.partition("/")
+        by_kind.setdefault(("coordinator" if name == "coordinator" else "node") + (f"/{child.split(':')[0]}" if child else ""),
+                           []).append(key)
+    kinds = {kind: dict(first_mb=round(statistics.median(first[k][0] for k in keys) / 2**20, 1),
+                        last_mb=round(statistics.median(last[k][0] for k in keys) / 2**20, 1),
+                        growth_max=round(max(growth[k] for k in keys), 3), processes=len(keys))
+             for kind, keys in sorted(by_kind.items())}
+    return dict(samples=samples, rss_growth_ratio=round(growth[worst], 3), worst_process=worst, rss_by_kind=kinds,
                 top_growth={k: [round(first[k][0] / 2**20, 1), round(last[k][0] / 2**20, 1)]  # MB, first and last
                             for k in sorted(growth, key=growth.get, reverse=True)[:3]},
                 fd_growth=max(last[k][1] - first[k][1] for k in both), died=died, error_lines=error_lines,
@@ -219,6 +228,9 @@ def main() -> None:
             rss, fds = [v[0] * mb for v in s["procs"].values()], [v[1] for v in s["procs"].values()]
             print(f"{s['t'] / 60:6.1f}{max(rss):10.1f}{statistics.median(rss):10.1f}{max(fds):9d}{statistics.median(fds):9.0f}"
                   f"{s['accepted']:10d}{s['rejected']:10d}{s['versions']:10d}")
+        print(f"{'process kind':<26}{'first MB':>10}{'last MB':>10}{'growth max':>12}  (medians over processes)")
+        for kind, k in r["rss_by_kind"].items():
+            print(f"{kind + ' x' + str(k['processes']):<26}{k['first_mb']:10.1f}{k['last_mb']:10.1f}{k['growth_max']:12.3f}")
         print(f"rss growth {r['rss_growth_ratio']} (top, MB first/last: {r['top_growth']}), fd growth {r['fd_growth']}, died {r['died']}, "
               f"error lines {r['error_lines']}, SIGKILLed {r['killed']}, orphans {r['orphans']},\n"
               f"exit codes {r['exit_codes']}, trained samples (metrics) {r['trained']}, rejections {r['rejections']}")

@@ -196,11 +196,25 @@ class Coordinator:
         base_sha = await asyncio.to_thread(sha256_file, self.model)
         # A persistent libp2p identity keeps our address stable, so nodes reconnect after a restart.
         # main thread: see SwarmDHT.start
-        dht = SwarmDHT.start(cfg.host, cfg.port, None, self.data_dir / "p2p.id", run_fingerprint=self.fp)
+        dht = SwarmDHT.start(cfg.host, cfg.port or self._previous_port(), None, self.data_dir / "p2p.id",
+                             run_fingerprint=self.fp)
         try:
             await self._serve(dht, trainer, base_sha)
         finally:
             dht.shutdown()
+
+    def _previous_port(self) -> int:
+        """`port = 0` on a restart: the port of the join line nodes already have, if it is free,
+        so they reconnect; else any."""
+        import socket
+
+        try:
+            port = int((self.data_dir / "join.txt").read_text().split("/tcp/", 1)[1].split("/", 1)[0])
+            with socket.socket() as probe:
+                probe.bind((self.run_config.host, port))
+            return port
+        except (OSError, IndexError, ValueError):
+            return 0
 
     async def _on_trainer(self, fn, *args):
         """Run torch work off the event loop, always on the same thread: glibc gives each thread

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 from echo_node.episodes import play
 from echo_node.full_weights import apply_update, export_quantized, load_master
@@ -161,7 +162,8 @@ class Node:
                 log.warning("%s; retrying in %.1f s", e, delay)
                 if time.monotonic() - since > UNREACHABLE_SAY:
                     since = time.monotonic()
-                    console.print(f"[yellow]cannot reach the coordinator at {self.config.address}[/] ({e}); still trying")
+                    console.print(f"[yellow]cannot reach the coordinator at {escape(self.config.address)}[/] "
+                                  f"({escape(str(e))}); still trying")
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.stopping.wait(), delay)
         return None
@@ -346,7 +348,7 @@ class Node:
         silent = time.monotonic() - self.last_answer
         if silent > UNREACHABLE_SAY and time.monotonic() - self.said_unreachable > UNREACHABLE_SAY:
             self.said_unreachable = time.monotonic()
-            console.print(f"[yellow]the coordinator has not answered for {silent / 60:.0f} min[/] ({error}); "
+            console.print(f"[yellow]the coordinator has not answered for {silent / 60:.0f} min[/] ({escape(str(error))}); "
                           "still trying: this node picks up again when the coordinator is back")
         await asyncio.sleep(delay)
 

@@ -40,7 +40,10 @@ def check_books(run_dir: Path) -> dict:
     assert history == {r["version"] + 1: r["samples"] for r in steps}  # step by step, none twice
     dropped = sum(r["dropped_stale"] for r in steps)
     assert accepted_leases * GROUP == trained + dropped + buffered * GROUP, (accepted_leases, trained, dropped, buffered)
-    return dict(trained=trained, buffered=buffered, accepted_leases=accepted_leases)
+    books = dict(trained=trained, dropped=dropped, buffered=buffered, accepted_leases=accepted_leases,
+                 expired=sum(r["leases_expired"] for r in steps), staleness_max=max(r["staleness_max"] for r in steps))
+    print(run_dir.parent.name, books)  # pytest -s: the figures for the notes
+    return books
 
 
 def start_slow_coordinator(processes, config: Path, log: Path, seconds: float):
@@ -65,6 +68,7 @@ def test_sigterm_mid_step_stops_within_seconds_and_the_restart_trains_what_was_t
     assert first.wait(timeout=30) == 0
     stop_seconds = time.monotonic() - started
     assert stop_seconds < 10, stop_seconds
+    print(f"SIGTERM mid-step: exited in {stop_seconds:.1f} s")
     log = (tmp_path / "coordinator1.log").read_text()
     assert "stopped at version 0 (SIGTERM)" in log and "the step in progress is abandoned" in log
     assert metrics(run_dir) == [] and json.loads((run_dir / "state.json").read_text())["version"] == 0
@@ -75,6 +79,7 @@ def test_sigterm_mid_step_stops_within_seconds_and_the_restart_trains_what_was_t
     started = time.monotonic()
     nodes[1].send_signal(signal.SIGINT)
     assert nodes[1].wait(timeout=30) == 0 and time.monotonic() - started < 10
+    print(f"node Ctrl-C: exited in {time.monotonic() - started:.1f} s")
 
     second = start_coordinator(processes, config, tmp_path / "coordinator2.log")
     nodes[1] = start_node(processes, join, tmp_path, "n2")

@@ -102,3 +102,27 @@ def test_streams_carry_large_payloads_errors_and_timeouts(swarm):
         assert await client.call_one(server.peer_id, ECHO, b"still here") == b"still here"
 
     asyncio.run(go())
+
+
+def test_a_node_that_cannot_reach_the_coordinator_says_so_keeps_trying_and_stops_on_request(tmp_path, monkeypatch,
+                                                                                            capsys):
+    """The join address of a coordinator that is not up (yet, or any more): the node retries
+    joining the DHT with backoff, says so on its console, and Ctrl-C still ends it at once."""
+    import echo_node.node as node_module
+    from echo_node.node import Node, NodeConfig
+
+    gone = SwarmDHT.start("127.0.0.1", 0)
+    address = gone.addresses()[0]
+    gone.shutdown()
+    monkeypatch.setattr(node_module, "UNREACHABLE_SAY", 1.0)
+    node = Node(NodeConfig(address=address, run_key="a" * 26, model=tmp_path / "unused.gguf", data_dir=tmp_path / "n"))
+
+    async def go():
+        joining = asyncio.create_task(node._join_dht())
+        await asyncio.sleep(8)
+        assert not joining.done()  # still trying
+        node._request_stop()
+        return await asyncio.wait_for(joining, 10)
+
+    assert asyncio.run(go()) is None
+    assert "cannot reach the coordinator at" in capsys.readouterr().out
