@@ -305,6 +305,8 @@ class Coordinator:
             # buffered groups and the leases nodes hold.
             service.restore(state["service"], state["version"])
             MetricsLog.rewind(self.data_dir / "metrics.jsonl", state["version"])
+            console.print(f"resuming run {manifest.run_id} at version {service.version} "
+                          f"({len(service.replay)} groups buffered)")
         if resumed:
             await self._on_trainer(trainer.load, self.data_dir / state["checkpoint"])
             self._remember_adapters(trainer, service.version)
@@ -316,9 +318,6 @@ class Coordinator:
             self.verifier.remember(0, held)
             self._open_eval(service, 0, held)
             self._write_state(manifest.run_id, 0, service)  # the run's id, before any work is accepted
-        if state:
-            console.print(f"resuming run {manifest.run_id} at version {service.version} "
-                          f"({len(service.replay)} groups buffered)")
         ledger.set_run(run_id=manifest.run_id, mode=cfg.mode, version=service.version, run_key=self.fp, steps=cfg.steps,
                        model=self.model.name, task=cfg.task, staleness=cfg.staleness,
                        samples_per_step=cfg.prompts_per_step * cfg.group_size,

@@ -118,6 +118,8 @@ class Node:
         self.status = status  # rich Status: the live line, or None to print each event
         self.accepted = 0  # samples the trainer accepted from us since we joined
         self.latest = 0  # the newest version the trainer told us of
+        self.last_answer = time.monotonic()  # the coordinator last answered us (anything, even a refusal)
+        self.said_unreachable = 0.0  # when we last said it has not
 
     def _say(self, event: str) -> None:
         """An event: a line of its own without a live status line, else folded into that line."""
@@ -152,20 +154,13 @@ class Node:
         yet, restarting) keep trying with backoff and say so. None if stopped meanwhile."""
         from protocols.transport.dht import SwarmDHT
 
-        backoff, since = Backoff(), time.monotonic()
+        backoff = Backoff()
         while not self.stopping.is_set():
             try:
                 # main thread: see SwarmDHT.start
                 return SwarmDHT.start("127.0.0.1", 0, [self.config.address], run_fingerprint=self.config.run_key)
             except TransportError as e:
-                delay = backoff.next()
-                log.warning("%s; retrying in %.1f s", e, delay)
-                if time.monotonic() - since > UNREACHABLE_SAY:
-                    since = time.monotonic()
-                    console.print(f"[yellow]cannot reach the coordinator at {escape(self.config.address)}[/] "
-                                  f"({escape(str(e))}); still trying")
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.stopping.wait(), delay)
+                await self._retry(e, backoff)
         return None
 
     def _load_backend(self) -> None:
@@ -306,8 +301,6 @@ class Node:
 
     async def _work_loop(self, announcer: asyncio.Task) -> None:
         backoff = Backoff()
-        self.last_answer = time.monotonic()  # the coordinator last answered us (anything, even a refusal)
-        self.said_unreachable = 0.0  # when we last said it has not
         while True:
             if announcer.done():
                 announcer.result()  # re-raise why announcing failed
@@ -342,15 +335,18 @@ class Node:
                 await self._retry(e, backoff)
 
     async def _retry(self, error: Exception, backoff: Backoff) -> None:
-        """Log a failed round and wait; say so plainly when the coordinator has not answered for a while."""
+        """Log a failed round and wait (a stop ends the wait); say so plainly when the coordinator
+        has not answered for a while."""
         delay = backoff.next()
         log.warning("%s; retrying in %.1f s", error, delay)
         silent = time.monotonic() - self.last_answer
         if silent > UNREACHABLE_SAY and time.monotonic() - self.said_unreachable > UNREACHABLE_SAY:
             self.said_unreachable = time.monotonic()
-            console.print(f"[yellow]the coordinator has not answered for {silent / 60:.0f} min[/] ({escape(str(error))}); "
-                          "still trying: this node picks up again when the coordinator is back")
-        await asyncio.sleep(delay)
+            console.print(f"[yellow]cannot reach the coordinator at {escape(self.config.address)} for "
+                          f"{silent / 60:.0f} min[/] ({escape(str(error))}); still trying: this node picks up "
+                          "again when the coordinator is back")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.stopping.wait(), delay)
 
     async def _finish(self, version: int) -> None:
         """Leave with the run's final policy if it can still be fetched; the run is over either way."""
