@@ -89,7 +89,7 @@ class Nodes:
                 backend.set_adapter(None)
                 continue
             path = self.work / f"{kind}-v{version}.gguf"
-            write_lora_adapter(adapter, alpha, path, backend.n_layers, backend.n_head, backend.n_head_kv)
+            write_lora_adapter(adapter, alpha, path, backend.layout)
             backend.set_adapter(path)
 
 

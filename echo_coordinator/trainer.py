@@ -1,5 +1,5 @@
-"""The learner: the base model loaded by transformers from the same GGUF file the nodes run,
-trained with the objective in `grpo` (its docstring states the exact loss) either as a LoRA
+"""The learner: the base model loaded by transformers from an HF checkpoint (full precision) or
+from the GGUF file the nodes run (dequantized; `base_model.py`), trained with the objective in `grpo` (its docstring states the exact loss) either as a LoRA
 adapter (peft; `update = "lora"`) or in full (`update = "full"`).
 
 One optimiser step per batch, so the trainer's policy at the start of the step (`old`) equals
@@ -20,10 +20,10 @@ import numpy as np
 import torch
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.numpy import load_file, save_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from echo_coordinator.config import TrainerConfig
 from echo_coordinator.grpo import grpo_loss, group_advantages
+from echo_node.gguf_io import load_model, load_tokenizer
 from protocols.sampling import SampleEvidence
 from protocols.messages import TurnFormat
 from tasks.base import Message
@@ -54,11 +54,6 @@ class StepStats:
     mean_log_ratio: float  # mean per token of log pi_trainer - log mu
     log_ratio_by_staleness: dict[int, float]  # the same mean, per staleness (trained samples only)
     busy_seconds: float  # forward, backward and optimiser time
-
-
-def load_tokenizer(model_path: Path):
-    model_path = Path(model_path)
-    return AutoTokenizer.from_pretrained(model_path.parent, gguf_file=model_path.name)
 
 
 def prompt_ids(tokenizer, messages: tuple[Message, ...]) -> tuple[int, ...]:
@@ -120,14 +115,15 @@ def micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
 
 
 class Trainer:
-    def __init__(self, model_path: Path, config: TrainerConfig, temperature: float, seed: int = 0, update: str = "lora"):
+    def __init__(self, source: Path, config: TrainerConfig, temperature: float, seed: int = 0, update: str = "lora"):
+        """`source`: an HF checkpoint directory or a GGUF file (see `gguf_io.load_model`)."""
         torch.manual_seed(seed)
         if config.threads:
             torch.set_num_threads(config.threads)
-        model_path = Path(model_path)
         self.config, self.temperature, self.update = config, temperature, update
-        self.tokenizer = load_tokenizer(model_path)
-        base = AutoModelForCausalLM.from_pretrained(model_path.parent, gguf_file=model_path.name, dtype=torch.float32)
+        self.tokenizer = load_tokenizer(source)
+        # fp32: the CPU trainer's precision (bf16 on the CPU is slower and coarser than the nodes' q8_0).
+        base = load_model(source, dtype=torch.float32)
         if update == "lora":
             lora = LoraConfig(
                 r=config.lora_rank, lora_alpha=config.lora_alpha, target_modules=list(LORA_TARGETS), lora_dropout=0.0,

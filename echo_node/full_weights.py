@@ -10,25 +10,21 @@ until the new one has loaded.
 
 from __future__ import annotations
 
-import ctypes
 from pathlib import Path
 
 import numpy as np
 
-from echo_node.gguf_io import write_llama_model
+from echo_node.gguf_io import FILE_TYPES, load_model, quantize, write_model
 from protocols import delta
 from protocols.errors import CodecError
 from protocols.messages import WeightUpdate
-
-ALL_F32 = 0  # llama.cpp file type of an unquantized fp32 model
 
 
 def load_master(model_path: Path):
     """(HF config, {name: float32 array}) of the base model, as the trainer loads it."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path.parent, gguf_file=model_path.name, dtype=torch.float32)
+    model = load_model(model_path, dtype=torch.float32)
     return model.config, distinct_weights(model)
 
 
@@ -60,18 +56,11 @@ def apply_update(master: dict[str, np.ndarray], update: WeightUpdate, payloads: 
 
 def export_quantized(config, master: dict[str, np.ndarray], tokenizer_from: Path, out: Path, ftype: int) -> Path:
     """Write the master weights as GGUF, requantized to `ftype` (the joined model's file type)."""
-    import llama_cpp
-
     f32 = out.with_name(out.stem + ".f32.gguf")
-    write_llama_model(config, master, f32, tokenizer_from=tokenizer_from)
-    if ftype == ALL_F32:
+    write_model(config, master, f32, tokenizer=tokenizer_from)
+    if ftype == FILE_TYPES["f32"]:
         return f32.replace(out)
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = ftype
     try:
-        rc = llama_cpp.llama_model_quantize(str(f32).encode(), str(out).encode(), ctypes.byref(params))
+        return quantize(f32, out, ftype)
     finally:
         f32.unlink(missing_ok=True)
-    if rc != 0:
-        raise ValueError(f"llama.cpp could not requantize to file type {ftype} (rc={rc})")
-    return out

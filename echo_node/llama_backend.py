@@ -20,6 +20,7 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
+from echo_node.gguf_io import Layout
 from protocols import sampling
 
 GGML_TYPE_F32 = 0
@@ -46,9 +47,7 @@ class LlamaBackend:
         self.llm = self._load(model_path)
         meta = self.llm.metadata
         self.file_type = int(meta.get("general.file_type", 0))  # the quant type to requantize to
-        self.n_layers = int(meta["llama.block_count"])
-        self.n_head = int(meta["llama.attention.head_count"])
-        self.n_head_kv = int(meta.get("llama.attention.head_count_kv", self.n_head))
+        self.layout = Layout.of_metadata(meta)  # what a LoRA adapter for this model must match
         self.vocab_size = self.llm.n_vocab()
         self.eos = self.llm.token_eos()
         self._adapter = None

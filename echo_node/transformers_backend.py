@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from echo_node.full_weights import distinct_weights
+from echo_node.gguf_io import load_model, load_tokenizer
 from echo_node.llama_backend import Completion
 from protocols import sampling
 
@@ -26,8 +27,8 @@ class TransformersBackend:
     def __init__(self, model_path: Path, threads: int = 0):
         if threads:
             torch.set_num_threads(threads)
-        model = AutoModelForCausalLM.from_pretrained(model_path.parent, gguf_file=model_path.name, dtype=torch.float32)
-        self._use(model, AutoTokenizer.from_pretrained(model_path.parent, gguf_file=model_path.name))
+        model = load_model(model_path, dtype=torch.float32)
+        self._use(model, load_tokenizer(model_path))
         # Master copy on the CPU: updates apply here bit-exactly, then copy into the model.
         self.master = distinct_weights(self.model)
 

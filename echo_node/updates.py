@@ -123,8 +123,7 @@ async def apply_lora(update: WeightUpdate, payloads: dict[str, bytes], backend, 
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0:
         raise UpdateError(f"update {update.to_version} carries no positive LoRA alpha")
     path = adapter_dir / f"v{update.to_version}.gguf"
-    await asyncio.to_thread(write_lora_adapter, tensors, float(alpha), path, backend.n_layers, backend.n_head,
-                            backend.n_head_kv)
+    await asyncio.to_thread(write_lora_adapter, tensors, float(alpha), path, backend.layout)
     await asyncio.to_thread(backend.set_adapter, path)
     for old in adapter_dir.glob("v*.gguf"):  # llama.cpp holds the adapter in memory: one file is enough
         if old != path:

@@ -102,7 +102,7 @@ class Attacker:
         path = self.work / f"v{version}.gguf"
         adapter = load_file(str(self.run_dir / "adapters" / f"v{version}.safetensors"))
         b = self.backend
-        write_lora_adapter(adapter, float(self.manifest.update_params["alpha"]), path, b.n_layers, b.n_head, b.n_head_kv)
+        write_lora_adapter(adapter, float(self.manifest.update_params["alpha"]), path, b.layout)
         b.set_adapter(path)
         self.version = version
 

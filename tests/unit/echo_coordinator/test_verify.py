@@ -29,8 +29,7 @@ def setup(tmp_path_factory):
     task = make_task("arithmetic")
     prompts = {seed: tuple(prompt_ids(trainer.tokenizer, task.generate(seed).messages)) for seed in (3, 4)}
     adapter = tmp_path_factory.mktemp("a") / "v1.gguf"
-    write_lora_adapter(trainer.weights(), trainer.config.lora_alpha, adapter, backend.n_layers, backend.n_head,
-                       backend.n_head_kv)
+    write_lora_adapter(trainer.weights(), trainer.config.lora_alpha, adapter, backend.layout)
     verifier = Verifier(trainer.evidence, SamplingRule(), keep_versions=4)
     verifier.remember(0, lora_base(trainer.weights()))
     verifier.remember(1, trainer.weights())

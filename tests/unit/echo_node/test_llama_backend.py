@@ -38,8 +38,7 @@ def test_behaviour_logprobs_match_the_trainer_with_and_without_adapter(setup):
         assert np.abs(trainer_logprobs(trainer, prompt, base) - np.array(base.logprobs)).max() < 1e-4
 
     path = adapters / "v1.gguf"
-    write_lora_adapter(trainer.weights(), trainer.config.lora_alpha, path, backend.n_layers, backend.n_head,
-                       backend.n_head_kv)
+    write_lora_adapter(trainer.weights(), trainer.config.lora_alpha, path, backend.layout)
     backend.set_adapter(path)
     adapted = backend.generate(prompt, 12, 0.7, seed=3)
     assert np.abs(trainer_logprobs(trainer, prompt, adapted) - np.array(adapted.logprobs)).max() < 1e-4
@@ -58,8 +57,7 @@ def test_same_seed_same_sample_and_group_prefix_reuse_is_exact(setup):
 def test_a_bad_adapter_file_leaves_the_old_adapter_active(setup, tmp_path):
     trainer, backend, prompt, adapters = setup
     path = adapters / "good.gguf"
-    write_lora_adapter(trainer.weights(), trainer.config.lora_alpha, path, backend.n_layers, backend.n_head,
-                       backend.n_head_kv)
+    write_lora_adapter(trainer.weights(), trainer.config.lora_alpha, path, backend.layout)
     backend.set_adapter(path)
     before = backend.generate(prompt, 6, 1.0, seed=1)
     junk = tmp_path / "junk.gguf"

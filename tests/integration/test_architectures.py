@@ -1,0 +1,115 @@
+"""Bring your own model, per architecture (Llama, Qwen2, Qwen3) on tiny random HF checkpoints:
+the coordinator's HF -> GGUF conversion and quantization, a GGUF LoRA adapter, and the full-mode
+re-export, each checked by running llama.cpp against transformers on the same weights."""
+
+import json
+
+import huggingface_hub.constants
+import numpy as np
+import pytest
+import torch
+
+from echo_coordinator.base_model import PROBE_TEXT, ModelError, prepare, resolve
+from echo_coordinator.config import TrainerConfig
+from echo_coordinator.trainer import Trainer
+from echo_node.full_weights import export_quantized, load_master
+from echo_node.gguf_io import FILE_TYPES, load_model, load_tokenizer, write_lora_adapter
+from echo_node.llama_backend import LlamaBackend
+from tests.support.tiny_model import build_tiny_checkpoint
+
+IDS = list(range(100, 140))  # a 40-token sequence of real vocabulary
+# Tolerances, from measurements on these tiny models (init_std 0.2: peaked distributions):
+F32_TOLERANCE = 1e-3  # max |logprob difference|; measured 1.3e-5 .. 1.7e-5
+Q8_KL = 0.02  # mean KL(HF || llama.cpp) per token; measured 0.0014 .. 0.0032
+Q4_KL = 0.3  # measured 0.037 .. 0.081
+
+
+def hf_logprobs(model, ids=IDS) -> np.ndarray:
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1).numpy()
+
+
+def llama_logprobs(backend: LlamaBackend, ids=IDS) -> np.ndarray:
+    backend.llm.reset()
+    backend.llm.eval(ids)
+    scores = np.array(backend.llm.scores[: len(ids)], dtype=np.float64)
+    return torch.log_softmax(torch.from_numpy(scores), -1).numpy()
+
+
+def kl(p_log: np.ndarray, q_log: np.ndarray) -> float:
+    return float((np.exp(p_log) * (p_log - q_log)).sum(-1).mean())
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def model(request, tmp_path_factory):
+    work = tmp_path_factory.mktemp(request.param)
+    checkpoint = build_tiny_checkpoint(work / "checkpoint", request.param, init_std=0.2)
+    ggufs = {q: prepare(str(checkpoint), q, work / "cache").node_gguf for q in ("f32", "q8_0", "q4_k_m")}
+    return request.param, checkpoint, ggufs, work
+
+
+def test_conversion_and_quantization_match_transformers(model):
+    arch, checkpoint, ggufs, _ = model
+    reference = hf_logprobs(load_model(checkpoint, dtype=torch.float32))
+    f32 = LlamaBackend(ggufs["f32"], threads=1, n_ctx=128)
+    assert f32.layout.arch == arch
+    assert np.abs(llama_logprobs(f32) - reference).max() < F32_TOLERANCE
+    # The converted vocabulary tokenizes like the checkpoint's tokenizer, special tokens included.
+    tokenizer = load_tokenizer(checkpoint)
+    assert f32.tokenize(PROBE_TEXT) == tokenizer(PROBE_TEXT, add_special_tokens=False).input_ids
+    assert f32.eos == tokenizer.eos_token_id
+    for quant, bound in (("q8_0", Q8_KL), ("q4_k_m", Q4_KL)):
+        backend = LlamaBackend(ggufs[quant], threads=1, n_ctx=128)
+        assert backend.file_type == FILE_TYPES[quant]
+        assert 0 < kl(reference, llama_logprobs(backend)) < bound  # quantized, and still the same model
+
+
+def test_a_lora_adapter_written_for_the_arch_matches_peft(model):
+    _, checkpoint, ggufs, work = model
+    trainer = Trainer(checkpoint, TrainerConfig(lora_rank=4, lora_init="random", threads=1), temperature=1.0)
+    backend = LlamaBackend(ggufs["f32"], threads=1, n_ctx=128)
+    path = work / "adapter.gguf"
+    write_lora_adapter(trainer.weights(), trainer.config.lora_alpha, path, backend.layout)
+    backend.set_adapter(path)
+    adapted = hf_logprobs(trainer.model)
+    assert np.abs(llama_logprobs(backend) - adapted).max() < F32_TOLERANCE
+    with trainer.model.disable_adapter():
+        assert np.abs(hf_logprobs(trainer.model) - adapted).max() > 0.01  # the adapter changes the model
+
+
+def test_full_mode_reexport_of_changed_weights(model):
+    _, checkpoint, ggufs, work = model
+    config, master = load_master(ggufs["f32"])
+    hf = load_model(checkpoint, dtype=torch.float32)
+    state = hf.state_dict()
+    assert all(np.array_equal(master[k], state[k].numpy()) for k in master)  # nodes start where the trainer does
+    rng = np.random.default_rng(0)
+    changed = {k: v + rng.normal(0, 0.05, v.shape).astype(np.float32) if v.ndim == 2 else v for k, v in master.items()}
+    hf.load_state_dict({k: torch.from_numpy(v) for k, v in changed.items()}, strict=False)
+    out = export_quantized(config, changed, ggufs["f32"], work / "reexport.gguf", FILE_TYPES["f32"])
+    reexported = llama_logprobs(LlamaBackend(out, threads=1, n_ctx=128))
+    assert np.abs(reexported - hf_logprobs(hf)).max() < F32_TOLERANCE
+    q8 = export_quantized(config, changed, ggufs["q8_0"], work / "reexport-q8.gguf", FILE_TYPES["q8_0"])
+    assert LlamaBackend(q8, threads=1, n_ctx=128).file_type == FILE_TYPES["q8_0"]
+
+
+def test_an_unsupported_architecture_is_refused_with_the_supported_list(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ModelError, match="GPT2LMHeadModel.*not supported.*Qwen2ForCausalLM"):
+        prepare(str(tmp_path), "q8_0", tmp_path / "cache")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelError, match="without config.json"):
+        resolve(str(tmp_path / "empty"))
+
+
+def test_an_hf_id_is_read_from_the_local_cache_offline(tmp_path, monkeypatch):
+    # The layout huggingface_hub writes: models--ORG--NAME/{refs/main, snapshots/REVISION/...}.
+    repo = tmp_path / "hub" / "models--echo--tiny-qwen2"
+    snapshot = build_tiny_checkpoint(repo / "snapshots" / ("a" * 40), "qwen2")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no network here anyway; this makes the refusal immediate
+    assert resolve("echo/tiny-qwen2") == snapshot
+    with pytest.raises(ModelError, match="not in the local HF cache"):
+        resolve("echo/absent")
