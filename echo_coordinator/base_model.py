@@ -25,10 +25,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from echo_node.gguf_io import ARCHS, SUPPORTED, UnsupportedModel, add_hparams, arch_of, quantize, write_model
+from protocols.chunks import DEFAULT_CHUNK_SIZE
 from protocols.errors import EchoError
+from protocols.messages import ModelFile
+from protocols.signing import sha256_hex, sign_message
 
 log = logging.getLogger(__name__)
 
+BASE_CHUNK_SIZE = DEFAULT_CHUNK_SIZE
 CONVERTER_VERSION = 1  # part of the cache key: a converter fix makes new files
 # llama.cpp pre-tokenizer names tried in order (llama-vocab.cpp knows these).
 PRE_TOKENIZERS = ("smollm", "qwen2", "llama-bpe", "gpt-2", "default", "deepseek-llm", "starcoder", "olmo", "gpt-4o")
@@ -50,6 +54,30 @@ class BaseModel:
     @property
     def is_gguf(self) -> bool:
         return self.source.is_file()
+
+
+def model_file(path: Path, run_id: str, key) -> ModelFile:
+    """The signed chunk list nodes fetch the base model by (one pass over the file)."""
+    whole, digests = hashlib.sha256(), []
+    with path.open("rb") as f:
+        while piece := f.read(BASE_CHUNK_SIZE):
+            whole.update(piece)
+            digests.append(sha256_hex(piece))
+    return sign_message(ModelFile(run_id=run_id, name=path.name, sha256=whole.hexdigest(), size=path.stat().st_size,
+                                  chunk_size=BASE_CHUNK_SIZE, chunks=tuple(digests)), key)
+
+
+def record(data_dir: Path, base: BaseModel) -> None:
+    """Where the trainer's model came from, for `eval` and `export` (which run without the coordinator)."""
+    (data_dir / "base.json").write_text(json.dumps({"source": str(base.source), "node_gguf": str(base.node_gguf),
+                                                    "arch": base.arch}))
+
+
+def recorded_source(data_dir: Path) -> Path:
+    try:
+        return Path(json.loads((data_dir / "base.json").read_text())["source"])
+    except (OSError, json.JSONDecodeError, KeyError) as e:
+        raise ModelError(f"{data_dir} has no readable base.json (was a run started there?): {e}") from None
 
 
 def resolve(model: str) -> Path:

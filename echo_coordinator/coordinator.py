@@ -31,7 +31,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from echo_coordinator import publish
+from echo_coordinator import base_model, publish
 from echo_coordinator.config import RunConfig, TrainerConfig
 from echo_coordinator.evaluation import EvalSet, due, eval_seeds
 from echo_coordinator.ledger import Ledger, MetricsLog
@@ -43,7 +43,7 @@ from protocols import rpc
 from protocols.errors import EchoError, TransportError
 from protocols.messages import LeaseRequest, RunManifest, TaskSpec, verified_announcements
 from protocols.sampling import SamplingRule
-from protocols.signing import fingerprint, load_or_create_key, public_bytes, sha256_file, sign_message
+from protocols.signing import fingerprint, load_or_create_key, public_bytes, sign_message
 from protocols.supervise import Backoff, Supervisor
 from protocols.sync import Mode
 from protocols.transport.relay import Relay
@@ -76,8 +76,9 @@ def demo_model_path() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def join_command(address: str, run_key_fp: str, model: Path) -> str:
-    return f"echo-node join {address} --run-key {run_key_fp} --model {model}"
+def join_command(address: str, run_key_fp: str) -> str:
+    """Nodes fetch the base model from the swarm; one that holds it already adds `--model FILE`."""
+    return f"echo-node join {address} --run-key {run_key_fp}"
 
 
 def run_coordinator(run: RunConfig, trainer_config: TrainerConfig, demo: bool = False, verbose: bool = False) -> int:
@@ -127,9 +128,8 @@ def _report_dashboard_end(task: asyncio.Task) -> None:
 class Coordinator:
     def __init__(self, run: RunConfig, trainer_config: TrainerConfig, demo: bool, status=None):
         self.run_config, self.trainer_config = run, trainer_config
-        self.model = demo_model_path() if demo or not run.model else Path(run.model).expanduser().resolve()
-        if not self.model.is_file():
-            raise EchoError(f"base model {self.model} does not exist")
+        # Checked now (a wrong path fails at once); converted for the nodes in `_run`.
+        self.model = demo_model_path() if demo or not run.model else base_model.resolve(run.model)
         self.data_dir = Path(run.data_dir).expanduser()
         self.data_dir.mkdir(parents=True, exist_ok=True)
         (self.data_dir / "adapters").mkdir(exist_ok=True)
@@ -191,15 +191,18 @@ class Coordinator:
         from protocols.transport.dht import SwarmDHT
 
         cfg = self.run_config
+        if self.model.is_dir():
+            self._waiting(f"making the nodes' GGUF ({cfg.node_quant}) of {self.model.name} (cached after the first run) ...")
+        self.base = await asyncio.to_thread(base_model.prepare, str(self.model), cfg.node_quant, self.data_dir / "models")
+        base_model.record(self.data_dir, self.base)
         self._waiting(f"loading the trainer on {self.model.name} ...")
         trainer = await self._on_trainer(Trainer, self.model, self.trainer_config, cfg.temperature, cfg.seed, cfg.update)
-        base_sha = await asyncio.to_thread(sha256_file, self.model)
         # A persistent libp2p identity keeps our address stable, so nodes reconnect after a restart.
         # main thread: see SwarmDHT.start
         dht = SwarmDHT.start(cfg.host, cfg.port or self._previous_port(), None, self.data_dir / "p2p.id",
                              run_fingerprint=self.fp)
         try:
-            await self._serve(dht, trainer, base_sha)
+            await self._serve(dht, trainer)
         finally:
             dht.shutdown()
 
@@ -255,15 +258,16 @@ class Coordinator:
             if f"checkpoints/{old.name}" != checkpoint:
                 shutil.rmtree(old, ignore_errors=True)
 
-    async def _serve(self, dht, trainer, base_sha: str) -> None:
+    async def _serve(self, dht, trainer) -> None:
         from echo_coordinator.trainer import prompt_ids, turn_format
 
         cfg, tcfg = self.run_config, self.trainer_config
         state = self._load_state()
         addresses = [a for a in dht.addresses() if f"/ip4/{cfg.host}/" in a] or dht.addresses()
+        run_id = state["run_id"] if state else f"run-{self.fp[:8]}-{int(time.time())}"
+        base_file = await asyncio.to_thread(base_model.model_file, self.base.node_gguf, run_id, self.key)
         manifest = sign_message(RunManifest(
-            run_id=state["run_id"] if state else f"run-{self.fp[:8]}-{int(time.time())}", base_model=self.model.name,
-            base_sha256=base_sha, vocab_size=len(trainer.tokenizer), mode=cfg.mode, update=cfg.update,
+            run_id=run_id, base_model=self.base.node_gguf.name, base_sha256=base_file.sha256, vocab_size=len(trainer.tokenizer), mode=cfg.mode, update=cfg.update,
             staleness=cfg.staleness, task=TaskSpec(cfg.task, dict(cfg.task_params), self.task.max_turns),
             group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
             run_key=public_bytes(self.key), trainer_addrs=tuple(addresses),
@@ -276,6 +280,7 @@ class Coordinator:
         # The trainer sends about `trainer_upload_copies` of each update; nodes relay the rest.
         budget = UploadBudget(cfg.trainer_upload_copies) if cfg.trainer_upload_copies > 0 else None
         relay = Relay(budget=budget, peers_holding=lambda v: sum(held >= v for held in self.peer_versions.values()))
+        relay.serve_file(base_file, self.base.node_gguf)  # nodes without the base fetch it from us and their peers
         # Verification runs the trainer's forward pass, so on the trainer's thread; handler threads wait.
         self.verifier = Verifier(
             trainer.evidence, SamplingRule(),
@@ -328,7 +333,7 @@ class Coordinator:
         supervisor = Supervisor()
         supervisor.start(self._refresh_records(dht, manifest, service), "dht-refresh")
         dashboard = self._start_dashboard(ledger, service)
-        line = join_command(addresses[0], self.fp, self.model)
+        line = join_command(addresses[0], self.fp)
         (self.data_dir / "join.txt").write_text(line + "\n")
         console.print(f"[bold]run {manifest.run_id}[/] ({cfg.mode}, {cfg.task}); volunteers join with:")
         print(f"  {line}", flush=True)  # never wrapped: people copy this line

@@ -59,7 +59,7 @@ def weights_of(data_dir: Path, run: RunConfig, trainer, version: int) -> dict[st
 
 def evaluate(data_dir: Path, version: int, prompts: int | None = None, progress=None) -> list[dict]:
     """Held-out accuracy of `version`, one record per sampling (the same keys as metrics.jsonl's)."""
-    from echo_coordinator.coordinator import demo_model_path
+    from echo_coordinator.base_model import recorded_source
     from echo_coordinator.trainer import Trainer
     from tasks import TaskError, make_task
 
@@ -69,8 +69,7 @@ def evaluate(data_dir: Path, version: int, prompts: int | None = None, progress=
         task = make_task(run.task, run.eval_task_params or run.task_params)
     except TaskError as e:
         raise EchoError(str(e)) from None
-    model = Path(run.model).expanduser() if run.model else demo_model_path()
-    trainer = Trainer(model, tcfg, run.temperature, run.seed, run.update)
+    trainer = Trainer(recorded_source(data_dir), tcfg, run.temperature, run.seed, run.update)
     with trainer.holding(weights_of(data_dir, run, trainer, version)):
         return _run(trainer, task, run, version, prompts, progress)
 

@@ -20,12 +20,16 @@ def _root() -> None:
 def join(
     address: str = typer.Argument(..., help="Coordinator multiaddr, as printed by `echo-coordinator start`."),
     run_key: str = typer.Option(..., help="Fingerprint of the run key, as printed by the coordinator."),
-    model: Path = typer.Option(..., exists=True, dir_okay=False, help="Your copy of the run's base model GGUF."),
+    model: Optional[Path] = typer.Option(None, exists=True, dir_okay=False,
+                                         help="Your copy of the run's base model GGUF (default: fetch it from the "
+                                              "coordinator and peers, cached in --data-dir)."),
     name: Optional[str] = typer.Option(None, help="Public display name (default: from your key)."),
     data_dir: Path = typer.Option(Path("~/.echo-node"), help="Node key, adapters, logs."),
     threads: int = typer.Option(0, help="Generation threads (0 = all cores)."),
     backend: str = typer.Option("llama_cpp", help="llama_cpp (GGUF, any machine) or transformers (full-mode runs, "
                                                   "CUDA when present)."),
+    gpu_layers: Optional[int] = typer.Option(None, help="llama.cpp layers to offload to the GPU (default: all when "
+                                                        "llama.cpp was built with CUDA, Metal or Vulkan; 0 = CPU only)."),
     verbose: bool = typer.Option(False, "--verbose", help="A line per lease and update, and INFO logs, instead of "
                                                           "one live status line."),
 ) -> None:
@@ -36,7 +40,7 @@ def join(
 
     config = NodeConfig(
         address=address, run_key=run_key, model=model, name=name, data_dir=data_dir.expanduser(), threads=threads,
-        backend=backend, verbose=verbose,
+        backend=backend, gpu_layers=gpu_layers, verbose=verbose,
     )
     raise typer.Exit(run_node(config))
 

@@ -12,6 +12,7 @@ group (6x faster on a 263-token prompt) give the same tokens as a cold start.
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -37,17 +38,38 @@ class Interrupted(Exception):
     """`interrupt` was set while generating: the sample is dropped."""
 
 
+def hardware_summary(gpu: bool, gpu_layers: int, n_layers: int, threads: int) -> str:
+    """What this node runs on, for its announcement: `x86_64, 2 cores, 23 GiB RAM, CPU only`."""
+    import platform
+
+    import psutil
+
+    cores = threads or os.cpu_count() or 1
+    memory = psutil.virtual_memory().total / 2**30
+    if not gpu or gpu_layers == 0:
+        where = "CPU only"
+    else:
+        where = f"GPU offload {n_layers if gpu_layers < 0 else min(gpu_layers, n_layers)}/{n_layers} layers"
+    return f"{platform.machine()}, {cores} cores, {memory:.0f} GiB RAM, {where}"
+
+
 class LlamaBackend:
     name = "llama_cpp"
 
-    def __init__(self, model_path: Path, threads: int = 0, n_ctx: int = 2048, interrupt: threading.Event | None = None):
-        """`interrupt`: when set (the node stopping), generation stops at the next token."""
-        self.threads, self.n_ctx = threads, n_ctx
+    def __init__(self, model_path: Path, threads: int = 0, n_ctx: int = 2048, interrupt: threading.Event | None = None,
+                 gpu_layers: int | None = None):
+        """`interrupt`: when set (the node stopping), generation stops at the next token.
+        `gpu_layers`: layers to offload; None: all of them when llama.cpp was built with a GPU backend."""
+        self.gpu = bool(llama_cpp.llama_supports_gpu_offload())
+        if gpu_layers is None:
+            gpu_layers = -1 if self.gpu else 0
+        self.threads, self.n_ctx, self.gpu_layers = threads, n_ctx, gpu_layers
         self.interrupt = interrupt or threading.Event()
         self.llm = self._load(model_path)
         meta = self.llm.metadata
         self.file_type = int(meta.get("general.file_type", 0))  # the quant type to requantize to
         self.layout = Layout.of_metadata(meta)  # what a LoRA adapter for this model must match
+        self.hardware = hardware_summary(self.gpu, gpu_layers, self.layout.n_layers, threads)
         self.vocab_size = self.llm.n_vocab()
         self.eos = self.llm.token_eos()
         self._adapter = None
@@ -56,7 +78,7 @@ class LlamaBackend:
 
     def _load(self, path: Path) -> llama_cpp.Llama:
         kwargs = dict(n_threads=self.threads) if self.threads else {}
-        return llama_cpp.Llama(str(path), logits_all=True, n_ctx=self.n_ctx, verbose=False,
+        return llama_cpp.Llama(str(path), logits_all=True, n_ctx=self.n_ctx, verbose=False, n_gpu_layers=self.gpu_layers,
                                type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32, **kwargs)
 
     def reload(self, path: Path) -> None:

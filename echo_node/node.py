@@ -21,13 +21,14 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
+from echo_node.base_download import download, fetch_model_file, progress_line
 from echo_node.episodes import play
 from echo_node.full_weights import apply_update, export_quantized, load_master
 from echo_node.updates import UpdateError, apply_lora, catch_up
 from protocols import rpc, sampling
 from protocols.errors import EchoError, ProtocolError, RemoteError, SignatureError, TransportError
 from protocols.messages import (
-    LeaseRequest, NoWork, PeerAnnouncement, PushReceipt, RolloutBatch, RolloutSample, RunManifest, TaskLease,
+    LeaseRequest, ModelFile, NoWork, PeerAnnouncement, PushReceipt, RolloutBatch, RolloutSample, RunManifest, TaskLease,
     WeightUpdate, verified_announcements,
 )
 from protocols.supervise import Backoff
@@ -56,18 +57,20 @@ class JoinRefused(EchoError):
 
 
 class Stopped(EchoError):
-    """Ctrl-C arrived during generation; the unfinished batch is dropped (its lease expires)."""
+    """Ctrl-C arrived during generation (the unfinished batch is dropped, its lease expires) or
+    before the node could start (a base model download resumes on the next join)."""
 
 
 @dataclass(frozen=True)
 class NodeConfig:
     address: str  # coordinator multiaddr from the join line
     run_key: str  # pinned run-key fingerprint
-    model: Path  # this node's copy of the base model GGUF
+    model: Path | None = None  # this node's copy of the base model GGUF; None: fetch it from the swarm
     name: str | None = None  # public display name
     data_dir: Path = Path("~/.echo-node")
     threads: int = 0  # generation threads; 0 = all cores
     backend: str = "llama_cpp"  # "llama_cpp" (GGUF, any machine) or "transformers" (full mode, CUDA if present)
+    gpu_layers: int | None = None  # llama.cpp layers to offload; None: all when llama.cpp has a GPU backend
     verbose: bool = False  # a line per lease and update, and INFO logs, instead of one live status line
 
 
@@ -82,6 +85,9 @@ def run_node(config: NodeConfig) -> int:
     except JoinRefused as e:
         console.print(f"[red]refused to join:[/] {e}")
         return 3
+    except Stopped as e:  # asked to stop, like a Ctrl-C mid-run: not a failure
+        console.print(f"[yellow]{e}[/]")
+        return 0
     except (EchoError, OSError) as e:
         console.print(f"[red]error:[/] {e}")
         return 1
@@ -170,36 +176,34 @@ class Node:
 
             if self.manifest.update != "full":
                 raise JoinRefused("the transformers backend takes full-parameter runs (update = \"full\") only")
-            self.backend = TransformersBackend(self.config.model, self.config.threads)
+            self.backend = TransformersBackend(self.model, self.config.threads)
             self.master, self.hf_config = self.backend.master, self.backend.config
             return
         from echo_node.llama_backend import LlamaBackend
 
         multi_turn = self.manifest.task.max_turns > 1
         n_ctx = 4096 if self.manifest.max_new_tokens > 2048 or multi_turn else 2048
-        self.backend = LlamaBackend(self.config.model, self.config.threads, n_ctx, interrupt=self.stop_requested)
+        self.backend = LlamaBackend(self.model, self.config.threads, n_ctx, interrupt=self.stop_requested,
+                                    gpu_layers=self.config.gpu_layers)
         if self.manifest.update == "full":
-            self.hf_config, self.master = load_master(self.config.model)
+            self.hf_config, self.master = load_master(self.model)
 
     async def _run(self, dht) -> None:
         from protocols.transport.dht import record_key
 
         self.endpoint = await dht.endpoint()
         manifest = await self._fetch_manifest(dht, record_key(self.config.run_key, "manifest"))
-        model_sha = await asyncio.to_thread(sha256_file, self.config.model)
-        if model_sha != manifest.base_sha256:
-            raise JoinRefused(
-                f"your model {self.config.model.name} (sha256 {model_sha[:12]}) is not this run's base model "
-                f"{manifest.base_model} (sha256 {manifest.base_sha256[:12]})"
-            )
         self.manifest, self.trainer = manifest, trainer_peer(manifest)
+        peers_key = record_key(self.config.run_key, "peers")
+        model_file = await self._model_file()
+        self.model = await self._until_stopped(self._base_model(model_file, dht, peers_key), "fetching the base model")
+        self.relay.serve_file(model_file, self.model)  # every node serves the base to later joiners
         self.task = self._load_task() if manifest.task.max_turns > 1 else None
-        self._waiting(f"loading {self.config.model.name} ...")
+        self._waiting(f"loading {manifest.base_model} ...")
         await asyncio.to_thread(self._load_backend)
         await self.relay.serve(self.endpoint)
         console.print(f"joined run {manifest.run_id} as {self.name} (node key {fingerprint(self.node_key)}); "
-                      f"task {manifest.task.name}, mode {manifest.mode}")
-        peers_key = record_key(self.config.run_key, "peers")
+                      f"task {manifest.task.name}, mode {manifest.mode}; {self.backend.hardware}")
         announcer = asyncio.create_task(self._announce(dht, peers_key), name="announce")
         work = asyncio.create_task(self._work_loop(announcer), name="work")
         stop = asyncio.create_task(self.stopping.wait(), name="stop")
@@ -221,6 +225,73 @@ class Node:
             except TransportError as e:
                 log.warning("could not withdraw the announcement: %s", e)
             console.print(f"left the run at version {self.version}")
+
+    async def _model_file(self) -> ModelFile:
+        """The run's signed chunk list of its base model, from the trainer (retried while it
+        cannot be reached)."""
+        backoff = Backoff()
+        while True:
+            try:
+                return await fetch_model_file(self.endpoint, self.trainer, self.manifest, CALL_TIMEOUT)
+            except TransportError as e:
+                await self._retry(e, backoff)
+                if self.stopping.is_set():
+                    raise Stopped("stopped before the run's base model was known") from None
+            except (ProtocolError, SignatureError, UpdateError) as e:
+                raise JoinRefused(f"the run's base model list is not valid: {e}") from None
+
+    async def _base_model(self, model_file: ModelFile, dht, peers_key: str) -> Path:
+        """`--model`, checked against the run's base; without it the base from the swarm."""
+        if self.config.model is not None:
+            model_sha = await asyncio.to_thread(sha256_file, self.config.model)
+            if model_sha != self.manifest.base_sha256:
+                raise JoinRefused(
+                    f"your model {self.config.model.name} (sha256 {model_sha[:12]}) is not this run's base model "
+                    f"{self.manifest.base_model} (sha256 {self.manifest.base_sha256[:12]}); leave out --model "
+                    "to fetch it from the swarm")
+            return self.config.model
+
+        async def holders() -> list[str]:
+            """Peers announcing this base, newest version first (likeliest to be up)."""
+            try:
+                announced = verified_announcements(await dht.get(peers_key))
+            except TransportError:
+                return []
+            found = [a for a in announced if a.model_sha256 == self.manifest.base_sha256]
+            return [a.peer_id for a in sorted(found, key=lambda a: -a.version)]
+
+        def show(done: int, total: int, seconds: float, fetched: int) -> None:
+            line = progress_line(done, total, seconds, fetched)
+            if self.status is not None:
+                self.status.update(line)
+            elif done == total or time.monotonic() - self.said_progress > 2.0:
+                self.said_progress = time.monotonic()
+                console.print(line)
+
+        self.said_progress = 0.0
+        try:
+            path, sources = await download(self.endpoint, self.trainer, holders, model_file,
+                                           self.data_dir / "models", show, CALL_TIMEOUT)
+        except (UpdateError, ProtocolError, TransportError) as e:
+            raise EchoError(f"could not fetch the base model: {e}; run the same command to resume") from None
+        if sources:
+            from_trainer = sources.pop(self.trainer, 0)
+            console.print(f"fetched the base model {self.manifest.base_model} ({model_file.size / 1e6:.1f} MB): "
+                          f"{sum(sources.values()) / 1e6:.1f} MB from {len(sources)} peers, "
+                          f"{from_trainer / 1e6:.1f} MB from the coordinator")
+        return path
+
+    async def _until_stopped(self, work, what: str):
+        """`work`'s result, unless Ctrl-C comes first: then it is cancelled and `Stopped` raised."""
+        task = asyncio.ensure_future(work)
+        stop = asyncio.create_task(self.stopping.wait())
+        await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise Stopped(f"stopped while {what}; the same command resumes where it stopped")
 
     def _request_stop(self) -> None:
         self.stopping.set()
@@ -296,7 +367,7 @@ class Node:
         return sign_message(PeerAnnouncement(
             peer_id=self.endpoint.peer_id, name=self.name, role="node", backend=self.backend.name,
             model_sha256=self.manifest.base_sha256, version=self.version, throughput=self.backend.throughput,
-            public_key=self.node_key, time=time.time(), left=left,
+            public_key=self.node_key, time=time.time(), left=left, hardware=self.backend.hardware,
         ), self.key)
 
     async def _work_loop(self, announcer: asyncio.Task) -> None:
@@ -427,7 +498,7 @@ class Node:
         else:
             out = self.data_dir / "weights" / f"v{self.version}.gguf"
             out.parent.mkdir(exist_ok=True)
-            export_quantized(self.hf_config, self.master, self.config.model, out, self.backend.file_type)
+            export_quantized(self.hf_config, self.master, self.model, out, self.backend.file_type)
             self.backend.reload(out)
             for old in out.parent.glob("v*.gguf"):
                 if old != out:

@@ -13,8 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
 from echo_node.full_weights import distinct_weights
 from echo_node.gguf_io import load_model, load_tokenizer
 from echo_node.llama_backend import Completion
@@ -42,6 +40,11 @@ class TransformersBackend:
     def _use(self, model, tokenizer) -> None:
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.model = model.to(self.device).eval()
+        from echo_node.llama_backend import hardware_summary
+
+        self.hardware = hardware_summary(False, 0, 0, torch.get_num_threads())
+        if self.device == "cuda":
+            self.hardware = self.hardware.replace("CPU only", f"CUDA {torch.cuda.get_device_name()}")
         self.config = model.config
         self.vocab_size = model.config.vocab_size
         self.eos = model.config.eos_token_id

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -53,16 +54,18 @@ async def fetch_manifest(endpoint, provider: str, run: RunManifest, step: catchu
     return update
 
 
-async def fetch_chunks(endpoint, providers: list[str], digests: list[str], timeout: float) -> dict[str, bytes]:
+async def fetch_chunks(endpoint, providers: list[str], digests: list[str], timeout: float,
+                       sources: Counter | None = None) -> dict[str, bytes]:
     """Verified chunk bytes by digest, fetched from several providers in parallel. Digests a
     provider withholds, corrupts, refuses ("busy") or loses mid-stream are asked of the others;
-    chunks received before a failure are kept. Raises UpdateError only when every provider failed."""
+    chunks received before a failure are kept. Raises UpdateError only when every provider failed.
+    `sources`, if given, counts the bytes each provider sent."""
     found: dict[str, bytes] = {}
     remaining, live, busy = list(digests), list(providers), False
     while remaining and live:
         shares = {p: remaining[i :: len(live)] for i, p in enumerate(live)}
-        results = await asyncio.gather(*(_fetch_from(endpoint, p, share, timeout, found) for p, share in shares.items()),
-                                       return_exceptions=True)
+        results = await asyncio.gather(*(_fetch_from(endpoint, p, share, timeout, found, sources)
+                                         for p, share in shares.items()), return_exceptions=True)
         for provider, result in zip(shares, results):
             if isinstance(result, (ProtocolError, TransportError)):
                 log.info("provider %s failed: %s", provider[-8:], result)
@@ -79,11 +82,14 @@ async def fetch_chunks(endpoint, providers: list[str], digests: list[str], timeo
     return found
 
 
-async def _fetch_from(endpoint, provider: str, digests: list[str], timeout: float, found: dict[str, bytes]) -> None:
+async def _fetch_from(endpoint, provider: str, digests: list[str], timeout: float, found: dict[str, bytes],
+                      sources: Counter | None) -> None:
     async def keep(raw: bytes) -> None:
         chunk = Chunk.from_wire(raw)
         if chunk.digest in wanted:
             found[chunk.digest] = chunks.check(chunk.digest, chunk.data)
+            if sources is not None:
+                sources[provider] += len(chunk.data)
 
     step = rpc.MAX_CHUNKS_PER_REQUEST
     for i in range(0, len(digests), step):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from protocols.messages.updates import MAX_CHUNKS_PER_REQUEST  # noqa: F401  (callers batch by it)
 from protocols.messages import (
-    Chunk, ChunkRequest, LeaseRequest, NoWork, PushReceipt, RolloutBatch, RunManifest, TaskLease, UpdateIndex,
+    Chunk, ChunkRequest, LeaseRequest, ModelFile, NoWork, PushReceipt, RolloutBatch, RunManifest, TaskLease, UpdateIndex,
     UpdateRequest, WeightUpdate,
 )
 
@@ -37,6 +37,7 @@ LEASE = Rpc("echo.lease", LeaseRequest, (TaskLease, NoWork), LeaseRequest.MAX_BY
 PUSH = Rpc("echo.push", RolloutBatch, (PushReceipt,), RolloutBatch.MAX_BYTES, 300.0, per_peer=2)
 UPDATES = Rpc("echo.updates", None, (UpdateIndex,), 1024, 60.0, per_peer=4)
 UPDATE = Rpc("echo.update", UpdateRequest, (WeightUpdate,), UpdateRequest.MAX_BYTES, 60.0, per_peer=4)
+BASE = Rpc("echo.base", None, (ModelFile,), 1024, 60.0, per_peer=4)
 CHUNKS = Rpc("echo.chunks", ChunkRequest, (Chunk,), ChunkRequest.MAX_BYTES, 120.0, per_peer=4, stream=True)
 
-ALL = (MANIFEST, LEASE, PUSH, UPDATES, UPDATE, CHUNKS)
+ALL = (MANIFEST, LEASE, PUSH, UPDATES, UPDATE, BASE, CHUNKS)

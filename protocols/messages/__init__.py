@@ -2,13 +2,13 @@
 
 - `run`      RunManifest (+ TaskSpec, TurnFormat), PeerAnnouncement, ErrorReply: what a run is, who is in it
 - `work`     LeaseRequest, TaskLease, NoWork, RolloutBatch (+ RolloutSample, Segment), PushReceipt
-- `updates`  WeightUpdate (+ TensorEntry), UpdateRequest, UpdateIndex, ChunkRequest, Chunk
+- `updates`  WeightUpdate (+ TensorEntry), ModelFile, UpdateRequest, UpdateIndex, ChunkRequest, Chunk
 
 Frozen dataclasses; `to_wire()` / `Cls.from_wire(data)` (see `wire.WireMessage`). Bodies ignore
 unknown fields and reject wrong types, missing fields and out-of-limit values with a typed
 `ProtocolError`. Signed messages carry `signature` last; see `signing.sign_message`.
 
-Who signs what: the run key signs RunManifest and WeightUpdate; a node's own key signs its
+Who signs what: the run key signs RunManifest, WeightUpdate and ModelFile; a node's own key signs its
 PeerAnnouncement, LeaseRequest and RolloutBatch (the key travels in the message and the node is
 known by its fingerprint, so credit and bans follow the key, not a claimed name).
 """
@@ -18,7 +18,7 @@ from protocols.messages.run import (
     TaskSpec, TurnFormat, verified_announcements,
 )
 from protocols.messages.updates import (
-    MAX_CHUNK_BYTES, MAX_TENSORS, Chunk, ChunkRequest, TensorEntry, UpdateIndex, UpdateInfo, UpdateRequest,
+    MAX_CHUNK_BYTES, MAX_TENSORS, Chunk, ChunkRequest, ModelFile, TensorEntry, UpdateIndex, UpdateInfo, UpdateRequest,
     WeightUpdate,
 )
 from protocols.messages.work import (
@@ -29,6 +29,6 @@ from protocols.messages.work import (
 __all__ = [
     "MAX_ADDRS", "MAX_BATCH_TOKENS", "MAX_CHUNK_BYTES", "MAX_SAMPLES", "MAX_SAMPLE_TOKENS", "MAX_SEEDS", "MAX_TENSORS",
     "MAX_TURNS", "MODES", "ROLES", "SEGMENT_ROLES", "UPDATE_MODES", "Chunk", "ChunkRequest", "ErrorReply", "LeaseRequest",
-    "NoWork", "PeerAnnouncement", "PushReceipt", "RolloutBatch", "RolloutSample", "RunManifest", "Segment", "TaskLease", "TaskSpec",
+    "ModelFile", "NoWork", "PeerAnnouncement", "PushReceipt", "RolloutBatch", "RolloutSample", "RunManifest", "Segment", "TaskLease", "TaskSpec",
     "TensorEntry", "TurnFormat", "UpdateIndex", "UpdateInfo", "UpdateRequest", "WeightUpdate", "verified_announcements",
 ]

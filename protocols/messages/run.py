@@ -134,6 +134,7 @@ class PeerAnnouncement(WireMessage):
     public_key: bytes
     time: float
     left: bool = False  # a signed withdrawal: the peer has left (only its own key can hide it)
+    hardware: str = ""  # e.g. "x86_64, 8 cores, 31 GiB RAM, CPU only" (shown on the dashboard)
     signature: bytes = b""
 
     @property
@@ -144,7 +145,8 @@ class PeerAnnouncement(WireMessage):
         return {
             "peer_id": self.peer_id, "name": self.name, "role": self.role, "backend": self.backend,
             "model_sha256": self.model_sha256, "version": self.version, "throughput": self.throughput,
-            "public_key": self.public_key, "time": self.time, "left": self.left, "signature": self.signature,
+            "public_key": self.public_key, "time": self.time, "left": self.left, "hardware": self.hardware,
+            "signature": self.signature,
         }
 
     @classmethod
@@ -155,7 +157,8 @@ class PeerAnnouncement(WireMessage):
             backend=f.text("backend", 32), model_sha256=f.sha256("model_sha256"),
             version=f.integer("version"), throughput=f.number("throughput", 0.0),
             public_key=f.blob("public_key", PUBLIC_KEY_BYTES, exact=PUBLIC_KEY_BYTES),
-            time=f.number("time", 0.0), left=f.flag("left") if f.has("left") else False, signature=f.signature(),
+            time=f.number("time", 0.0), left=f.flag("left") if f.has("left") else False,
+            hardware=f.text("hardware", 128) if f.has("hardware") else "", signature=f.signature(),
         )
 
 

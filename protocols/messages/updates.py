@@ -1,4 +1,5 @@
-"""Weight updates: signed manifests of content-addressed chunks, and how nodes ask for them."""
+"""Weight updates and the base model file: signed manifests of content-addressed chunks, and how
+nodes ask for them."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from protocols.wire import Fields, WireMessage
 MAX_TENSORS = 20_000  # per WeightUpdate
 MAX_CHUNK_BYTES = 8 * 2**20
 MAX_CHUNKS_PER_REQUEST = 64  # chunks one ChunkRequest may name: at most 512 MiB of replies
+MAX_FILE_CHUNKS = 2**16  # a ModelFile's chunks: 256 GiB at the default 4 MiB
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,43 @@ class WeightUpdate(WireMessage):
             mode=f.text("mode", choices=UPDATE_MODES), tensors=tensors, chunk_size=chunk_size, replaces=f.flag("replaces"),
             params=f.params("params"), created=f.number("created", 0.0), signature=f.signature(),
         )
+
+
+@dataclass(frozen=True)
+class ModelFile(WireMessage):
+    """The run's base model file (the GGUF nodes run at version 0) as content-addressed chunks,
+    signed by the run key; its sha256 is the RunManifest's `base_sha256`. Nodes without the file
+    fetch the chunks from the trainer and from peers that hold it, checking each against this list."""
+
+    KIND = "model_file"
+    MAX_BYTES = 4 * 2**20 + 4096
+
+    run_id: str
+    name: str  # file name, for people: the hash is what counts
+    sha256: str  # of the whole file
+    size: int
+    chunk_size: int  # every chunk but the last is exactly this long
+    chunks: tuple[str, ...]  # sha256 hex of each chunk, in file order
+    signature: bytes = b""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"run_id": self.run_id, "name": self.name, "sha256": self.sha256, "size": self.size,
+                "chunk_size": self.chunk_size, "chunks": list(self.chunks), "signature": self.signature}
+
+    @classmethod
+    def from_dict(cls, body: dict[str, Any]) -> ModelFile:
+        f = Fields(body, cls.KIND)
+        size, chunk_size = f.integer("size", 1, 2**48), f.integer("chunk_size", 1, MAX_CHUNK_BYTES)
+        chunks = tuple(f.sha256s("chunks", MAX_FILE_CHUNKS))
+        if len(chunks) != -(-size // chunk_size):
+            raise InvalidValue(f"{cls.KIND}: {len(chunks)} chunks cannot hold {size} bytes at {chunk_size} per chunk")
+        return cls(run_id=f.text("run_id"), name=f.text("name", 256), sha256=f.sha256("sha256"), size=size,
+                   chunk_size=chunk_size, chunks=chunks, signature=f.signature())
+
+    def span(self, index: int) -> tuple[int, int]:
+        """(offset, length) of chunk `index` in the file."""
+        offset = index * self.chunk_size
+        return offset, min(self.chunk_size, self.size - offset)
 
 
 @dataclass(frozen=True)

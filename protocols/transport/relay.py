@@ -1,5 +1,5 @@
-"""Serving verified updates: the trainer publishes through a Relay, and every node runs one for
-the updates it has verified and applied, so the trainer uploads each version about once however
+"""Serving verified updates and the base model file: the trainer publishes through a Relay, and
+every node runs one for the updates it has verified and applied and for its base model file, so the trainer uploads each version about once however
 many nodes join (see `protocols.uploads`). What a relay serves is exactly what it checked (signed
 manifest, hashed chunks), and receivers check it all again: relaying adds no trust.
 """
@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-
 from protocols.errors import ProtocolError
 from protocols import rpc
-from protocols.messages import Chunk, ChunkRequest, UpdateIndex, UpdateInfo, UpdateRequest, WeightUpdate
+from pathlib import Path
+
+from protocols.messages import Chunk, ChunkRequest, ModelFile, UpdateIndex, UpdateInfo, UpdateRequest, WeightUpdate
 from protocols.uploads import UploadBudget
 
 
@@ -19,6 +20,9 @@ class Busy(ProtocolError):
     """This provider has sent its share of an update; fetch the rest from peers that hold it."""
 
     code = "busy"
+
+
+BASE_KEY = "base"  # the upload budget's account for the base model file
 
 
 class Relay:
@@ -29,6 +33,16 @@ class Relay:
         self.keep_versions, self.budget, self.peers_holding = keep_versions, budget, peers_holding
         self.updates: dict[tuple[int, int], tuple[WeightUpdate, dict[str, bytes]]] = {}
         self.bytes_served = 0
+        self.base: tuple[ModelFile, Path] | None = None  # the base model file and where it lies
+        self._base_spans: dict[str, tuple[int, int]] = {}  # chunk digest -> (offset, length) in it
+
+    def serve_file(self, manifest: ModelFile, path: Path) -> None:
+        """Serve the base model file's chunks from disk. The caller checked the file's sha256
+        against the signed manifest, so every chunk hashes to its digest."""
+        self._base_spans = {d: manifest.span(i) for i, d in enumerate(manifest.chunks)}
+        self.base = (manifest, path)
+        if self.budget is not None:
+            self.budget.register(BASE_KEY)
 
     def remember(self, update: WeightUpdate, store: dict[str, bytes]) -> None:
         """Serve `update`. Updates ending more than `keep_versions` back are forgotten, except the
@@ -71,6 +85,18 @@ class Relay:
                     raise Busy(f"sent its share of update {key[0]}->{key[1]}; fetch from peers holding it")
                 self.bytes_served += len(data)
                 return data
+        if digest in self._base_spans:
+            # Every node that holds any version holds the base: count them as holders of version 0.
+            if self.budget is not None and not self.budget.allow(
+                BASE_KEY, peer, time.monotonic() if now is None else now, self.peers_holding(0)
+            ):
+                raise Busy("sent its share of the base model; fetch from peers holding it")
+            offset, length = self._base_spans[digest]
+            with self.base[1].open("rb") as f:  # a page-cache read, ~1 ms for 4 MiB
+                f.seek(offset)
+                data = f.read(length)
+            self.bytes_served += len(data)
+            return data
         return None
 
     async def serve(self, endpoint) -> None:
@@ -90,6 +116,11 @@ class Relay:
         async def updates(request: bytes, peer: str):
             yield self.index().to_wire()
 
+        async def base(request: bytes, peer: str):
+            if self.base is not None:
+                yield self.base[0].to_wire()
+
         await endpoint.serve(rpc.CHUNKS, chunks)
         await endpoint.serve(rpc.UPDATE, update)
         await endpoint.serve(rpc.UPDATES, updates)
+        await endpoint.serve(rpc.BASE, base)

@@ -42,7 +42,7 @@ def wait_for(predicate, timeout: float, what: str, procs=()):
 
 
 def join_argv(run_dir: Path, coordinator: subprocess.Popen) -> list[str]:
-    """Once the coordinator has printed it, the join line as argv: echo-node join ADDR --run-key FP --model M."""
+    """Once the coordinator has printed it, the join line as argv: echo-node join ADDR --run-key FP."""
     wait_for((run_dir / "join.txt").exists, 120, "the join line", [coordinator])
     return shlex.split((run_dir / "join.txt").read_text())
 
