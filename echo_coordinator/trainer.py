@@ -290,13 +290,13 @@ class Trainer:
             yield
             return
         own = self.weights()
-        self._load_weights(weights)
+        self.load_weights(weights)
         try:
             yield
         finally:
-            self._load_weights(own)
+            self.load_weights(own)
 
-    def _load_weights(self, weights: dict[str, np.ndarray]) -> None:
+    def load_weights(self, weights: dict[str, np.ndarray]) -> None:
         tensors = {k: torch.from_numpy(v) for k, v in weights.items()}
         if self.update == "lora":
             set_peft_model_state_dict(self.model, tensors)
@@ -312,7 +312,7 @@ class Trainer:
         (directory / "optimizer.pt.tmp").replace(directory / "optimizer.pt")
 
     def load(self, directory: Path) -> None:
-        self._load_weights(load_file(str(directory / "weights.safetensors")))
+        self.load_weights(load_file(str(directory / "weights.safetensors")))
         self.optimizer.load_state_dict(torch.load(directory / "optimizer.pt", weights_only=True))
 
     def weights(self) -> dict[str, np.ndarray]:

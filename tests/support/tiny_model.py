@@ -33,12 +33,13 @@ def smollm2_gguf() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def tiny_model(arch: str = "llama", seed: int = 0, init_std: float = 0.02):
+def tiny_model(arch: str = "llama", seed: int = 0, init_std: float = 0.02, **shape):
     """`init_std`: weight scale. The default gives near-uniform next-token distributions; a few
-    tenths give peaked ones, like a trained model's, so two models' samples can be told apart."""
+    tenths give peaked ones, like a trained model's, so two models' samples can be told apart.
+    `shape`: config fields to change (e.g. a wider `hidden_size` for a bigger file)."""
     config_class, model_class, extra = ARCHITECTURES[arch]
     torch.manual_seed(seed)
-    model = model_class(config_class(initializer_range=init_std, **SHAPE, **extra))
+    model = model_class(config_class(initializer_range=init_std, **{**SHAPE, **extra, **shape}))
     if arch == "qwen2":  # random biases, so a lost or misplaced bias shows
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -63,9 +64,10 @@ def _smollm2_tokenizer_dir() -> Path:
     return directory
 
 
-def build_tiny_checkpoint(directory: Path, arch: str = "qwen2", seed: int = 0, init_std: float = 0.02) -> Path:
+def build_tiny_checkpoint(directory: Path, arch: str = "qwen2", seed: int = 0, init_std: float = 0.02,
+                          **shape) -> Path:
     """An HF checkpoint directory (safetensors, config, tokenizer) of a tiny random `arch` model."""
-    model = tiny_model(arch, seed, init_std)
+    model = tiny_model(arch, seed, init_std, **shape)
     model.save_pretrained(directory)
     for f in _smollm2_tokenizer_dir().iterdir():
         shutil.copy(f, directory / f.name)
