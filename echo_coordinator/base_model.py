@@ -56,15 +56,15 @@ class BaseModel:
         return self.source.is_file()
 
 
-def model_file(path: Path, run_id: str, key) -> ModelFile:
+def model_file(path: Path, run_id: str, key, chunk_size: int = BASE_CHUNK_SIZE) -> ModelFile:
     """The signed chunk list nodes fetch the base model by (one pass over the file)."""
     whole, digests = hashlib.sha256(), []
     with path.open("rb") as f:
-        while piece := f.read(BASE_CHUNK_SIZE):
+        while piece := f.read(chunk_size):
             whole.update(piece)
             digests.append(sha256_hex(piece))
     return sign_message(ModelFile(run_id=run_id, name=path.name, sha256=whole.hexdigest(), size=path.stat().st_size,
-                                  chunk_size=BASE_CHUNK_SIZE, chunks=tuple(digests)), key)
+                                  chunk_size=chunk_size, chunks=tuple(digests)), key)
 
 
 def record(data_dir: Path, base: BaseModel) -> None:

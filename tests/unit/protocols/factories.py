@@ -1,7 +1,7 @@
 """Valid example messages for tests to mutate."""
 
 from protocols.messages import (
-    Chunk, LeaseRequest, PeerAnnouncement, RolloutBatch, RolloutSample, RunManifest, Segment, TaskLease, TaskSpec,
+    Chunk, LeaseRequest, ModelFile, PeerAnnouncement, RolloutBatch, RolloutSample, RunManifest, Segment, TaskLease, TaskSpec,
     TensorEntry, TurnFormat, WeightUpdate,
 )
 from protocols.signing import sha256_hex
@@ -43,8 +43,14 @@ def update(**kw) -> WeightUpdate:
 
 def announcement(**kw) -> PeerAnnouncement:
     fields = dict(peer_id="QmPeer", name="alice", role="node", backend="llama_cpp", model_sha256=SHA, version=2,
-                  throughput=91.5, public_key=KEY, time=4.0)
+                  throughput=91.5, public_key=KEY, time=4.0, hardware="x86_64, 2 cores, 23 GiB RAM, CPU only")
     return PeerAnnouncement(**{**fields, **kw})
+
+
+def model_file(**kw) -> ModelFile:
+    fields = dict(run_id="run-1", name="tiny-q8_0.gguf", sha256=SHA, size=10_000, chunk_size=4096,
+                  chunks=(SHA, sha256_hex(b"2"), sha256_hex(b"3")))
+    return ModelFile(**{**fields, **kw})
 
 
 def lease(**kw) -> TaskLease:

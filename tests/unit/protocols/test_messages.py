@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from protocols import wire
 from protocols.errors import InvalidValue, MalformedMessage, MessageTooLarge, ProtocolError, UnsupportedVersion
 from protocols.messages import (
-    MAX_SAMPLE_TOKENS, Chunk, ErrorReply, LeaseRequest, NoWork, PeerAnnouncement, PushReceipt,
+    MAX_SAMPLE_TOKENS, Chunk, ErrorReply, LeaseRequest, ModelFile, NoWork, PeerAnnouncement, PushReceipt,
     ChunkRequest, UpdateIndex, UpdateInfo, UpdateRequest, RolloutBatch, RolloutSample, RunManifest, TaskLease,
     WeightUpdate,
 )
@@ -16,7 +16,7 @@ from tests.unit.protocols import factories
 
 EXAMPLES = [
     factories.manifest(), factories.batch(), factories.update(), factories.announcement(), factories.lease(),
-    factories.chunk(), ErrorReply("bad_lease", "lease L1 expired"), factories.lease_request(),
+    factories.chunk(), factories.model_file(), ErrorReply("bad_lease", "lease L1 expired"), factories.lease_request(),
     NoWork(latest_version=4, retry_after=1.5, finished=False), PushReceipt(3, 1, {"stale": 1}, 5),
     UpdateRequest(6, 7), ChunkRequest((factories.SHA,)),
     UpdateIndex(9, (UpdateInfo(8, 9, 1000, False), UpdateInfo(0, 8, 50_000, True))),
@@ -47,7 +47,8 @@ def test_unknown_fields_are_ignored(message):
 
 @pytest.mark.parametrize("message", EXAMPLES, ids=lambda m: m.KIND)
 def test_every_required_field_is_required(message):
-    optional = {"signature", "left"}  # "left": announcements of peers from before withdrawals were signed
+    # "left", "hardware": announcements of peers from before these fields existed
+    optional = {"signature", "left", "hardware"}
     for name in message.to_dict():
         if name in optional:
             continue
@@ -165,6 +166,17 @@ def test_weight_update_values_are_checked():
         WeightUpdate.from_wire(factories.update(tensors=(tensor, tensor)).to_wire())
     with pytest.raises(InvalidValue, match="sha256"):
         Chunk.from_wire(Chunk("zz" * 32, b"x").to_wire())
+
+
+def test_model_file_values_are_checked():
+    with pytest.raises(InvalidValue, match="chunks cannot hold"):
+        ModelFile.from_wire(factories.model_file(size=20_000).to_wire())
+    with pytest.raises(InvalidValue, match="chunks cannot hold"):
+        ModelFile.from_wire(factories.model_file(chunk_size=10_000).to_wire())
+    with pytest.raises(InvalidValue):
+        ModelFile.from_wire(factories.model_file(size=0, chunks=()).to_wire())
+    spans = [factories.model_file().span(i) for i in range(3)]
+    assert spans == [(0, 4096), (4096, 4096), (8192, 1808)]  # the last chunk holds the rest
 
 
 def test_lease_prompts_must_match_seeds():

@@ -1,0 +1,152 @@
+"""A node fetching the run's base model over real hivemind streams: from the trainer and from
+peers, resuming a partial file, through corrupt peers and the trainer's upload budget, and
+refusing a chunk list the run key did not sign."""
+
+import asyncio
+import os
+
+import pytest
+
+from echo_coordinator.base_model import model_file
+from echo_node.base_download import download, fetch_model_file, progress_line
+from echo_node.updates import UpdateError
+from protocols.errors import SignatureError
+from protocols.signing import generate_key, public_bytes, sha256_file
+from protocols.transport.dht import SwarmDHT
+from protocols.transport.relay import Relay
+from protocols.uploads import UploadBudget
+from tests.unit.protocols import factories
+
+CHUNK = 16 * 1024
+SIZE = 10 * CHUNK + 123  # 11 chunks, the last one short
+
+
+@pytest.fixture
+def swarm():
+    peers = [SwarmDHT.start("127.0.0.1", 0)]
+    peers += [SwarmDHT.start("127.0.0.1", 0, initial_peers=peers[0].addresses()) for _ in range(2)]
+    yield peers
+    for p in peers:
+        p.shutdown()
+
+
+@pytest.fixture
+def base(tmp_path):
+    """A random 'model' file, its signed chunk list, and the run manifest that names it."""
+    path = tmp_path / "base.gguf"
+    path.write_bytes(os.urandom(SIZE))
+    key = generate_key()
+    listing = model_file(path, "run-1", key, chunk_size=CHUNK)
+    run = factories.manifest(run_key=public_bytes(key), base_sha256=listing.sha256)
+    return path, listing, run
+
+
+class Corrupt(Relay):
+    """Serves every chunk it is asked for, with one byte flipped."""
+
+    def chunk(self, digest, peer="", now=None):
+        data = super().chunk(digest, peer, now)
+        return None if data is None else bytes([data[0] ^ 1]) + data[1:]
+
+
+async def provider(dht, listing, path, relay=None) -> str:
+    relay = relay or Relay()
+    relay.serve_file(listing, path)
+    endpoint = await dht.endpoint()
+    await relay.serve(endpoint)
+    return endpoint.peer_id
+
+
+def test_download_from_the_trainer_resume_and_cache(swarm, base, tmp_path):
+    path, listing, run = base
+
+    async def go():
+        trainer = await provider(swarm[0], listing, path)
+        endpoint = await swarm[2].endpoint()
+        assert await fetch_model_file(endpoint, trainer, run, 10) == listing
+        seen = []
+        got, sources = await download(endpoint, trainer, _none, listing, tmp_path / "node", lambda *a: seen.append(a), 10)
+        assert sha256_file(got) == listing.sha256 and got.name == f"{listing.sha256}.gguf"
+        assert sources == {trainer: SIZE} and seen[-1][:2] == (SIZE, SIZE)
+
+        # A partial file: 3 good chunks, one corrupt, the rest never written. Only the missing
+        # and corrupt chunks are fetched again.
+        partial = tmp_path / "again" / f"{listing.sha256}.gguf.partial"
+        partial.parent.mkdir()
+        data = bytearray(path.read_bytes()[: 4 * CHUNK])
+        data[3 * CHUNK] ^= 0xFF
+        partial.write_bytes(bytes(data))
+        got, sources = await download(endpoint, trainer, _none, listing, partial.parent, lambda *a: None, 10)
+        assert sha256_file(got) == listing.sha256 and sum(sources.values()) == SIZE - 3 * CHUNK
+        assert not partial.exists()
+
+        # A finished file is used as it is; a damaged one is repaired chunk by chunk.
+        assert (await download(endpoint, trainer, _none, listing, partial.parent, lambda *a: None, 10))[1] == {}
+        damaged = bytearray(got.read_bytes())
+        damaged[5] ^= 1
+        got.write_bytes(bytes(damaged))
+        got, sources = await download(endpoint, trainer, _none, listing, partial.parent, lambda *a: None, 10)
+        assert sha256_file(got) == listing.sha256 and sum(sources.values()) == CHUNK
+
+    asyncio.run(go())
+
+
+async def _none() -> list[str]:
+    return []
+
+
+def test_a_corrupt_peer_is_dropped_and_the_busy_trainer_points_to_honest_peers(swarm, base, tmp_path):
+    path, listing, run = base
+
+    async def go():
+        # The trainer has sent its one copy and a peer holds the base: it answers "busy".
+        budget = UploadBudget(copies=1)
+        trainer_relay = Relay(budget=budget, peers_holding=lambda version: 1)
+        trainer = await provider(swarm[0], listing, path, trainer_relay)
+        budget.allow("base", "someone-else", 0.0, 0)  # the one copy went to another node
+        honest = await provider(swarm[1], listing, path)
+        endpoint = await swarm[2].endpoint()
+        got, sources = await download(endpoint, trainer, lambda: _list([honest]), listing, tmp_path / "a",
+                                      lambda *a: None, 10)
+        assert sha256_file(got) == listing.sha256 and sources == {honest: SIZE}
+        assert trainer_relay.bytes_served == 0
+
+        # A corrupt peer's chunks are refused; the trainer (no budget now) serves what it withheld.
+        trainer_relay.budget = None
+        liar_dht = SwarmDHT.start("127.0.0.1", 0, initial_peers=swarm[0].addresses())
+        try:
+            liar = await provider(liar_dht, listing, path, Corrupt())
+            got, sources = await download(endpoint, trainer, lambda: _list([liar]), listing, tmp_path / "b",
+                                          lambda *a: None, 10)
+            assert sha256_file(got) == listing.sha256 and sources == {trainer: SIZE}
+        finally:
+            liar_dht.shutdown()
+
+    asyncio.run(go())
+
+
+async def _list(peers):
+    return peers
+
+
+def test_a_chunk_list_not_signed_by_the_run_key_or_for_another_base_is_refused(swarm, base, tmp_path):
+    path, listing, run = base
+
+    async def go():
+        forged = model_file(path, "run-1", generate_key(), chunk_size=CHUNK)
+        trainer = await provider(swarm[0], forged, path)
+        endpoint = await swarm[2].endpoint()
+        with pytest.raises(SignatureError):
+            await fetch_model_file(endpoint, trainer, run, 10)
+        other = factories.manifest(run_key=run.run_key, base_sha256=factories.SHA)
+        honest = await provider(swarm[1], listing, path)
+        with pytest.raises(UpdateError, match="not this run's base"):
+            await fetch_model_file(endpoint, honest, other, 10)
+
+    asyncio.run(go())
+
+
+def test_progress_line():
+    assert progress_line(0, 100e6, 0.0, 0) == "base model [------------------------] 0.0/100.0 MB · 0.0 MB/s"
+    line = progress_line(50e6, 100e6, 5.0, 50e6)
+    assert line == "base model [############------------] 50.0/100.0 MB · 10.0 MB/s · 5 s left"
