@@ -538,6 +538,8 @@ class Node:
                 raw = await self.endpoint.call_one(self.trainer, rpc.PUSH, batch.to_wire())
                 self.last_answer = time.monotonic()
                 return PushReceipt.from_wire(raw)
+            except RemoteError:
+                raise  # the trainer answered: stale, released, refused. Pushing again cannot change that.
             except TransportError as e:
                 delay = backoff.next()
                 if time.time() + delay >= expires_at:

@@ -1,12 +1,14 @@
 """What a node decides about a run before it does any work."""
 
 import asyncio
+import time
 
 import pytest
 
 from echo_node.node import JoinRefused, Node, NodeConfig
 from echo_node.updates import UpdateError
-from protocols.messages import TaskSpec
+from protocols.errors import RemoteError, TransportError
+from protocols.messages import PushReceipt, TaskSpec
 from tests.support.envs import MoreE
 from tests.unit.protocols import factories
 
@@ -61,3 +63,34 @@ def test_a_failed_update_is_fatal_only_outside_the_bound(tmp_path, mode, held, l
     else:
         asyncio.run(node._prepare(factories.lease(version=latest)))
         assert node.version == held
+
+
+class FlakyTrainer:
+    """An endpoint whose pushes fail with the given errors, then succeed."""
+
+    def __init__(self, *errors):
+        self.errors, self.calls = list(errors), 0
+
+    async def call_one(self, peer, handler, payload):
+        self.calls += 1
+        if self.errors:
+            raise self.errors.pop(0)
+        return PushReceipt(accepted=4, rejected=0, reasons={}, latest_version=2).to_wire()
+
+
+def test_a_push_is_retried_across_a_broken_stream_but_not_after_a_refusal(tmp_path, monkeypatch):
+    monkeypatch.setattr("protocols.supervise.Backoff.next", lambda self: 0.0)
+    node = node_for(tmp_path, TaskSpec("arithmetic", {}, max_turns=1))
+    node.trainer, batch, lasts = "trainer", factories.batch(), time.time() + 60
+    node.endpoint = FlakyTrainer(TransportError("stream broke"), TransportError("connection refused"))
+    assert asyncio.run(node._push(batch, lasts)).accepted == 4 and node.endpoint.calls == 3
+    # A refusal is the trainer's answer: pushing the same batch again is refused again (a node
+    # that kept at it held a dead lease until it expired, and missed the end of the run).
+    node.endpoint = FlakyTrainer(RemoteError("stale", "batch of version 3 refused at version 6", "p", "echo.push"))
+    with pytest.raises(RemoteError, match="stale"):
+        asyncio.run(node._push(batch, lasts))
+    assert node.endpoint.calls == 1
+    # A broken stream past the lease's expiry is given up.
+    node.endpoint = FlakyTrainer(TransportError("stream broke"))
+    with pytest.raises(TransportError, match="stream broke"):
+        asyncio.run(node._push(batch, time.time()))
