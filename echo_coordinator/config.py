@@ -112,6 +112,7 @@ class TrainerConfig:
     # are split across more micro-batches instead of running out of memory.
     micro_batch_tokens: int = 2048
     threads: int = 0  # torch CPU threads; 0 = torch's default
+    device: str = "auto"  # "auto" (the GPU if torch sees one, else the CPU), "cpu", "cuda" or "cuda:N"
 
     def __post_init__(self):
         _check(0 < self.learning_rate < 1, "learning_rate", f"must be in (0, 1), got {self.learning_rate}")
@@ -124,6 +125,8 @@ class TrainerConfig:
         _check(self.tis_cap >= 1, "tis_cap", f"must be at least 1, got {self.tis_cap}")
         _check(self.micro_batch_tokens >= 1, "micro_batch_tokens", f"must be at least 1, got {self.micro_batch_tokens}")
         _check(self.threads >= 0, "threads", f"must be >= 0, got {self.threads}")
+        _check(self.device in ("auto", "cpu", "cuda") or self.device.removeprefix("cuda:").isdigit(), "device",
+               f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")
 
 
 def _check(ok: bool, name: str, message: str) -> None:

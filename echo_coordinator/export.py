@@ -6,6 +6,7 @@ need not be running."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from echo_coordinator.base_model import convert, recorded_source
@@ -22,7 +23,8 @@ def export(data_dir: Path, out: Path, version: int, gguf: str | None = None, say
 
     run, tcfg = read_config(data_dir)
     started = time.perf_counter()
-    trainer = Trainer(recorded_source(data_dir), tcfg, run.temperature, run.seed, run.update)
+    # On the CPU in fp32: the merge is exact there, and a GPU trainer's bf16 would round it.
+    trainer = Trainer(recorded_source(data_dir), replace(tcfg, device="cpu"), run.temperature, run.seed, run.update)
     trainer.load_weights(weights_of(data_dir, run, trainer, version))
     model = trainer.model.merge_and_unload() if run.update == "lora" else trainer.model
     # A fresh model of the same config: one loaded from a GGUF is marked quantized, which

@@ -1,10 +1,12 @@
 """The learner: the base model loaded by transformers from an HF checkpoint (full precision) or
-from the GGUF file the nodes run (dequantized; `base_model.py`), trained with the objective in `grpo` (its docstring states the exact loss) either as a LoRA
-adapter (peft; `update = "lora"`) or in full (`update = "full"`).
+from the GGUF file the nodes run (dequantized; `base_model.py`), trained with the objective in
+`grpo` (its docstring states the exact loss) either as a LoRA adapter (peft; `update = "lora"`)
+or in full (`update = "full"`). On a GPU the weights are bf16 and AdamW is fused; on the CPU fp32.
 
-One optimiser step per batch, so the trainer's policy at the start of the step (`old`) equals
-the weights being differentiated; `old` is `new.detach()` and the PPO ratio is 1 at the point
-of the gradient. The TIS weight pi_old / mu is what corrects for what the nodes actually ran.
+By default one optimiser step per batch, so the trainer's policy at the start of the step (`old`)
+equals the weights being differentiated and the PPO ratio is 1 at the point of the gradient
+(`ppo_epochs` / `ppo_minibatches` make more). The TIS weight pi_old / mu is what corrects for
+what the nodes actually ran.
 """
 
 from __future__ import annotations
@@ -96,7 +98,7 @@ def release_freed_memory() -> None:
 
 def pad_rows(rows: list[torch.Tensor], length: int) -> torch.Tensor:
     """(B, length) from rows of at most `length` values, zero-padded on the right."""
-    out = torch.zeros((len(rows), length))
+    out = torch.zeros((len(rows), length), device=rows[0].device if rows else None)
     for i, row in enumerate(rows):
         out[i, : len(row)] = row
     return out
@@ -121,9 +123,13 @@ class Trainer:
         if config.threads:
             torch.set_num_threads(config.threads)
         self.config, self.temperature, self.update = config, temperature, update
+        self.device = torch.device(config.device if config.device != "auto" else
+                                   "cuda" if torch.cuda.is_available() else "cpu")
         self.tokenizer = load_tokenizer(source)
-        # fp32: the CPU trainer's precision (bf16 on the CPU is slower and coarser than the nodes' q8_0).
-        base = load_model(source, dtype=torch.float32)
+        # bf16 on a GPU; fp32 on the CPU (where bf16 is slower and coarser than the nodes' q8_0).
+        # LoRA adapters stay fp32 either way (peft casts them up).
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        base = load_model(source, dtype=dtype).to(self.device)
         if update == "lora":
             lora = LoraConfig(
                 r=config.lora_rank, lora_alpha=config.lora_alpha, target_modules=list(LORA_TARGETS), lora_dropout=0.0,
@@ -133,7 +139,8 @@ class Trainer:
         else:
             self.model = base
         trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=0.0)
+        fused = dict(fused=True) if self.device.type == "cuda" else {}
+        self.optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=0.0, **fused)
 
     def step(self, samples: list[TrainSample]) -> StepStats:
         """One GRPO step on a batch: `ppo_epochs` passes, each in `ppo_minibatches` optimiser
@@ -188,7 +195,7 @@ class Trainer:
             ids, mask, behaviour = self._pack([s for s, _ in micro])
             new = self._logprobs(ids, mask > 0)  # (B, L-1)
             start = new.detach() if old is None else pad_rows([old[i] for i in indices], new.shape[1])
-            adv = torch.tensor([a for _, a in micro], dtype=torch.float32)
+            adv = torch.tensor([a for _, a in micro], dtype=torch.float32, device=self.device)
             out = grpo_loss(new, start, behaviour, adv, mask, total_tokens, self.config.clip_eps, self.config.tis_cap)
             out.loss.backward()
             sums["loss"] += float(out.loss.detach())
@@ -228,7 +235,7 @@ class Trainer:
             ids[row, : p + c] = torch.tensor(s.prompt_ids + s.completion_ids)
             mask[row, p - 1 : p - 1 + c] = torch.tensor(s.loss_mask, dtype=torch.float32)
             behaviour[row, p - 1 : p - 1 + c] = torch.tensor(s.behaviour, dtype=torch.float32)
-        return ids, mask, behaviour
+        return ids.to(self.device), mask.to(self.device), behaviour.to(self.device)
 
     def _scaled_logits(self, ids: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
         """(N, V) logits / T of the next token at the N positions `where` (B, L-1) marks, in row
@@ -243,17 +250,18 @@ class Trainer:
         """(B, L-1) logprob of each next token at the positions `where` marks, 0 elsewhere."""
         logits = self._scaled_logits(ids, where)
         chosen = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:][where][:, None]).squeeze(-1)
-        return torch.zeros(where.shape).masked_scatter(where, chosen)
+        return torch.zeros(where.shape, device=where.device).masked_scatter(where, chosen)
 
     @torch.no_grad()
     def logprobs(self, samples: list[TrainSample]) -> list[np.ndarray]:
         """Trainer logprobs of each sample's completion tokens (for verification and tests)."""
         self.model.eval()
         ids, _, _ = self._pack(samples)
-        where = torch.zeros((len(samples), ids.shape[1] - 1), dtype=torch.bool)
+        where = torch.zeros((len(samples), ids.shape[1] - 1), dtype=torch.bool, device=self.device)
         for row, s in enumerate(samples):
             where[row, len(s.prompt_ids) - 1 : len(s.prompt_ids) - 1 + len(s.completion_ids)] = True
         lp = self._logprobs(ids, where)
+        lp = lp.cpu()
         return [lp[row, len(s.prompt_ids) - 1 : len(s.prompt_ids) - 1 + len(s.completion_ids)].numpy()
                 for row, s in enumerate(samples)]
 
@@ -270,7 +278,7 @@ class Trainer:
                 part = [samples[i] for i in indices]
                 ids, mask, _ = self._pack(part)
                 # Model tokens only (env tokens are not sampled), each row's in order.
-                logits = self._scaled_logits(ids, mask > 0).double().numpy()  # (N, V)
+                logits = self._scaled_logits(ids, mask > 0).double().cpu().numpy()  # (N, V)
                 start = 0
                 for i, s in zip(indices, part):
                     positions = np.flatnonzero(s.loss_mask)
@@ -297,7 +305,7 @@ class Trainer:
             self.load_weights(own)
 
     def load_weights(self, weights: dict[str, np.ndarray]) -> None:
-        tensors = {k: torch.from_numpy(v) for k, v in weights.items()}
+        tensors = {k: torch.from_numpy(v).to(self.device) for k, v in weights.items()}
         if self.update == "lora":
             set_peft_model_state_dict(self.model, tensors)
         else:
@@ -313,7 +321,7 @@ class Trainer:
 
     def load(self, directory: Path) -> None:
         self.load_weights(load_file(str(directory / "weights.safetensors")))
-        self.optimizer.load_state_dict(torch.load(directory / "optimizer.pt", weights_only=True))
+        self.optimizer.load_state_dict(torch.load(directory / "optimizer.pt", weights_only=True, map_location=self.device))
 
     def weights(self) -> dict[str, np.ndarray]:
         """What a WeightUpdate carries, as float32 arrays: the LoRA adapter under peft's names
@@ -323,4 +331,4 @@ class Trainer:
         else:
             tied = self.model.config.tie_word_embeddings
             state = {k: v for k, v in self.model.state_dict().items() if not (tied and k == "lm_head.weight")}
-        return {name: t.detach().float().numpy().copy() for name, t in state.items()}
+        return {name: t.detach().float().cpu().numpy().copy() for name, t in state.items()}

@@ -26,6 +26,7 @@ def test_overrides_apply_and_none_means_keep(tmp_path):
     ("[run]\nstepz = 3\n", r"unknown field\(s\) \['stepz'\]"),
     ("[runn]\n", "unknown table"),
     ('[trainer]\nlora_init = "ones"\n', "lora_init"),
+    ('[trainer]\ndevice = "gpu"\n', "device must be auto, cpu, cuda or cuda:N"),
     ('[run]\nsteps = "ten"\n', "steps"),
     ("[run\n", "cannot read config"),
 ])
