@@ -10,6 +10,7 @@ the same prompts at each version and verified the same way.
 
     .venv/bin/python bench/verification.py [--versions 4] [--seeds q4_1=144,q8_0=144,q4_k_m=32,transformers=8]
         [--group 8] [--cheat-seeds 4] [--temperature 1.0] [--evidence FILE.jsonl] [--from-version 0]
+        [--model RUN.gguf --seeds file=144]   # another run file: the trainer trains it dequantized
     .venv/bin/python bench/verification.py --summarize FILE.jsonl   # re-judge recorded evidence
 
 Samples are judged a lease at a time (`--lease-seeds` prompts of G samples, as the demo leases),
@@ -68,7 +69,7 @@ class Nodes:
         config, base = load_master(model)
         self.hf_config, self.base = config, base
         for kind in kinds:
-            if kind == "q4_1":
+            if kind in ("q4_1", "file"):  # llama.cpp on the run's file (the shipped Q4_1 unless --model)
                 self.backends[kind] = LlamaBackend(model, threads=2, n_ctx=512)
             elif kind in FTYPES:
                 path = export_quantized(config, base, model, work / f"{kind}.gguf", FTYPES[kind])
@@ -240,6 +241,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--from-version", type=int, default=0,
                         help="only train (no calibration) below this version: to add later versions to a record")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="the run's GGUF (default: the shipped Q4_1); node kind 'file' runs it")
     parser.add_argument("--evidence", type=Path, default=None, help="write every sample's evidence here (JSONL)")
     parser.add_argument("--summarize", type=Path, default=None, help="only re-judge the evidence in this file")
     args = parser.parse_args()
@@ -250,7 +253,7 @@ def main() -> None:
         return
 
     seeds = {kind: int(n) for kind, n in (item.split("=") for item in args.seeds.split(","))}
-    model = demo_model_path()
+    model = args.model or demo_model_path()
     task = make_task("arithmetic")
     trainer = Trainer(model, TrainerConfig(learning_rate=args.lr, threads=2), args.temperature)
     tokenizer, eos = trainer.tokenizer, trainer.tokenizer.eos_token_id
@@ -303,7 +306,7 @@ def main() -> None:
             if train_batch is None:
                 train_batch = samples[: args.train_seeds * args.group]
         # Cheats, from the first node kind's view of this version, one lease per cheat.
-        node = nodes.backends.get("q4_1") or next(iter(nodes.backends.values()))
+        node = nodes.backends.get("q4_1") or nodes.backends.get("file") or next(iter(nodes.backends.values()))
         cheat_prompts = {s: prompt_ids(tokenizer, task.generate(s).messages)
                          for s in range(first + 5000, first + 5000 + args.cheat_seeds)}
         lease = f"cheat-v{version}"

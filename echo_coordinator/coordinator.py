@@ -38,7 +38,7 @@ from echo_coordinator.ledger import Ledger, MetricsLog
 from echo_coordinator.rewards import Transcripts
 from echo_coordinator.peers import SpotCheck, read_allow_list, relay_holders
 from echo_coordinator.service import Policing, RunService
-from echo_coordinator.verify import Verifier, lora_base
+from echo_coordinator.verify import NodesHold, Verifier, lora_base
 from protocols import rpc
 from protocols.errors import EchoError, TransportError
 from protocols.messages import LeaseRequest, RunManifest, TaskSpec, verified_announcements
@@ -197,6 +197,16 @@ class Coordinator:
         base_model.record(self.data_dir, self.base)
         self._waiting(f"loading the trainer on {self.model.name} ...")
         trainer = await self._on_trainer(Trainer, self.model, self.trainer_config, cfg.temperature, cfg.seed, cfg.update)
+        self.checker = trainer
+        if not self.base.is_gguf:
+            # Verification checks samples against the weights the nodes run. From an HF checkpoint
+            # those are a quantization of the trainer's: a copy of the model loaded from the nodes'
+            # GGUF does the checking, so an honest node differs from it by llama.cpp's arithmetic
+            # alone, as in a GGUF run. (Against the full-precision trainer, SmolLM2 q4_k_m nodes
+            # flip 12 % of tokens and every batch is refused: docs/models.md.)
+            self._waiting(f"loading the nodes' {cfg.node_quant} weights for verification ...")
+            self.checker = await self._on_trainer(Trainer, self.base.node_gguf, self.trainer_config, cfg.temperature,
+                                                  cfg.seed, cfg.update)
         # A persistent libp2p identity keeps our address stable, so nodes reconnect after a restart.
         # main thread: see SwarmDHT.start
         dht = SwarmDHT.start(cfg.host, cfg.port or self._previous_port(), None, self.data_dir / "p2p.id",
@@ -283,7 +293,7 @@ class Coordinator:
         relay.serve_file(base_file, self.base.node_gguf)  # nodes without the base fetch it from us and their peers
         # Verification runs the trainer's forward pass, so on the trainer's thread; handler threads wait.
         self.verifier = Verifier(
-            trainer.evidence, SamplingRule(),
+            self.checker.evidence, SamplingRule(),
             # One version more than the bound admits: a publish remembers the new version a moment
             # before the gate moves to it.
             keep_versions=(cfg.staleness if cfg.mode == "async" else 0) + 1,
@@ -319,7 +329,7 @@ class Coordinator:
             self._serve_version(service, service.version, published, held)
         else:
             initial = trainer.weights()
-            held = lora_base(initial) if cfg.update == "lora" else initial
+            held = lora_base(initial) if cfg.update == "lora" else self.checker.weights()
             self.verifier.remember(0, held)
             self._open_eval(service, 0, held)
             self._write_state(manifest.run_id, 0, service)  # the run's id, before any work is accepted
@@ -374,6 +384,7 @@ class Coordinator:
                     last_put = time.monotonic()
                 announced = verified_announcements(await dht.get(record_key(self.fp, "peers")))
                 self.peer_versions = relay_holders(announced, service.talked())
+                service.hardware = {a.node_id: a.hardware for a in announced}  # replaced whole: no lock needed
                 service.prune(time.time())
                 backoff.reset()
                 await asyncio.sleep(PEER_REFRESH)
@@ -442,7 +453,7 @@ class Coordinator:
             published = [self.publisher.snapshot(version)]
         else:
             published = self.publisher.publish(version, weights)
-        return published, {k: v.copy() for k, v in self.publisher.view().items()}  # the view changes in place
+        return published, self.nodes_hold(self.publisher.view())
 
     def _serve_version(self, service: RunService, version: int, published, held) -> None:
         """Make `version` current: nodes hear of it from here on."""
@@ -477,6 +488,7 @@ class Coordinator:
 
         cfg = self.run_config
         base = load_file(str(self.data_dir / state["checkpoint"] / "view.safetensors")) if state else trainer.weights()
+        self.nodes_hold = NodesHold() if self.checker is trainer else NodesHold(trainer.weights(), self.checker.weights())
         return publish.FullPublisher(run_id, self.key, base, cfg.update_encoding, cfg.update_density, cfg.snapshot_every)
 
     async def _register_handlers(self, endpoint, service: RunService) -> None:

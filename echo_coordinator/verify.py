@@ -41,6 +41,21 @@ def lora_base(adapter: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {k: np.zeros_like(v) if "lora_B" in k else v for k, v in adapter.items()}
 
 
+class NodesHold:
+    """Full mode: what nodes hold, given the publisher's view. Nodes apply the trainer's changes
+    to their own base: when that is the trainer's base (a GGUF run) they hold the view itself; from
+    an HF checkpoint their base is its quantization (`node_base`, dequantized), so they hold
+    node_base + (view - trainer_base). A copy either way: the view changes in place."""
+
+    def __init__(self, trainer_base: dict[str, np.ndarray] | None = None, node_base: dict[str, np.ndarray] | None = None):
+        self.trainer_base, self.node_base = trainer_base, node_base
+
+    def __call__(self, view: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if self.node_base is None:
+            return {k: v.copy() for k, v in view.items()}
+        return {k: self.node_base[k] + (v - self.trainer_base[k]) for k, v in view.items()}
+
+
 class Verifier:
     """`run(fn)` runs `fn()` where the trainer's forward passes may run (the coordinator: its one
     torch thread) and returns its result; by default, here."""

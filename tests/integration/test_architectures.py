@@ -113,3 +113,30 @@ def test_an_hf_id_is_read_from_the_local_cache_offline(tmp_path, monkeypatch):
     assert resolve("echo/tiny-qwen2") == snapshot
     with pytest.raises(ModelError, match="not in the local HF cache"):
         resolve("echo/absent")
+
+
+def test_quantized_nodes_are_verified_against_their_own_weights(model):
+    """From an HF checkpoint the nodes run a quantization of the trainer's weights. Checked
+    against the full-precision trainer, an honest q4_k_m node's samples look written; against
+    the nodes' own GGUF, dequantized (what the coordinator's verification loads), they pass."""
+    from echo_coordinator.verify import Verifier, lora_base
+    from protocols.errors import VerificationError
+    from protocols.sampling import SamplingRule
+    from tests.unit.echo_coordinator.test_verify import LEASE, generate
+
+    arch, checkpoint, ggufs, _ = model
+    node = LlamaBackend(ggufs["q4_k_m"], threads=1, n_ctx=256)
+    config = TrainerConfig(lora_rank=4, threads=1)
+    prompts = {seed: tuple(range(100 + seed, 120 + seed)) for seed in range(4)}
+    samples = generate(node, prompts, group=4, temperature=1.0, tokens=16)
+    verdicts = {}
+    for name, source in (("trainer", checkpoint), ("nodes' GGUF", ggufs["q4_k_m"])):
+        checker = Trainer(source, config, temperature=1.0)
+        verifier = Verifier(checker.evidence, SamplingRule(), keep_versions=1)
+        verifier.remember(0, lora_base(checker.weights()))
+        try:
+            verifier.check(LEASE, 0, samples)
+            verdicts[name] = None
+        except VerificationError as e:
+            verdicts[name] = e.code
+    assert verdicts == {"trainer": "bad_sampling", "nodes' GGUF": None}, verdicts

@@ -87,6 +87,8 @@ threads = 1
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in metrics if m.get("trained_samples")]
     assert steps and all(0 < m["mismatch_kl"] < Q8_KL for m in steps)
+    # Verified against the nodes' own q8_0 weights: honest batches pass.
+    assert sum(m["verified_samples"] for m in steps) > 0 and all(m["rejected"] == 0 for m in steps)
 
     # Export: an HF checkpoint with the adapter merged, and a GGUF of it.
     out = tmp_path / "exported"
