@@ -163,8 +163,9 @@ def prepare(model: str, quant: str, cache: Path) -> BaseModel:
     return BaseModel(source, out, arch)
 
 
-def convert(directory: Path, out: Path, quant: str) -> Path:
-    """HF checkpoint -> fp32 GGUF -> `quant` GGUF at `out` (written whole or not at all)."""
+def convert(directory: Path, out: Path, quant: str, timings: dict | None = None) -> Path:
+    """HF checkpoint -> fp32 GGUF -> `quant` GGUF at `out` (written whole or not at all).
+    `timings`, if given, gets the seconds spent converting and quantizing."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -190,8 +191,11 @@ def convert(directory: Path, out: Path, quant: str) -> Path:
     finally:
         f32.unlink(missing_ok=True)
         tmp.unlink(missing_ok=True)
+    seconds = dict(convert_s=converted - started, quantize_s=time.perf_counter() - converted)
+    if timings is not None:
+        timings.update(seconds)
     log.info("converted %s to GGUF in %.1f s, quantized to %s in %.1f s (%.1f MB)", directory.name,
-             converted - started, quant, time.perf_counter() - converted, out.stat().st_size / 1e6)
+             seconds["convert_s"], quant, seconds["quantize_s"], out.stat().st_size / 1e6)
     return out
 
 

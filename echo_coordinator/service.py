@@ -121,6 +121,7 @@ class RunService:
         self.names: dict[str, str] = {}  # node id -> display name from its (signed) lease requests
         self.last_seen: dict[str, float] = {}  # node id -> time of its last signed lease request
         self.backends: dict[str, str] = {}  # node id -> backend it says it samples with (display only)
+        self.hardware: dict[str, str] = {}  # node id -> its announcement's hardware summary (display only)
         self.throughput = Throughput()  # measured rollout throughput per node (the capacity model's μ_i)
         self._streams: dict[str, str] = {}  # node id -> libp2p peer its last lease request came from
         self._judging: set[tuple[str, str]] = set()  # (lease id, signer) of batches being judged now
@@ -292,7 +293,8 @@ class RunService:
         the last `prune` window, its backend, held version and measured throughput."""
         with self.lock:
             rates = self.throughput.rates(now)
-            nodes = {n: dict(name=self.names.get(n, n[:8]), backend=self.backends.get(n, ""), holds=self.throughput.held.get(n),
+            nodes = {n: dict(name=self.names.get(n, n[:8]), backend=self.backends.get(n, ""),
+                             hardware=self.hardware.get(n, ""), holds=self.throughput.held.get(n),
                              samples_per_second=rates.get(n), last_request=at)
                      for n, at in self.last_seen.items()}
             return dict(started=self.started, finished=self.finished, version=self.version,

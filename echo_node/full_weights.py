@@ -1,9 +1,12 @@
 """Full-parameter mode on a node: the float32 master weights an update applies to.
 
-Every node starts from the base model dequantized exactly as the trainer loads it
-(transformers from the same GGUF), and applies each update with `protocols.delta.apply`, the
-function the trainer's publisher used to advance its view: so after every version the master
-weights equal the publisher's view bit for bit. A llama.cpp node then re-exports the master
+Every node starts from its base GGUF dequantized by transformers, and applies each update with
+`protocols.delta.apply`, the function the trainer's publisher used to advance its view. When the
+run's base is that GGUF (the trainer loads it the same way), the master weights equal the
+publisher's view bit for bit after every version. When the trainer trains an HF checkpoint, the
+node's base is its quantization, and the master weights stay that quantized base plus exactly the
+changes the publisher sent (its view minus the trainer's base): the quantization error is the
+node's, and the trainer's TIS corrects for it like any other mismatch. A llama.cpp node then re-exports the master
 weights to GGUF and requantizes to the quant type it joined with; the old model keeps serving
 until the new one has loaded.
 """
