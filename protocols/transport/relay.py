@@ -1,17 +1,18 @@
 """Serving verified updates and the base model file: the trainer publishes through a Relay, and
-every node runs one for the updates it has verified and applied and for its base model file, so the trainer uploads each version about once however
-many nodes join (see `protocols.uploads`). What a relay serves is exactly what it checked (signed
-manifest, hashed chunks), and receivers check it all again: relaying adds no trust.
+every node runs one for the updates it has verified and applied and for its base model file, so
+the trainer uploads each version about once however many nodes join (see `protocols.uploads`).
+What a relay serves is exactly what it checked (signed manifest, hashed chunks), and receivers
+check it all again: relaying adds no trust.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from protocols.errors import ProtocolError
-from protocols import rpc
 from pathlib import Path
 
+from protocols import rpc
+from protocols.errors import ProtocolError
 from protocols.messages import Chunk, ChunkRequest, ModelFile, UpdateIndex, UpdateInfo, UpdateRequest, WeightUpdate
 from protocols.uploads import UploadBudget
 
@@ -46,7 +47,7 @@ class Relay:
 
     def remember(self, update: WeightUpdate, store: dict[str, bytes]) -> None:
         """Serve `update`. Updates ending more than `keep_versions` back are forgotten, except the
-        newest snapshot, which late joiners start from."""
+        newest snapshot and the deltas after it: the chain late joiners take to the latest."""
         key = (update.from_version, update.to_version)
         # Copy, change, swap: handlers iterating the old dict on the event loop stay safe while
         # the trainer publishes from its worker thread.
@@ -55,8 +56,13 @@ class Relay:
             self.budget.register(key)
         latest = max(to for _, to in updates)
         snapshots = [k for k, (u, _) in updates.items() if u.replaces]
-        newest_snapshot = max(snapshots, key=lambda k: k[1], default=None)
-        for old in [k for k in updates if k[1] <= latest - self.keep_versions and k != newest_snapshot]:
+        newest_snapshot = max(snapshots, key=lambda k: k[1], default=(0, 0))  # version 0: the base
+
+        def needed(k: tuple[int, int]) -> bool:
+            return k[1] > latest - self.keep_versions or k == newest_snapshot or (
+                not updates[k][0].replaces and k[0] >= newest_snapshot[1])
+
+        for old in [k for k in updates if not needed(k)]:
             del updates[old]
             if self.budget is not None:
                 self.budget.forget(old)
