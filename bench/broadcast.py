@@ -4,12 +4,15 @@ Real hivemind peers on 127.0.0.1: the bench process is the trainer (a Relay serv
 SmolLM2-135M full-mode update, with the trainer's upload budget when relay is on); each node is
 a separate process running the node's own catch-up and relay code (verification included; no
 model, since generation is not what is measured). Also reports what an update weighs against a
-bf16 checkpoint, for LoRA (r=16, all projections) and full mode (top-k int8 deltas).
+bf16 checkpoint: LoRA (r=16, all projections) as the run publishes it (a dense int4 delta against
+the bf16 adapter nodes hold, and the bf16 snapshot late joiners start from) and full mode (top-k
+int8 deltas). One optimiser step's change is Adam-like: every weight moves by about the learning rate.
 
-    .venv/bin/python bench/broadcast.py [--sizes 1 2 4 8 16] [--density 0.01]
+    .venv/bin/python bench/broadcast.py [--sizes 1 2 4 8 16] [--density 0.01] [--lora-encoding dense-int4]
 
 Prints a table and a final JSON line with, per N and relay setting, `trainer_upload_bytes`,
-`update_bytes`, `all_nodes_on_version_seconds`, plus `bytes_ratio_lora` and `bytes_ratio_full`.
+`update_bytes`, `all_nodes_on_version_seconds`, plus `bytes_ratio_lora` (the delta),
+`bytes_ratio_lora_snapshot` and `bytes_ratio_full`.
 """
 
 from __future__ import annotations
@@ -26,17 +29,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from echo_coordinator.config import RunConfig  # noqa: E402
+
 PEERS_KEY = "echo/bench/peers"
 
 
-def build_updates(density: float):
-    """(run manifest, key, full-mode delta update, LoRA adapter bytes, bf16 checkpoint bytes)."""
+def build_updates(density: float, lora_encoding: str):
+    """(run manifest, full-mode delta update, LoRA delta and snapshot bytes, bf16 checkpoint bytes)."""
     import numpy as np
     import torch
     from transformers import AutoModelForCausalLM
 
     from echo_coordinator.coordinator import demo_model_path
-    from echo_coordinator.publish import FullPublisher, build_lora_update
+    from echo_coordinator.publish import Publisher
     from echo_coordinator.trainer import LORA_TARGETS
     from echo_node.full_weights import distinct_weights
     from protocols.messages import RunManifest, TaskSpec
@@ -50,7 +55,7 @@ def build_updates(density: float):
     # One optimiser step's worth of change (Adam at lr 1e-5 moves every weight by ~1e-5).
     stepped = {k: v + (1e-5 * rng.standard_normal(v.shape)).astype(np.float32) for k, v in base.items()}
     key = generate_key()
-    publisher = FullPublisher("bench", key, base, "topk-int8", density, snapshot_every=10**9)
+    publisher = Publisher("bench", key, "full", base, "topk-int8", density, snapshot_every=10**9)
     (delta_update, delta_store), = publisher.publish(1, stepped)
     lora = {}
     for name, value in base.items():
@@ -58,13 +63,18 @@ def build_updates(density: float):
             stem = "base_model.model." + name[: -len(".weight")]
             lora[stem + ".lora_A.weight"] = rng.standard_normal((16, value.shape[1])).astype(np.float32)
             lora[stem + ".lora_B.weight"] = rng.standard_normal((value.shape[0], 16)).astype(np.float32)
-    _, lora_store = build_lora_update("bench", 1, lora, {"alpha": 32.0}, key)
+    lora_publisher = Publisher("bench", key, "lora", None, lora_encoding, density, snapshot_every=10**9)
+    (_, snapshot_store), = lora_publisher.publish(1, lora)
+    # Adam at lr 2e-4 (the LoRA default) moves every adapter weight by about 2e-4.
+    stepped = {k: v + (2e-4 * np.sign(rng.standard_normal(v.shape))).astype(np.float32) for k, v in lora.items()}
+    (_, lora_store), = lora_publisher.publish(2, stepped)
+    lora_bytes = (sum(map(len, lora_store.values())), sum(map(len, snapshot_store.values())))
     manifest = RunManifest(
         run_id="bench", base_model=path.name, base_sha256="0" * 64, vocab_size=model.config.vocab_size,
         mode="sequential", update="full", staleness=1, task=TaskSpec("none"), group_size=1, max_new_tokens=1,
         temperature=1.0, run_key=public_bytes(key), trainer_addrs=(),
     )
-    return manifest, (delta_update, delta_store), sum(map(len, lora_store.values())), checkpoint_bf16
+    return manifest, (delta_update, delta_store), lora_bytes, checkpoint_bf16
 
 
 async def trainer_round(n: int, relay_on: bool, update, manifest_path: Path, work: Path) -> dict:
@@ -153,9 +163,10 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    parser.add_argument("--density", type=float, default=0.01)
+    parser.add_argument("--density", type=float, default=RunConfig().update_density)
+    parser.add_argument("--lora-encoding", default=RunConfig().lora_encoding)
     args = parser.parse_args()
-    manifest, update, lora_bytes, checkpoint = build_updates(args.density)
+    manifest, update, (lora_bytes, lora_snapshot_bytes), checkpoint = build_updates(args.density, args.lora_encoding)
     rows = []
     with tempfile.TemporaryDirectory(prefix="echo-broadcast-") as tmp:
         manifest_path = Path(tmp) / "manifest"
@@ -170,7 +181,9 @@ def main() -> None:
     update_bytes = rows[0]["update_bytes"]
     print(json.dumps(dict(
         runs=rows, update_bytes=update_bytes, checkpoint_bf16_bytes=checkpoint,
-        bytes_ratio_lora=round(lora_bytes / checkpoint, 4), bytes_ratio_full=round(update_bytes / checkpoint, 4),
+        bytes_ratio_lora=round(lora_bytes / checkpoint, 4),
+        bytes_ratio_lora_snapshot=round(lora_snapshot_bytes / checkpoint, 4),
+        bytes_ratio_full=round(update_bytes / checkpoint, 4), lora_encoding=args.lora_encoding, density=args.density,
         upload_ratio_n16_relay=next((r["trainer_upload_bytes"] / update_bytes for r in rows
                                      if r["nodes"] == 16 and r["relay"]), None),
     )))

@@ -29,9 +29,13 @@ class RunConfig:
     mode: str = "sequential"  # "sequential" (on-policy pull) or "async" (push-pull, bounded staleness)
     update: str = "lora"  # "lora" (adapter updates) or "full" (parameter deltas)
     staleness: int = 4  # S: rollouts older than current - S are dropped (async mode)
-    update_encoding: str = "topk-int8"  # full mode: delta codec encoding (dense-fp32/fp16/bf16, topk-int8)
-    update_density: float = 0.01  # full mode, topk-int8: fraction of each tensor's entries sent per update
-    snapshot_every: int = 10  # full mode: publish a full snapshot every K versions, for late joiners
+    # Delta codec encodings (dense-fp32/fp16/bf16, dense-int4, topk-int8) of full-mode and of LoRA updates.
+    # LoRA moves every adapter weight each step: top-k left nodes' adapters several versions behind
+    # the trainer's, dense int4 keeps them within a small part of one version (bench/lora_updates.py).
+    update_encoding: str = "topk-int8"
+    lora_encoding: str = "dense-int4"
+    update_density: float = 0.01  # topk-int8: fraction of each tensor's entries sent per update
+    snapshot_every: int = 10  # publish a snapshot every K versions, for late joiners (LoRA: in bf16)
     trainer_upload_copies: int = 2  # nodes the trainer sends each update to itself; the rest fetch it
     # from peers that hold it (peer relay); 0 = no limit, every node may fetch from the trainer
     steps: int = 20  # trainer steps (versions published) before the run ends
@@ -72,8 +76,9 @@ class RunConfig:
         _check(self.node_quant in quants, "node_quant", f"must be one of {', '.join(quants)}, got {self.node_quant!r}")
         _check(self.update in UPDATE_MODES, "update", f"must be one of {', '.join(UPDATE_MODES)}, got {self.update!r}")
         _check(1 <= self.staleness <= 1000, "staleness", f"must be 1..1000, got {self.staleness}")
-        encodings = ("dense-fp32", "dense-fp16", "dense-bf16", "topk-int8")
+        encodings = ("dense-fp32", "dense-fp16", "dense-bf16", "dense-int4", "topk-int8")
         _check(self.update_encoding in encodings, "update_encoding", f"must be one of {', '.join(encodings)}")
+        _check(self.lora_encoding in encodings, "lora_encoding", f"must be one of {', '.join(encodings)}")
         _check(0 < self.update_density <= 1, "update_density", f"must be in (0, 1], got {self.update_density}")
         _check(self.snapshot_every >= 1, "snapshot_every", f"must be at least 1, got {self.snapshot_every}")
         _check(self.trainer_upload_copies >= 0, "trainer_upload_copies", "must be >= 0 (0 = no limit)")
@@ -113,6 +118,9 @@ class TrainerConfig:
     micro_batch_tokens: int = 2048
     threads: int = 0  # torch CPU threads; 0 = torch's default
     device: str = "auto"  # "auto" (the GPU if torch sees one, else the CPU), "cpu", "cuda" or "cuda:N"
+    # Trainer processes on this machine, data-parallel over each batch (docs/scaling.md); under
+    # torchrun its WORLD_SIZE decides instead.
+    procs: int = 1
 
     def __post_init__(self):
         _check(0 < self.learning_rate < 1, "learning_rate", f"must be in (0, 1), got {self.learning_rate}")
@@ -125,6 +133,7 @@ class TrainerConfig:
         _check(self.tis_cap >= 1, "tis_cap", f"must be at least 1, got {self.tis_cap}")
         _check(self.micro_batch_tokens >= 1, "micro_batch_tokens", f"must be at least 1, got {self.micro_batch_tokens}")
         _check(self.threads >= 0, "threads", f"must be >= 0, got {self.threads}")
+        _check(1 <= self.procs <= 1024, "procs", f"must be 1..1024, got {self.procs}")
         _check(self.device in ("auto", "cpu", "cuda") or self.device.removeprefix("cuda:").isdigit(), "device",
                f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")
 

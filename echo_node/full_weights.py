@@ -18,9 +18,6 @@ from pathlib import Path
 import numpy as np
 
 from echo_node.gguf_io import FILE_TYPES, load_model, quantize, write_model
-from protocols import delta
-from protocols.errors import CodecError
-from protocols.messages import WeightUpdate
 
 
 def load_master(model_path: Path):
@@ -36,25 +33,6 @@ def distinct_weights(model) -> dict[str, np.ndarray]:
     tied = model.config.tie_word_embeddings
     return {k: v.detach().cpu().float().numpy().copy() for k, v in model.state_dict().items()
             if not (tied and k == "lm_head.weight")}
-
-
-def apply_update(master: dict[str, np.ndarray], update: WeightUpdate, payloads: dict[str, bytes]) -> dict[str, np.ndarray]:
-    """The new weights of every tensor the update touches; `master` itself is not modified, so a
-    failure part-way leaves nothing half-applied. A snapshot must cover every weight."""
-    new = {}
-    for t in update.tensors:
-        if t.name not in master:
-            raise CodecError(f"update {update.to_version} names tensor {t.name!r}, which this model does not have")
-        if tuple(t.shape) != master[t.name].shape:
-            raise CodecError(f"update {update.to_version}: tensor {t.name!r} has shape {tuple(t.shape)}, "
-                             f"this model's is {master[t.name].shape}")
-        if update.replaces:
-            new[t.name] = delta.decode(payloads[t.name], t.encoding, t.shape, name=t.name)
-        else:
-            new[t.name] = delta.apply(master[t.name], payloads[t.name], t.encoding, name=t.name)
-    if update.replaces and set(new) != set(master):
-        raise CodecError(f"snapshot {update.to_version} lacks {len(set(master) - set(new))} tensors")
-    return new
 
 
 def export_quantized(config, master: dict[str, np.ndarray], tokenizer_from: Path, out: Path, ftype: int) -> Path:

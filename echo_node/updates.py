@@ -14,9 +14,11 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import numpy as np
+
 from echo_node.gguf_io import write_lora_adapter
 from protocols import catchup, chunks, delta, rpc
-from protocols.errors import EchoError, ProtocolError, TransportError
+from protocols.errors import CodecError, EchoError, ProtocolError, TransportError
 from protocols.messages import Chunk, ChunkRequest, RunManifest, UpdateIndex, UpdateRequest, WeightUpdate
 from protocols.signing import verify_message
 
@@ -122,14 +124,37 @@ async def catch_up(endpoint, trainer: str, peers: Callable[[int], list[str]], ru
     return chain
 
 
-async def apply_lora(update: WeightUpdate, payloads: dict[str, bytes], backend, adapter_dir: Path) -> Path:
-    """LoRA mode: the update is the whole adapter; write it as a GGUF adapter and hot-swap it in."""
-    tensors = {t.name: delta.decode(payloads[t.name], t.encoding, t.shape, name=t.name) for t in update.tensors}
+def apply_update(held: dict[str, np.ndarray], update: WeightUpdate, payloads: dict[str, bytes]) -> dict[str, np.ndarray]:
+    """The weights after `update`: the whole new dict for a snapshot, else the tensors it touches.
+    `held` itself is not modified, so a failure part-way leaves nothing half-applied. A snapshot
+    must cover every tensor held; the first LoRA snapshot (nothing held yet) defines them, and
+    the backend checks the names when it loads the adapter. LoRA views are bf16 (`protocols.delta`)."""
+    new = {}
+    for t in update.tensors:
+        if held and t.name not in held:
+            raise CodecError(f"update {update.to_version} names tensor {t.name!r}, which this model does not have")
+        if t.name in held and tuple(t.shape) != held[t.name].shape:
+            raise CodecError(f"update {update.to_version}: tensor {t.name!r} has shape {tuple(t.shape)}, "
+                             f"this model's is {held[t.name].shape}")
+        if update.replaces:
+            new[t.name] = delta.decode(payloads[t.name], t.encoding, t.shape, name=t.name)
+        elif not held:
+            raise CodecError(f"update {update.to_version} is a delta, but there is nothing to apply it to")
+        else:
+            new[t.name] = delta.apply(held[t.name], payloads[t.name], t.encoding, name=t.name,
+                                      bf16=update.mode == "lora")
+    if update.replaces and held and set(new) != set(held):
+        raise CodecError(f"snapshot {update.to_version} lacks {len(set(held) - set(new))} tensors")
+    return new
+
+
+async def load_lora(adapter: dict[str, np.ndarray], update: WeightUpdate, backend, adapter_dir: Path) -> Path:
+    """LoRA mode: write the adapter nodes now hold as a GGUF adapter and hot-swap it in."""
     alpha = update.params.get("alpha")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0:
         raise UpdateError(f"update {update.to_version} carries no positive LoRA alpha")
     path = adapter_dir / f"v{update.to_version}.gguf"
-    await asyncio.to_thread(write_lora_adapter, tensors, float(alpha), path, backend.layout)
+    await asyncio.to_thread(write_lora_adapter, adapter, float(alpha), path, backend.layout)
     await asyncio.to_thread(backend.set_adapter, path)
     for old in adapter_dir.glob("v*.gguf"):  # llama.cpp holds the adapter in memory: one file is enough
         if old != path:

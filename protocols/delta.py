@@ -19,9 +19,18 @@ shape and the encoding travel beside the payload in the wire record, never insid
     dense-bf16   n x '<u2'   upper 16 bits of the float32, rounded to nearest, ties to even
     topk-int8    header ['<u4' k]['<f4' scale], then k x '<u4' flat indices (strictly
                  increasing), then k x 'i1' q; element[index] = float32(q) * scale, others 0
+    dense-int4   ceil(n / 128) x '<f4' scales (one per block of 128 elements), then ceil(n / 2)
+                 bytes of 4-bit two's-complement q, element 2i in the low nibble of byte i and
+                 2i + 1 in the high one (a pad nibble of 0 when n is odd); element =
+                 float32(q) * scale of its block. q in [-7, 7]: every element moves every update,
+                 which suits LoRA's small, dense deltas (every adapter weight changes each step)
 
 Master weights and decoded deltas are float32. `decode` and `apply` treat payloads as untrusted
 and raise `CodecError` naming exactly what did not fit.
+
+A view may be kept in bf16 (`apply(..., bf16=True)`: every value rounded to bf16 after each
+update, on both sides): LoRA runs do, so a bf16 snapshot of the view is exact and late joiners
+who start from one hold bit for bit what nodes that applied every delta hold.
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ class Encoding(enum.StrEnum):
     DENSE_FP16 = "dense-fp16"
     DENSE_BF16 = "dense-bf16"
     TOPK_INT8 = "topk-int8"
+    DENSE_INT4 = "dense-int4"
 
 
 _DENSE_DTYPE = {
@@ -58,6 +68,8 @@ _TOPK_HEADER = np.dtype([("k", "<u4"), ("scale", "<f4")])
 _TOPK_INDEX = np.dtype("<u4")
 _TOPK_VALUE = np.dtype("i1")
 _QMAX = 127  # symmetric range: -128 is never produced, so q and -q are both representable
+INT4_BLOCK = 128  # elements per dense-int4 scale
+_Q4MAX = 7
 
 Payload = bytes | bytearray | memoryview
 
@@ -96,6 +108,8 @@ def encode(
         if not 0.0 < density <= 1.0:
             raise ValueError(f"density must be in (0, 1], got {density!r}")
         return _encode_topk(delta.ravel(), density, where)
+    if enc is Encoding.DENSE_INT4:
+        return _encode_int4(delta.ravel(), where)
     if enc is Encoding.DENSE_BF16:
         wire = float32_to_bf16_bits(delta)
     else:
@@ -119,6 +133,8 @@ def decode(
         raise CodecError(f"{where}: payload must be bytes, got {type(payload).__name__}")
     if enc is Encoding.TOPK_INT8:
         return _decode_topk(payload, n, where).reshape(dims)
+    if enc is Encoding.DENSE_INT4:
+        return _decode_int4(payload, n, where).reshape(dims)
     dtype = _DENSE_DTYPE[enc]
     need = n * dtype.itemsize
     if len(payload) != need:
@@ -130,29 +146,43 @@ def decode(
     return values.reshape(dims)
 
 
+def round_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 values rounded to the nearest bf16 (ties to even), still as float32."""
+    return bf16_bits_to_float32(float32_to_bf16_bits(x)).reshape(np.shape(x))
+
+
 def apply(
-    weights: np.ndarray, payload: Payload, encoding: Encoding | str, *, name: str = "?"
+    weights: np.ndarray, payload: Payload, encoding: Encoding | str, *, name: str = "?", bf16: bool = False
 ) -> np.ndarray:
-    """New float32 array `weights + decode(payload)`; `weights` is left untouched."""
+    """New float32 array `weights + decode(payload)`, rounded to bf16 if `bf16`; `weights` is
+    left untouched."""
     # The encoder advances its view of the receivers with this function too, on the same float32
     # inputs, so both sides run identical IEEE operations: that, not a tolerance, is what keeps
     # them bit-identical. Never reimplement it on either side.
     _check_float32(weights, f"tensor {name!r}: weights")
     delta = decode(payload, encoding, weights.shape, name=name)
     # `out=` because `+` on 0-d arrays returns a numpy scalar, not an array.
-    return np.add(weights, delta, out=np.empty(weights.shape, dtype=np.float32))
+    out = np.add(weights, delta, out=np.empty(weights.shape, dtype=np.float32))
+    if bf16:
+        out = round_bf16(out)
+    _check_finite(out, f"tensor {name!r}: weights after the update")
+    return out
 
 
 class DeltaEncoder:
     """The trainer's half of error feedback: an exact copy of what every receiver holds.
 
     Not thread-safe: one publisher owns it, and updates must be published in the order made.
+    `bf16`: the receivers keep their weights in bf16 (see `apply`); the base must be bf16-valued.
     """
 
-    def __init__(self, base: Mapping[str, np.ndarray]) -> None:
+    def __init__(self, base: Mapping[str, np.ndarray], bf16: bool = False) -> None:
+        self.bf16 = bf16
         self._view: dict[str, np.ndarray] = {}
         for name, weights in base.items():
             _check_float32(weights, f"tensor {name!r}: base weights")
+            if bf16 and not np.array_equal(round_bf16(weights), weights):
+                raise CodecError(f"tensor {name!r}: a bf16 view needs bf16-valued base weights")
             self._view[name] = _frozen(weights.copy())
 
     @property
@@ -192,7 +222,7 @@ class DeltaEncoder:
             payloads[name] = encode(
                 self.residual(name, target[name]), encoding, density=density, name=name
             )
-            advanced[name] = _frozen(apply(view, payloads[name], encoding, name=name))
+            advanced[name] = _frozen(apply(view, payloads[name], encoding, name=name, bf16=self.bf16))
         # Commit only once every tensor encoded: advancing views for payloads that are never
         # returned would desynchronise us from the receivers for good.
         self._view.update(advanced)
@@ -253,6 +283,47 @@ def _decode_topk(payload: bytes | bytearray, n: int, where: str) -> np.ndarray:
     out = np.zeros(n, dtype=np.float32)
     out[idx] = values
     return out
+
+
+def _encode_int4(flat: np.ndarray, where: str) -> bytes:
+    n = flat.size
+    blocks = -(-n // INT4_BLOCK)
+    padded = np.zeros(blocks * INT4_BLOCK, dtype=np.float32)
+    padded[:n] = flat
+    rows = padded.reshape(blocks, INT4_BLOCK)
+    scale = (np.abs(rows).max(axis=1) / np.float32(_Q4MAX)).astype(np.float32)  # (blocks,)
+    safe = np.where(scale > 0, scale, np.float32(1)).astype(np.float64)
+    q = np.clip(np.rint(rows / safe[:, None]), -_Q4MAX, _Q4MAX).astype(np.int8).ravel()[:n]
+    _check_no_overflow(_dequantize_int4(q, scale), flat, Encoding.DENSE_INT4, where)
+    nibbles = np.zeros(2 * (-(-n // 2)), dtype=np.uint8)
+    nibbles[:n] = q.view(np.uint8) & np.uint8(0x0F)
+    packed = nibbles[0::2] | (nibbles[1::2] << np.uint8(4))
+    return scale.astype("<f4").tobytes() + packed.tobytes()
+
+
+def _decode_int4(payload: bytes | bytearray, n: int, where: str) -> np.ndarray:
+    blocks = -(-n // INT4_BLOCK)
+    need = blocks * 4 + -(-n // 2)
+    if len(payload) != need:
+        raise CodecError(f"{where}: payload has {len(payload)} bytes, dense-int4 of {n} elements needs {need}")
+    scale = np.frombuffer(payload, dtype="<f4", count=blocks)
+    if not (np.isfinite(scale).all() and (scale >= 0).all()):
+        bad = int(np.flatnonzero(~(np.isfinite(scale) & (scale >= 0)))[0])
+        raise CodecError(f"{where}: dense-int4 scale {bad} is {float(scale[bad])!r}, must be finite and >= 0")
+    packed = np.frombuffer(payload, dtype=np.uint8, offset=blocks * 4)
+    nibbles = np.empty(2 * packed.size, dtype=np.uint8)
+    nibbles[0::2], nibbles[1::2] = packed & np.uint8(0x0F), packed >> np.uint8(4)
+    q = ((nibbles[:n].astype(np.int8) ^ np.int8(8)) - np.int8(8)).astype(np.int8)  # sign-extend 4 bits
+    values = _dequantize_int4(q, scale.astype(np.float32))
+    _check_finite(values, f"{where}: dense-int4 payload")
+    return values
+
+
+def _dequantize_int4(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """Flat float32 values of 4-bit `q` with one scale per block of INT4_BLOCK."""
+    per_element = np.repeat(scale, INT4_BLOCK)[: q.size]
+    with np.errstate(over="ignore"):
+        return q.astype(np.float32) * per_element
 
 
 def _encoding(encoding: Encoding | str) -> Encoding:

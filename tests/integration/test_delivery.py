@@ -7,11 +7,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from echo_coordinator.publish import FullPublisher
-from echo_node.full_weights import apply_update
+from echo_coordinator.publish import Publisher
+from echo_node.updates import UpdateError, apply_update, catch_up
 from protocols import rpc
 from protocols.transport.relay import Relay
-from echo_node.updates import UpdateError, catch_up
 from protocols.signing import generate_key, public_bytes, sign_message
 from protocols.transport.dht import SwarmDHT
 from protocols.transport.streams import OK, write_frame
@@ -30,7 +29,7 @@ def swarm():
 def published_updates():
     key = generate_key()
     base = {"w": np.arange(4096, dtype=np.float32)}
-    publisher = FullPublisher("run-1", key, base, "topk-int8", 0.25, snapshot_every=100, chunk_size=512)
+    publisher = Publisher("run-1", key, "full", base, "topk-int8", 0.25, snapshot_every=100, chunk_size=512)
     updates = [publisher.publish(v, {"w": base["w"] + v})[0] for v in (1, 2)]
     return base, updates, factories.manifest(run_key=public_bytes(key), update="full")
 

@@ -7,7 +7,7 @@ import pytest
 
 from echo_coordinator.ledger import Ledger
 from echo_coordinator.rewards import Transcripts
-from echo_coordinator.publish import build_lora_update
+from echo_coordinator.publish import Publisher
 from echo_coordinator.peers import BanRule, SpotCheck
 from echo_coordinator.service import Policing, RunService, Refused
 from echo_coordinator.verify import Verifier
@@ -155,14 +155,19 @@ def test_lease_of_another_node_double_push_and_expiry(service):
     assert again.seeds == late.seeds  # the expired lease's seeds were reassigned
 
 
+def lora_snapshot(version, adapter, key):
+    """A LoRA update 0 -> version (a fresh publisher's first update is the adapter itself)."""
+    return Publisher("run-1", key, "lora", None, "topk-int8", 0.05, 10, {"alpha": 8.0}).publish(version, adapter)
+
+
 def test_published_versions_are_served_by_the_relay(service):
     relay = service.relay
     assert relay.manifest(0, 1) is None and relay.index().updates == ()
     adapter = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": np.ones((2, 4), np.float32)}
-    update, chunks = build_lora_update("run-1", 1, adapter, {"alpha": 8.0}, service.run_key)
+    [(update, chunks)] = lora_snapshot(1, adapter, service.run_key)
     service.publish([(update, chunks)])
     assert service.version == 1 and relay.manifest(0, 1) == update
-    assert relay.index().updates == (UpdateInfo(0, 1, 32, True),)
+    assert relay.index().updates == (UpdateInfo(0, 1, 16, True),)  # 8 values in bf16
     assert all(relay.chunk(d) == data for d, data in chunks.items())
     assert relay.chunk("0" * 64) is None
 
@@ -183,7 +188,7 @@ def async_service(tmp_path):
 
 def advance(service, version):
     adapter = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": np.zeros((2, 4), np.float32)}
-    service.publish([build_lora_update("run-1", version, adapter, {"alpha": 8.0}, service.run_key)])
+    service.publish(lora_snapshot(version, adapter, service.run_key))
 
 
 def test_async_leases_never_run_dry_and_stale_groups_are_dropped_not_credited(async_service):

@@ -1,13 +1,13 @@
-"""Full mode: a node applying the publisher's lossy deltas holds the publisher's view bit for bit."""
+"""A node applying the publisher's lossy deltas holds the publisher's view bit for bit, in full and LoRA mode."""
 
 import dataclasses
 
 import numpy as np
 import pytest
 
-from echo_coordinator.publish import FullPublisher
-from echo_node.full_weights import apply_update
-from protocols import chunks
+from echo_coordinator.publish import Publisher
+from echo_node.updates import apply_update
+from protocols import chunks, delta
 from protocols.errors import CodecError, IntegrityError
 from protocols.signing import generate_key
 
@@ -20,7 +20,7 @@ def payloads(update, store):
 def test_node_weights_equal_the_broadcast_view_after_20_lossy_updates(encoding, density):
     rng = np.random.default_rng(0)
     base = {"a": rng.standard_normal((64, 32)).astype(np.float32), "b": rng.standard_normal(100).astype(np.float32)}
-    publisher = FullPublisher("run", generate_key(), base, encoding, density, snapshot_every=5, chunk_size=1000)
+    publisher = Publisher("run", generate_key(), "full", base, encoding, density, snapshot_every=5, chunk_size=1000)
     node = {k: v.copy() for k, v in base.items()}
     trainer = {k: v.copy() for k, v in base.items()}
     late_joiner = None
@@ -43,9 +43,42 @@ def test_node_weights_equal_the_broadcast_view_after_20_lossy_updates(encoding, 
     assert residual < 0.05  # error feedback keeps the lossy view close to the trainer
 
 
+def test_lora_nodes_start_from_a_bf16_snapshot_and_hold_the_view_bit_for_bit():
+    rng = np.random.default_rng(1)
+    shapes = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": (8, 64),
+              "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": (64, 8)}
+    trainer = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    publisher = Publisher("run", generate_key(), "lora", None, "dense-int4", 1.0, snapshot_every=5,
+                          params={"alpha": 16.0}, chunk_size=1000)
+    node, late_joiner = {}, None
+    for version in range(1, 16):
+        trainer = {k: v + 1e-3 * rng.standard_normal(v.shape).astype(np.float32) for k, v in trainer.items()}
+        published = publisher.publish(version, trainer)
+        first = published[0][0]
+        if version == 1:  # nodes hold no adapter yet: the adapter itself, in bf16
+            assert (first.from_version, first.replaces, len(published)) == (0, True, 1)
+            assert {t.encoding for t in first.tensors} == {"dense-bf16"}
+        else:
+            assert (first.from_version, first.replaces, first.params) == (version - 1, False, {"alpha": 16.0})
+            assert sum(t.nbytes for t in first.tensors) < 0.3 * sum(v.size * 2 for v in trainer.values())
+        new = apply_update(node, first, payloads(*published[0]))
+        node = new if first.replaces else {**node, **new}
+        for name, view in publisher.view().items():
+            assert node[name].tobytes() == view.tobytes(), (version, name)
+            assert np.array_equal(delta.round_bf16(view), view)  # bf16-valued
+        if version == 10:
+            (snapshot, store), = [p for p in published if p[0].replaces]
+            late_joiner = apply_update({}, snapshot, payloads(snapshot, store))
+        elif late_joiner is not None:
+            late_joiner = {**late_joiner, **apply_update(late_joiner, first, payloads(*published[0]))}
+    assert all(late_joiner[k].tobytes() == node[k].tobytes() for k in node)  # the bf16 snapshot is exact
+    residual = max(float(np.abs(trainer[k] - node[k]).max()) for k in node)
+    assert residual < 0.05
+
+
 def test_bad_updates_change_nothing():
     base = {"a": np.ones((4, 4), np.float32)}
-    publisher = FullPublisher("run", generate_key(), base, "topk-int8", 0.5, snapshot_every=100, chunk_size=16)
+    publisher = Publisher("run", generate_key(), "full", base, "topk-int8", 0.5, snapshot_every=100, chunk_size=16)
     (update, store), = publisher.publish(1, {"a": np.full((4, 4), 2.0, np.float32)})
     node = {"a": base["a"].copy()}
     good = payloads(update, store)
@@ -53,6 +86,8 @@ def test_bad_updates_change_nothing():
         apply_update(node, update, {"a": good["a"][:-1]})
     with pytest.raises(CodecError, match="does not have"):
         apply_update({"b": node["a"]}, update, good)
+    with pytest.raises(CodecError, match="nothing to apply it to"):  # a delta before any snapshot
+        apply_update({}, update, good)
     renamed = dataclasses.replace(update, tensors=(dataclasses.replace(update.tensors[0], shape=(2, 8)),))
     with pytest.raises(CodecError):
         apply_update(node, renamed, good)

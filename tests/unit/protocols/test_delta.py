@@ -197,6 +197,45 @@ def test_decode_returns_a_fresh_writable_array():
         assert y.flags.writeable and y.flags.c_contiguous
 
 
+def parse_int4(payload: bytes, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(scales, q) written from the documented layout, independently of the module."""
+    blocks = -(-n // 128)
+    scales = np.frombuffer(payload, dtype="<f4", count=blocks)
+    q = []
+    for byte in payload[4 * blocks :]:
+        q += [(byte & 0xF) - 16 * ((byte >> 3) & 1), (byte >> 4) - 16 * (byte >> 7)]
+    return scales, np.array(q[:n], dtype=np.int64)
+
+
+@PROPERTY
+@given(x=f32_arrays(max_abs=1e30, shapes=hnp.array_shapes(min_dims=1, max_dims=2, min_side=1, max_side=300)))
+def test_dense_int4_keeps_every_element_within_half_a_step_of_its_block(x):
+    payload = encode(x, Encoding.DENSE_INT4)
+    flat = x.ravel().astype(np.float64)
+    scales, q = parse_int4(payload, flat.size)
+    assert len(payload) == 4 * len(scales) + -(-flat.size // 2) and np.abs(q).max(initial=0) <= 7
+    step = np.repeat(scales.astype(np.float64), 128)[: flat.size]
+    got = decode(payload, Encoding.DENSE_INT4, x.shape).ravel().astype(np.float64)
+    assert np.array_equal(got, (q * step).astype(np.float32).astype(np.float64))  # the documented value
+    assert np.all(np.abs(got - flat) <= step / 2 * (1 + 1e-6) + 1e-38)
+
+
+@pytest.mark.parametrize("extra", [-1, 1])
+def test_dense_int4_payload_of_wrong_length(extra):
+    good = encode(np.ones(300, np.float32), Encoding.DENSE_INT4)
+    bad = good[:extra] if extra < 0 else good + b"\0"
+    with pytest.raises(CodecError, match="dense-int4 of 300 elements needs"):
+        decode(bad, Encoding.DENSE_INT4, (300,))
+
+
+@pytest.mark.parametrize("scale", [math.nan, math.inf, -0.5])
+def test_dense_int4_bad_scale(scale):
+    payload = bytearray(encode(np.ones(300, np.float32), Encoding.DENSE_INT4))
+    payload[4:8] = struct.pack("<f", scale)  # the second block's scale
+    with pytest.raises(CodecError, match="dense-int4 scale 1 is"):
+        decode(bytes(payload), Encoding.DENSE_INT4, (300,))
+
+
 # --- error feedback ----------------------------------------------------------------------------
 
 
@@ -256,14 +295,15 @@ def test_error_feedback_drives_the_residual_toward_a_fixed_target(shape, encodin
     n = base.size
     # A round gives every entry once the chance to be among the k largest residuals.
     steps_per_round = math.ceil(n / expected_k(density, n)) if encoding is TOPK else 1
-    # Each step shrinks a kept entry to at most half a quantisation step (peak / 254, the
-    # coarsest encoding), plus float32 rounding in `target - view` and `view + delta`.
+    # Each step shrinks a kept entry to at most half a quantisation step (peak / 254 for int8,
+    # peak / 14 for int4, the coarsest), plus float32 rounding in `target - view` and `view + delta`.
+    shrink = 14 if encoding is Encoding.DENSE_INT4 else 254
     rounding = 8 * float(np.spacing(np.float32(4 * bound_abs)))
     bound = float(np.abs(encoder.residual("w", target)).max())
     for _ in range(2):
         for _ in range(steps_per_round):
             encoder.encode_update({"w": target}, encoding, density)
-        bound = bound / 254 + rounding
+        bound = bound / shrink + rounding
         assert float(np.abs(encoder.residual("w", target)).max()) <= bound
 
 
