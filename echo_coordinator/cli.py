@@ -38,6 +38,8 @@ def start(
     dashboard: Optional[bool] = typer.Option(None, "--dashboard/--no-dashboard", help="Serve the dashboard (default: on)."),
     dashboard_port: Optional[int] = typer.Option(None, help="Dashboard port on 127.0.0.1 (default 8765; any free "
                                                             "port if taken)."),
+    trainer_procs: Optional[int] = typer.Option(None, help="Trainer processes on this machine, data-parallel over "
+                                                           "each batch (default 1; under torchrun, its world size)."),
     verbose: bool = typer.Option(False, "--verbose", help="A line per step and INFO logs instead of one live status line."),
 ) -> None:
     """Start the coordinator and trainer; prints the `echo-node join` command for volunteers."""
@@ -48,7 +50,7 @@ def start(
             config, model=model, node_quant=node_quant, task=task, mode=mode, steps=steps, min_nodes=min_nodes,
             data_dir=str(data_dir) if data_dir else None, host=host, port=port,
             allow_keys=str(allow_keys) if allow_keys else None, verify_fraction=verify_fraction,
-            dashboard=dashboard, dashboard_port=dashboard_port,
+            dashboard=dashboard, dashboard_port=dashboard_port, procs=trainer_procs,
         )
     except ConfigError as e:
         raise typer.BadParameter(str(e)) from None

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from echo_coordinator import base_model, publish
+from echo_coordinator import base_model, distributed, publish
 from echo_coordinator.config import RunConfig, TrainerConfig
 from echo_coordinator.evaluation import EvalSet, due, eval_seeds
 from echo_coordinator.ledger import Ledger, MetricsLog
@@ -86,9 +86,19 @@ def run_coordinator(run: RunConfig, trainer_config: TrainerConfig, demo: bool = 
     live = console.is_terminal and not verbose
     logging.basicConfig(level=logging.WARNING if live else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ranks = distributed.Ranks.from_env()
+    if ranks is not None and not ranks.leader:  # a trainer rank of torchrun or --trainer-procs: no swarm
+        try:
+            source = demo_model_path() if demo or not run.model else base_model.resolve(run.model)
+            return distributed.run_worker(ranks, source, trainer_config, run.temperature, run.seed, run.update)
+        except EchoError as e:
+            console.print(f"[red]trainer rank {ranks.rank}: error:[/] {e}")
+            return 1
+    coordinator = None
     try:
         with console.status("starting ...") if live else contextlib.nullcontext() as status:
-            asyncio.run(Coordinator(run, trainer_config, demo, status).run())
+            coordinator = Coordinator(run, trainer_config, demo, status)
+            asyncio.run(coordinator.run())
     except Stopped as e:
         console.print(f"[yellow]{e}[/]")
         return 0 if e.signal == signal.SIGTERM else 130
@@ -97,6 +107,12 @@ def run_coordinator(run: RunConfig, trainer_config: TrainerConfig, demo: bool = 
         return 130
     except (EchoError, OSError) as e:
         console.print(f"[red]error:[/] {e}")
+        if coordinator is not None and coordinator.trainer_busy:
+            # The trainer thread is stuck (waiting for a trainer rank that died, say): leave now
+            # rather than wait for it at exit. What a restart needs is on disk.
+            logging.shutdown()
+            sys.stdout.flush()
+            os._exit(1)
         return 1
     return 0
 
@@ -196,7 +212,7 @@ class Coordinator:
         self.base = await asyncio.to_thread(base_model.prepare, str(self.model), cfg.node_quant, self.data_dir / "models")
         base_model.record(self.data_dir, self.base)
         self._waiting(f"loading the trainer on {self.model.name} ...")
-        trainer = await self._on_trainer(Trainer, self.model, self.trainer_config, cfg.temperature, cfg.seed, cfg.update)
+        trainer = await self._start_trainer(Trainer)
         self.checker = trainer
         if not self.base.is_gguf:
             # Verification checks samples against the weights the nodes run. From an HF checkpoint
@@ -215,6 +231,30 @@ class Coordinator:
             await self._serve(dht, trainer)
         finally:
             dht.shutdown()
+            if trainer.ranks is not None:
+                with contextlib.suppress(distributed.DistributedError):
+                    await self._on_trainer(trainer.channel.send, distributed.STOP)
+
+    async def _start_trainer(self, trainer_class):
+        """The trainer; with `procs` > 1 (or under torchrun) rank 0 of a group of trainer
+        processes, which it waits to join. A local rank that dies before joining is reported."""
+        cfg, tcfg = self.run_config, self.trainer_config
+        ranks, workers = distributed.Ranks.from_env(), []
+        if ranks is None and tcfg.procs > 1:
+            workers = distributed.start_workers(tcfg.procs, self.data_dir)
+            ranks = distributed.Ranks.from_env()
+        if ranks is not None:
+            self._waiting(f"loading the trainer on {self.model.name}: rank 0 of {ranks.world} ...")
+        load = asyncio.ensure_future(self._on_trainer(trainer_class, self.model, tcfg, cfg.temperature, cfg.seed,
+                                                      cfg.update, ranks))
+        while not load.done():
+            for rank, worker in enumerate(workers, 1):
+                if worker.poll() is not None:
+                    raise distributed.DistributedError(
+                        f"trainer rank {rank} exited with code {worker.returncode} before joining; see "
+                        f"{self.data_dir / f'trainer-rank{rank}.log'}")
+            await asyncio.wait({load}, timeout=0.5)
+        return load.result()
 
     def _previous_port(self) -> int:
         """`port = 0` on a restart: the port of the join line nodes already have, if it is free,
@@ -247,14 +287,13 @@ class Coordinator:
         return json.loads(path.read_text()) if path.exists() else None
 
     def _save_checkpoint(self, version: int, trainer, weights) -> None:
-        """The trainer (weights, optimiser) and, in full mode, what nodes hold, into a directory
-        of their own: the previous checkpoint stays whole until `state.json` names this one."""
+        """The trainer (weights, optimiser) and the publisher's view of what nodes hold, into a
+        directory of their own: the previous checkpoint stays whole until `state.json` names this one."""
         from echo_coordinator.trainer import save_tensors
 
         directory = self.data_dir / "checkpoints" / f"v{version}"
         trainer.save(directory, weights)
-        if self.publisher is not None:
-            save_tensors(self.publisher.view(), directory / "view.safetensors")
+        save_tensors(self.publisher.view(), directory / "view.safetensors")
 
     def _write_state(self, run_id: str, version: int, service: RunService) -> None:
         """Name `version` (and its checkpoint) as the one to resume at: an atomic replace. Older
@@ -314,7 +353,7 @@ class Coordinator:
         )
         self.service = service
         resumed = state is not None and state["version"] > 0
-        self.publisher = self._make_publisher(trainer, manifest.run_id, state if resumed else None)
+        self.publisher = self._make_publisher(trainer, manifest, state if resumed else None)
         if state:
             # The version comes back with the trainer's weights, the gate, and from the journal the
             # buffered groups and the leases nodes hold.
@@ -324,7 +363,7 @@ class Coordinator:
                           f"({len(service.replay)} groups buffered)")
         if resumed:
             await self._on_trainer(trainer.load, self.data_dir / state["checkpoint"])
-            self._remember_adapters(trainer, service.version)
+            self._remember_held(trainer, service.version)
             published, held = self._build_updates(manifest, service.version, trainer.weights(), resumed=True)
             self._serve_version(service, service.version, published, held)
         else:
@@ -444,16 +483,21 @@ class Coordinator:
         trainer's `weights()` after the step (exported once, shared with the checkpoint)."""
         from echo_coordinator.trainer import save_tensors
 
-        if manifest.update == "lora":
-            published = [publish.build_lora_update(manifest.run_id, version, weights, dict(manifest.update_params), self.key)]
-            save_tensors(weights, self.data_dir / "adapters" / f"v{version}.safetensors")
-            return published, weights
         if resumed:
             # The delta into this version died with the old process; a snapshot serves everyone.
             published = [self.publisher.snapshot(version)]
         else:
             published = self.publisher.publish(version, weights)
-        return published, self.nodes_hold(self.publisher.view())
+        if manifest.update == "full":
+            return published, self.nodes_hold(self.publisher.view())
+        # LoRA: the trained adapter (what `eval` and `export` read), and what nodes hold (what a
+        # restart verifies older batches with, for the versions the bound admits).
+        adapters, held = self.data_dir / "adapters", self.publisher.view()
+        if not resumed:
+            save_tensors(weights, adapters / f"v{version}.safetensors")
+        save_tensors(held, adapters / f"v{version}.held.safetensors")
+        (adapters / f"v{version - self.verifier.keep_versions - 1}.held.safetensors").unlink(missing_ok=True)
+        return published, held
 
     def _serve_version(self, service: RunService, version: int, published, held) -> None:
         """Make `version` current: nodes hear of it from here on."""
@@ -465,31 +509,34 @@ class Coordinator:
         if service.evaluation is not None and due(version, self.run_config.eval_every, self.run_config.steps):
             service.open_eval(version, held)
 
-    def _remember_adapters(self, trainer, version: int) -> None:
+    def _remember_held(self, trainer, version: int) -> None:
         """After a restart, what nodes held at the versions before `version` that the bound still
-        admits, so their batches stay verifiable: LoRA adapters are on disk. (Full mode keeps only
+        admits, so their batches stay verifiable: LoRA keeps them on disk. (Full mode keeps only
         the current view; older batches are refused as `unverifiable`, the nodes' work lost once.)"""
         if self.run_config.update != "lora":
             return
         from safetensors.numpy import load_file
 
         for v in range(max(0, version - self.verifier.keep_versions), version):
-            path = self.data_dir / "adapters" / f"v{v}.safetensors"
+            path = self.data_dir / "adapters" / f"v{v}.held.safetensors"
             if v == 0:
                 self.verifier.remember(0, lora_base(trainer.weights()))
             elif path.exists():
                 self.verifier.remember(v, load_file(str(path)))
 
-    def _make_publisher(self, trainer, run_id: str, state: dict | None):
-        """Full mode: the publisher tracks what nodes hold; a restart (`state`) restores that view."""
-        if self.run_config.update != "full":
-            return None
+    def _make_publisher(self, trainer, manifest: RunManifest, state: dict | None) -> publish.Publisher:
+        """The publisher tracks what nodes hold; a restart (`state`) restores that view. LoRA
+        nodes start with no adapter; full-mode nodes with the base weights."""
         from safetensors.numpy import load_file
 
         cfg = self.run_config
-        base = load_file(str(self.data_dir / state["checkpoint"] / "view.safetensors")) if state else trainer.weights()
+        view = load_file(str(self.data_dir / state["checkpoint"] / "view.safetensors")) if state else None
+        if cfg.update == "lora":
+            return publish.Publisher(manifest.run_id, self.key, "lora", view, cfg.lora_encoding, cfg.update_density,
+                                     cfg.snapshot_every, dict(manifest.update_params))
         self.nodes_hold = NodesHold() if self.checker is trainer else NodesHold(trainer.weights(), self.checker.weights())
-        return publish.FullPublisher(run_id, self.key, base, cfg.update_encoding, cfg.update_density, cfg.snapshot_every)
+        return publish.Publisher(manifest.run_id, self.key, "full", trainer.weights() if view is None else view,
+                                 cfg.update_encoding, cfg.update_density, cfg.snapshot_every)
 
     async def _register_handlers(self, endpoint, service: RunService) -> None:
         async def manifest(request: bytes, peer: str):

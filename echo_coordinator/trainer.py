@@ -23,6 +23,7 @@ import torch
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.numpy import load_file, save_file
 
+from echo_coordinator import distributed
 from echo_coordinator.config import TrainerConfig
 from echo_coordinator.grpo import grpo_loss, group_advantages
 from echo_node.gguf_io import load_model, load_tokenizer
@@ -117,14 +118,22 @@ def micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
 
 
 class Trainer:
-    def __init__(self, source: Path, config: TrainerConfig, temperature: float, seed: int = 0, update: str = "lora"):
-        """`source`: an HF checkpoint directory or a GGUF file (see `gguf_io.load_model`)."""
+    def __init__(self, source: Path, config: TrainerConfig, temperature: float, seed: int = 0, update: str = "lora",
+                 ranks: distributed.Ranks | None = None):
+        """`source`: an HF checkpoint directory or a GGUF file (see `gguf_io.load_model`).
+        `ranks`: this process's place among several trainer processes (`distributed`), joined here."""
         torch.manual_seed(seed)
         if config.threads:
             torch.set_num_threads(config.threads)
-        self.config, self.temperature, self.update = config, temperature, update
-        self.device = torch.device(config.device if config.device != "auto" else
-                                   "cuda" if torch.cuda.is_available() else "cpu")
+        self.config, self.temperature, self.update, self.ranks = config, temperature, update, ranks
+        self.steps = 0  # optimiser passes taken, counted from the checkpoint `load` restored (ranks compare it)
+        if ranks is not None:
+            self.device = torch.device(ranks.device(config.device))
+            ranks.join(str(self.device))
+            self.channel = distributed.Channel(str(self.device))
+        else:
+            self.device = torch.device(config.device if config.device != "auto" else
+                                       "cuda" if torch.cuda.is_available() else "cpu")
         self.tokenizer = load_tokenizer(source)
         # bf16 on a GPU; fp32 on the CPU (where bf16 is slower and coarser than the nodes' q8_0).
         # LoRA adapters stay fp32 either way (peft casts them up).
@@ -141,52 +150,82 @@ class Trainer:
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         fused = dict(fused=True) if self.device.type == "cuda" else {}
         self.optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=0.0, **fused)
+        if ranks is not None and ranks.leader:
+            self.send_state()  # every rank starts from rank 0's weights
 
-    def step(self, samples: list[TrainSample]) -> StepStats:
+    def step(self, samples: list[TrainSample], expected_steps: int | None = None) -> StepStats:
         """One GRPO step on a batch: `ppo_epochs` passes, each in `ppo_minibatches` optimiser
         steps. The PPO ratio is taken against the weights at the start of the step (`old`), so
-        with more than one optimiser step the clip binds; with one, old = new and it cannot."""
+        with more than one optimiser step the clip binds; with one, old = new and it cannot.
+        With several trainer ranks each computes its share of every optimiser step's gradient
+        and they are summed (`distributed`); rank 0 sends the batch, the others are given it
+        with the step count rank 0 is at (`expected_steps`)."""
         started = time.perf_counter()
+        if self.ranks is not None:
+            if self.ranks.leader:
+                self.channel.send(distributed.STEP, self.steps, distributed.encode_samples(samples))
+            elif expected_steps != self.steps:
+                raise distributed.RanksDisagree(f"rank {self.ranks.rank} has taken {self.steps} steps, rank 0 "
+                                                f"{expected_steps}")
         rewards = np.array([s.reward for s in samples], dtype=np.float32)
         advantages = group_advantages(rewards, np.array([s.group for s in samples]))
         # Groups whose samples all scored the same carry no signal (advantage 0): skip their compute.
         trained = [(s, a) for s, a in zip(samples, advantages) if a != 0.0]
+        lengths = [len(s.prompt_ids) + len(s.completion_ids) for s, _ in trained]
         cfg = self.config
-        old = self._start_logprobs([s for s, _ in trained]) if cfg.ppo_epochs * cfg.ppo_minibatches > 1 else None
+        minibatches = [m.tolist() for m in np.array_split(np.arange(len(trained)), min(cfg.ppo_minibatches,
+                                                                                         max(len(trained), 1)))]
+        mine = [distributed.share(m, lengths, self.ranks) for m in minibatches]  # this rank's part of each
+        old = None
+        if cfg.ppo_epochs * cfg.ppo_minibatches > 1:
+            touched = sorted({i for part in mine for i in part})
+            old = dict(zip(touched, self._start_logprobs([trained[i][0] for i in touched])))
         self.model.train()
         sums = dict(loss=0.0, tokens=0, clipped_tis=0, clipped_ratio=0, ratio_tokens=0, kl=0.0, log_ratio=0.0)
-        by_staleness: dict[int, list[float]] = {}  # staleness -> [log-ratio sum, tokens]
+        staleness = sorted({s.staleness for s, _ in trained})
+        by_staleness = {k: [0.0, 0] for k in staleness}  # staleness -> [log-ratio sum, tokens]
         for epoch in range(cfg.ppo_epochs):
-            for minibatch in np.array_split(np.arange(len(trained)), min(cfg.ppo_minibatches, max(len(trained), 1))):
-                part = [trained[i] for i in minibatch]
-                if not part:
+            for minibatch, part in zip(minibatches, mine):
+                if not minibatch:
                     continue
-                out = self._accumulate(part, None if old is None else [old[i] for i in minibatch])
+                total_tokens = sum(sum(trained[i][0].loss_mask) for i in minibatch)  # the whole minibatch's
+                out = self._accumulate([trained[i] for i in part], None if old is None else [old[i] for i in part],
+                                       total_tokens)
+                if self.ranks is not None:
+                    distributed.sum_gradients(self.optimizer)
                 self.optimizer.step()
                 sums["clipped_ratio"] += out["clipped_ratio"]
                 sums["ratio_tokens"] += out["tokens"]
                 if epoch == 0:  # what the batch is, measured once: loss, tokens, mismatch
                     for key in ("loss", "tokens", "clipped_tis", "kl", "log_ratio"):
                         sums[key] += out[key]
-                    for staleness, (ratio, n) in out["by_staleness"].items():
-                        bucket = by_staleness.setdefault(staleness, [0.0, 0])
-                        bucket[0] += ratio
-                        bucket[1] += n
+                    for k, (ratio, n) in out["by_staleness"].items():
+                        by_staleness[k][0] += ratio
+                        by_staleness[k][1] += n
+        self.steps += 1
+        if self.ranks is not None:  # every rank's figures summed, and every rank on the same weights
+            keys = list(sums)
+            total = distributed.sum_values([sums[k] for k in keys] + [x for k in staleness for x in by_staleness[k]])
+            sums = dict(zip(keys, total))
+            by_staleness = {k: total[len(keys) + 2 * i : len(keys) + 2 * i + 2] for i, k in enumerate(staleness)}
+            distributed.agree(self.optimizer, self.steps, self.ranks)
         release_freed_memory()
         tokens = max(sums["tokens"], 1)
         return StepStats(
-            samples=len(samples), trained_samples=len(trained), tokens=sums["tokens"], loss=sums["loss"],
+            samples=len(samples), trained_samples=len(trained), tokens=int(sums["tokens"]), loss=sums["loss"],
             tis_clipped_fraction=sums["clipped_tis"] / tokens,
             ratio_clipped_fraction=sums["clipped_ratio"] / max(sums["ratio_tokens"], 1),
             mismatch_kl=sums["kl"] / tokens, mean_log_ratio=sums["log_ratio"] / tokens,
-            log_ratio_by_staleness={k: r / max(n, 1) for k, (r, n) in sorted(by_staleness.items())},
+            log_ratio_by_staleness={k: r / max(n, 1) for k, (r, n) in sorted(by_staleness.items()) if n},
             busy_seconds=time.perf_counter() - started,
         )
 
-    def _accumulate(self, part: list[tuple[TrainSample, float]], old: list[torch.Tensor] | None) -> dict:
-        """Gradients of the loss over `part` (one optimiser step's samples), micro-batched by
-        padded tokens; `old`: each sample's (L-1,) start-of-step logprobs, None = on-policy."""
-        total_tokens = sum(sum(s.loss_mask) for s, _ in part)
+    def _accumulate(self, part: list[tuple[TrainSample, float]], old: list[torch.Tensor] | None,
+                    total_tokens: int) -> dict:
+        """Gradients of the loss over `part` (this rank's share of one optimiser step's samples),
+        micro-batched by padded tokens; `old`: each sample's (L-1,) start-of-step logprobs, None =
+        on-policy; `total_tokens`: the optimiser step's masked tokens over every rank, so the
+        parts' gradients sum to the gradient of the whole."""
         self.optimizer.zero_grad(set_to_none=True)
         sums = dict(loss=0.0, tokens=0, clipped_tis=0, clipped_ratio=0, kl=0.0, log_ratio=0.0, by_staleness={})
         lengths = [len(s.prompt_ids) + len(s.completion_ids) for s, _ in part]
@@ -322,6 +361,17 @@ class Trainer:
     def load(self, directory: Path) -> None:
         self.load_weights(load_file(str(directory / "weights.safetensors")))
         self.optimizer.load_state_dict(torch.load(directory / "optimizer.pt", weights_only=True, map_location=self.device))
+        if self.ranks is not None:
+            self.send_state()
+
+    def send_state(self) -> None:
+        """Rank 0: give every other rank these weights, optimiser state and step count."""
+        self.channel.send(distributed.LOAD, self.steps, distributed.state_bytes(self.optimizer))
+
+    def receive_state(self, steps: int, payload: bytes) -> None:
+        """The other ranks: take rank 0's weights, optimiser state and step count."""
+        distributed.load_state_bytes(self.optimizer, payload)
+        self.steps = steps
 
     def weights(self) -> dict[str, np.ndarray]:
         """What a WeightUpdate carries, as float32 arrays: the LoRA adapter under peft's names

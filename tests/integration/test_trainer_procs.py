@@ -1,0 +1,32 @@
+"""A run whose trainer is two processes (`--trainer-procs 2`, gloo on 127.0.0.1): rank 0 runs the
+swarm, rank 1 only trains, the ranks agree on the weights after every step, and the run ends
+with both processes gone."""
+
+import re
+import sys
+
+from tests.integration.test_async import async_config, start_node
+from tests.integration.test_end_to_end import processes, spawn, tiny_model, wait_for  # noqa: F401
+from tests.integration.test_crashes import check_books, metrics
+
+
+def test_a_run_trains_on_two_trainer_processes(tmp_path, tiny_model, processes):
+    run_dir, steps = tmp_path / "run", 4
+    config = async_config(tmp_path / "run.toml", tiny_model, run_dir, steps, 2)
+    coordinator = spawn(processes, [sys.executable, "-m", "echo_coordinator.cli", "start", "--config", str(config),
+                                    "--trainer-procs", "2", "--verbose"], tmp_path / "coordinator.log")
+    wait_for((run_dir / "join.txt").exists, 180, "the join line", [coordinator])
+    join = (run_dir / "join.txt").read_text().strip()
+    nodes = [start_node(processes, join, tmp_path, name) for name in ("n1", "n2")]
+    assert coordinator.wait(timeout=300) == 0, (tmp_path / "coordinator.log").read_text()[-3000:]
+    log = (tmp_path / "coordinator.log").read_text()
+    assert "rank 0 of 2" in log
+    rank1 = (run_dir / "trainer-rank1.log").read_text()
+    assert "trainer rank 1 of 2 joined (gloo on cpu)" in rank1, rank1
+    records = metrics(run_dir)
+    assert [r["version"] for r in records] == list(range(steps))
+    assert all(r["trained_samples"] > 0 for r in records)  # every step trained (and the ranks agreed)
+    check_books(run_dir)
+    for node in nodes:
+        assert node.wait(timeout=60) == 0
+    assert not re.search(r"disagree|Traceback", log + rank1)

@@ -1,0 +1,122 @@
+"""Two trainer processes on gloo take the step one process takes on the same batch, agree on
+the weights afterwards, and a rank that disagrees or dies stops the run with a clear error."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch.distributed as dist
+
+from echo_coordinator import distributed
+from echo_coordinator.config import TrainerConfig
+from echo_coordinator.distributed import DistributedError, Ranks, RanksDisagree
+from echo_coordinator.trainer import Trainer, TrainSample
+from tests.support.tiny_model import build_tiny_gguf
+
+# Two optimiser steps per batch: the start-of-step logprobs and the minibatch split are shared too.
+CONFIG = dict(lora_rank=4, lora_init="random", learning_rate=0.01, threads=1, ppo_minibatches=2, micro_batch_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return build_tiny_gguf(tmp_path_factory.mktemp("m") / "tiny.gguf")
+
+
+def batch(seed=0) -> list[TrainSample]:
+    """Groups of 4 with rewards that vary, completions of different lengths, one stale sample."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for group in range(5):
+        prompt = tuple(int(t) for t in rng.integers(100, 2000, size=int(rng.integers(3, 9))))
+        for j in range(4):
+            n = int(rng.integers(2, 12))
+            out.append(TrainSample(prompt, tuple(int(t) for t in rng.integers(100, 2000, size=n)),
+                                   tuple(float(x) for x in -rng.uniform(0.5, 4, size=n)), (1,) * n,
+                                   float(rng.integers(0, 2)) if j else 1.0 - (group % 2), group, staleness=j % 2))
+    return out
+
+
+@pytest.fixture
+def two_ranks(model, monkeypatch):
+    """Rank 0 here, rank 1 in a subprocess (the worker loop): yields a function that starts them."""
+    started = []
+
+    def start(worker_config=CONFIG, update="lora"):
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(distributed.free_port()))
+        monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+        env = dict(__import__("os").environ, RANK="1", WORLD_SIZE="2", LOCAL_RANK="1")
+        worker = subprocess.Popen([sys.executable, "-m", "tests.support.trainer_rank", str(model),
+                                   json.dumps(worker_config), update], env=env)
+        started.append(worker)
+        leader = Trainer(model, TrainerConfig(**CONFIG), 1.0, update=update, ranks=Ranks(0, 2, 0))
+        return leader, worker
+
+    yield start
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    for worker in started:
+        worker.kill()
+        worker.wait()
+
+
+def update_of(before: dict, after: dict) -> np.ndarray:
+    return np.concatenate([(after[k] - before[k]).ravel() for k in sorted(before)])
+
+
+@pytest.mark.parametrize("update", ["lora", "full"])
+def test_two_ranks_take_the_one_process_step(model, two_ranks, update):
+    one = Trainer(model, TrainerConfig(**CONFIG), 1.0, update=update)
+    start = one.weights()
+    expected = one.step(batch(1))
+    leader, worker = two_ranks(update=update)
+    assert all(np.array_equal(start[k], v) for k, v in leader.weights().items())  # same start
+    got = leader.step(batch(1))
+    # The same update, to float rounding: summing two ranks' gradients reorders the additions.
+    # (Measured 5e-5. Reordering alone, in one process, moves a PPO trajectory by as much: Adam
+    # and the ratio clip amplify rounding, so steps after this one are compared rank to rank.)
+    ours, theirs = update_of(start, leader.weights()), update_of(start, one.weights())
+    assert np.abs(theirs).max() > 1e-3  # the step changed the weights
+    assert np.linalg.norm(ours - theirs) / np.linalg.norm(theirs) < 1e-3
+    assert (got.samples, got.trained_samples, got.tokens) == (expected.samples, expected.trained_samples, expected.tokens)
+    assert got.loss == pytest.approx(expected.loss, rel=1e-4, abs=1e-6)
+    assert got.mismatch_kl == pytest.approx(expected.mismatch_kl, rel=1e-4)
+    assert got.log_ratio_by_staleness == pytest.approx(expected.log_ratio_by_staleness, rel=1e-4)
+    leader.step(batch(2))  # the ranks compare their weights after every step (RanksDisagree if not equal)
+    leader.channel.send(distributed.STOP)
+    assert worker.wait(timeout=60) == 0
+
+
+def test_a_rank_that_trains_differently_stops_the_run(two_ranks):
+    leader, worker = two_ranks(worker_config={**CONFIG, "learning_rate": 0.02})
+    with pytest.raises(RanksDisagree, match="disagree"):
+        leader.step(batch(1))
+    assert worker.wait(timeout=60) != 0  # the worker stops too
+
+
+def test_a_dead_rank_is_an_error_not_a_hang(two_ranks):
+    leader, worker = two_ranks()
+    leader.step(batch(1))
+    worker.kill()
+    worker.wait()
+    with pytest.raises(DistributedError, match="trainer ranks failed"):
+        leader.step(batch(2))
+
+
+def test_shares_cover_the_batch_once_and_balance_tokens():
+    lengths = [30, 5, 12, 40, 7, 7, 22, 3, 15]
+    indices = list(range(len(lengths)))
+    parts = [distributed.share(indices, lengths, Ranks(r, 3, r)) for r in range(3)]
+    assert sorted(i for p in parts for i in p) == indices
+    tokens = [sum(lengths[i] for i in p) for p in parts]
+    assert max(tokens) - min(tokens) <= max(lengths) // 2
+    assert distributed.share(indices, lengths, None) == indices
+
+
+def test_samples_cross_ranks_unchanged():
+    samples = batch(3)
+    assert distributed.decode_samples(distributed.encode_samples(samples)) == [
+        dataclasses.replace(s, reward=float(s.reward)) for s in samples]
