@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 BATCH_CHUNKS = 8  # chunks fetched (and held in memory) at once: 32 MiB at the default chunk size
 ATTEMPTS = 5  # fetch rounds in a row that may fail outright before the download gives up
 BUSY_RETRY = 0.3  # seconds; the trainer sent its share, peers will have it in a moment
+SETTLED = 2.0  # seconds since its last change before a file's hash is remembered
 
 # (bytes done, bytes total, seconds since this session's start, bytes fetched this session) -> None
 Progress = Callable[[int, int, float, int], None]
@@ -44,6 +45,33 @@ async def fetch_model_file(endpoint, provider: str, run: RunManifest, timeout: f
         raise UpdateError(f"the base model list names run {model_file.run_id} / sha256 {model_file.sha256[:12]}, "
                           f"not this run's base {run.base_sha256[:12]}")
     return model_file
+
+
+def known_sha256(path: Path, directory: Path) -> str:
+    """The file's sha256, remembered in `directory/hashes.json` by path, size and modification
+    time: a rejoin does not read a multi-GB model again. A changed file is hashed afresh. As in
+    git's racy-clean rule, a file modified within SETTLED seconds of hashing is not remembered:
+    a write in the same timestamp tick would leave its modification time unchanged."""
+    import json
+
+    stat, book = path.stat(), directory / "hashes.json"
+    key, stamp = str(path.resolve()), [stat.st_size, stat.st_mtime_ns]
+    try:
+        known = json.loads(book.read_text())
+    except (OSError, ValueError):
+        known = {}
+    entry = known.get(key) if isinstance(known, dict) else None
+    if isinstance(entry, list) and len(entry) == 3 and entry[:2] == stamp and isinstance(entry[2], str):
+        return entry[2]
+    digest = sha256_file(path)
+    if time.time() - stat.st_mtime < SETTLED:
+        return digest
+    known = {**(known if isinstance(known, dict) else {}), key: [*stamp, digest]}
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = book.with_name(book.name + ".tmp")
+    tmp.write_text(json.dumps(known))
+    tmp.replace(book)
+    return digest
 
 
 def held_chunks(path: Path, model_file: ModelFile) -> set[int]:
@@ -67,7 +95,7 @@ async def download(endpoint, trainer: str, peers: Callable[[], Awaitable[list[st
     final = directory / f"{model_file.sha256}.gguf"
     partial = final.with_name(final.name + ".partial")
     if final.is_file():
-        if await asyncio.to_thread(sha256_file, final) == model_file.sha256:
+        if await asyncio.to_thread(known_sha256, final, directory) == model_file.sha256:
             return final, Counter()
         log.warning("the cached base model %s is damaged; repairing it", final.name)
         final.replace(partial)

@@ -21,10 +21,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from echo_node.base_download import download, fetch_model_file, progress_line
+from echo_node.base_download import download, fetch_model_file, known_sha256, progress_line
 from echo_node.episodes import play
-from echo_node.full_weights import apply_update, export_quantized, load_master
-from echo_node.updates import UpdateError, apply_lora, catch_up
+from echo_node.full_weights import export_quantized, load_master
+from echo_node.updates import UpdateError, apply_update, catch_up, load_lora
 from protocols import rpc, sampling
 from protocols.errors import EchoError, ProtocolError, RemoteError, SignatureError, TransportError
 from protocols.messages import (
@@ -33,7 +33,7 @@ from protocols.messages import (
 )
 from protocols.supervise import Backoff
 from protocols.signing import (
-    FINGERPRINT_CHARS, fingerprint, load_or_create_key, public_bytes, sha256_file, sign_message, verify_message,
+    FINGERPRINT_CHARS, fingerprint, load_or_create_key, public_bytes, sign_message, verify_message,
 )
 from protocols.sync import must_update
 from protocols.transport.relay import Relay
@@ -50,6 +50,7 @@ CALL_TIMEOUT = 60.0
 BUSY_RETRY = 0.3  # seconds; the trainer's copy went to a peer that will relay it shortly
 UNREACHABLE_SAY = 60.0  # seconds without an answer from the coordinator before we say so (then each such period)
 STOP_SECONDS = 5.0  # on Ctrl-C, how long the work gets to end before we leave anyway
+FIRST_LEASE_SEEDS = 1  # a node's first lease is one prompt's group: its first rollout is accepted sooner
 
 
 class JoinRefused(EchoError):
@@ -103,6 +104,32 @@ def trainer_peer(manifest: RunManifest) -> str:
     raise JoinRefused("the run manifest names no trainer peer")
 
 
+class Phases:
+    """Where a node's time went from its start to its first accepted rollout: each `mark` ends
+    a phase (marks after the last phase are ignored; a phase seen again, say a lease whose push
+    was refused, adds to the time since the previous mark)."""
+
+    def __init__(self):
+        self.started = self.previous = time.monotonic()
+        self.seconds: dict[str, float] = {}
+        self.done = False
+
+    def mark(self, phase: str, last: bool = False) -> bool:
+        """End `phase` now; True when this ended the last phase."""
+        if self.done:
+            return False
+        now = time.monotonic()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self.previous
+        self.previous, self.done = now, last
+        return last
+
+    def total(self) -> float:
+        return self.previous - self.started
+
+    def summary(self) -> str:
+        return ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds in self.seconds.items())
+
+
 class Node:
     def __init__(self, config: NodeConfig, status=None):
         if len(config.run_key) != FINGERPRINT_CHARS or not config.run_key.isalnum():
@@ -115,6 +142,7 @@ class Node:
         self.name = config.name or f"node-{fingerprint(self.node_key)[:6]}"
         self.version = 0  # the last version whose update was fully verified and applied
         self.loaded = 0  # full mode: the version the backend serves (master weights may be ahead mid-chain)
+        self.master: dict = {}  # what updates apply to: the LoRA adapter (none at version 0), or full weights
         self.stopping = asyncio.Event()
         self.relay = Relay()
         self.version_changed = asyncio.Event()
@@ -126,6 +154,7 @@ class Node:
         self.latest = 0  # the newest version the trainer told us of
         self.last_answer = time.monotonic()  # the coordinator last answered us (anything, even a refusal)
         self.said_unreachable = 0.0  # when we last said it has not
+        self.joining = Phases()  # where the time from start to the first accepted rollout went
 
     def _say(self, event: str) -> None:
         """An event: a line of its own without a live status line, else folded into that line."""
@@ -150,6 +179,7 @@ class Node:
         dht = await self._join_dht()
         if dht is None:
             return  # stopped before the coordinator could be reached
+        self.joining.mark("DHT")
         try:
             await self._run(dht)
         finally:
@@ -170,7 +200,8 @@ class Node:
         return None
 
     def _load_backend(self) -> None:
-        """The generation backend, and in full mode the float32 master weights updates apply to."""
+        """The generation backend, and in full mode the float32 master weights updates apply to
+        (in LoRA mode they are the adapter, empty until the first update)."""
         if self.config.backend == "transformers":
             from echo_node.transformers_backend import TransformersBackend
 
@@ -196,12 +227,15 @@ class Node:
         self.manifest, self.trainer = manifest, trainer_peer(manifest)
         peers_key = record_key(self.config.run_key, "peers")
         model_file = await self._model_file()
+        self.joining.mark("manifest")
         self.model = await self._until_stopped(self._base_model(model_file, dht, peers_key), "fetching the base model")
+        self.joining.mark("base model")
         self.relay.serve_file(model_file, self.model)  # every node serves the base to later joiners
         self.task = self._load_task() if manifest.task.max_turns > 1 else None
         self._waiting(f"loading {manifest.base_model} ...")
         await asyncio.to_thread(self._load_backend)
         await self.relay.serve(self.endpoint)
+        self.joining.mark("model load")
         console.print(f"joined run {manifest.run_id} as {self.name} (node key {fingerprint(self.node_key)}); "
                       f"task {manifest.task.name}, mode {manifest.mode}; {self.backend.hardware}")
         announcer = asyncio.create_task(self._announce(dht, peers_key), name="announce")
@@ -243,7 +277,7 @@ class Node:
     async def _base_model(self, model_file: ModelFile, dht, peers_key: str) -> Path:
         """`--model`, checked against the run's base; without it the base from the swarm."""
         if self.config.model is not None:
-            model_sha = await asyncio.to_thread(sha256_file, self.config.model)
+            model_sha = await asyncio.to_thread(known_sha256, self.config.model, self.data_dir / "models")
             if model_sha != self.manifest.base_sha256:
                 raise JoinRefused(
                     f"your model {self.config.model.name} (sha256 {model_sha[:12]}) is not this run's base model "
@@ -388,13 +422,19 @@ class Node:
                     continue
                 self.latest = max(self.latest, reply.version)
                 await self._prepare(reply)
+                self.joining.mark("first lease")
                 self._say(f"{'evaluating' if reply.evaluation else 'generating'} {len(reply.seeds)} prompts")
                 batch = await asyncio.to_thread(self._generate, reply)
+                self.joining.mark("generation")
                 receipt = await self._push(batch, reply.expires_at)
+                if receipt.accepted and self.joining.mark("push", last=True):
+                    console.print(f"first rollout accepted {self.joining.total():.1f} s after start "
+                                  f"({self.joining.summary()})")
                 self.accepted += receipt.accepted
                 self.latest = max(self.latest, receipt.latest_version)
-                self._say(f"lease {reply.lease_id}: {receipt.accepted} samples accepted at version {batch.version}, "
-                          f"{self.backend.throughput:.0f} tok/s")
+                tokens = sum(len(x.completion_ids) for x in batch.samples)
+                self._say(f"lease {reply.lease_id}: {receipt.accepted} samples ({tokens} tokens) accepted at version "
+                          f"{batch.version}, {self.backend.throughput:.0f} tok/s")
                 backoff.reset()
             except RemoteError as e:
                 self.last_answer = time.monotonic()
@@ -432,7 +472,8 @@ class Node:
     async def _request_lease(self) -> TaskLease | NoWork:
         request = sign_message(LeaseRequest(
             run_id=self.manifest.run_id, node_key=self.node_key, peer_id=self.endpoint.peer_id, name=self.name,
-            version=self.version, max_seeds=64, time=time.time(), backend=self.backend.name,
+            version=self.version, max_seeds=64 if self.accepted else FIRST_LEASE_SEEDS, time=time.time(),
+            backend=self.backend.name,
         ), self.key)
         raw = await self.endpoint.call_one(self.trainer, rpc.LEASE, request.to_wire())
         return decode_one_of(raw, (TaskLease, NoWork))
@@ -483,10 +524,11 @@ class Node:
         return [peer for peer, held in self.peer_versions.items() if held >= version and peer != self.endpoint.peer_id]
 
     async def _apply(self, update: WeightUpdate, store: dict[str, bytes], payloads: dict[str, bytes]) -> None:
+        new = await asyncio.to_thread(apply_update, self.master, update, payloads)
+        new = new if update.replaces else {**self.master, **new}
         if update.mode == "lora":
-            await apply_lora(update, payloads, self.backend, self.data_dir / "adapters")
-        else:
-            self.master.update(await asyncio.to_thread(apply_update, self.master, update, payloads))
+            await load_lora(new, update, self.backend, self.data_dir / "adapters")  # raises: nothing changed
+        self.master = new
         self.version = update.to_version
         self.relay.remember(update, store)
         self.version_changed.set()

@@ -4,6 +4,7 @@ refusing a chunk list the run key did not sign."""
 
 import asyncio
 import os
+import time
 
 import pytest
 
@@ -150,3 +151,21 @@ def test_progress_line():
     assert progress_line(0, 100e6, 0.0, 0) == "base model [------------------------] 0.0/100.0 MB · 0.0 MB/s"
     line = progress_line(50e6, 100e6, 5.0, 50e6)
     assert line == "base model [############------------] 50.0/100.0 MB · 10.0 MB/s · 5 s left"
+
+
+def test_a_known_file_is_not_hashed_again_unless_it_changed(tmp_path, monkeypatch):
+    from echo_node import base_download
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"x" * 1000)
+    os.utime(model, (time.time() - 60, time.time() - 60))  # settled
+    hashed = []
+    monkeypatch.setattr(base_download, "sha256_file", lambda p: hashed.append(p) or sha256_file(p))
+    first = base_download.known_sha256(model, tmp_path / "cache")
+    assert base_download.known_sha256(model, tmp_path / "cache") == first and len(hashed) == 1
+    model.write_bytes(b"y" * 1000)  # changed just now: hashed again, and not remembered while fresh
+    changed = base_download.known_sha256(model, tmp_path / "cache")
+    assert changed != first and base_download.known_sha256(model, tmp_path / "cache") == changed
+    assert len(hashed) == 3
+    (tmp_path / "cache" / "hashes.json").write_text("{not json")  # a damaged book is rebuilt
+    assert base_download.known_sha256(model, tmp_path / "cache") == changed
