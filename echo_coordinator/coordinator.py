@@ -41,7 +41,7 @@ from echo_coordinator.service import Policing, RunService
 from echo_coordinator.verify import NodesHold, Verifier, lora_base
 from protocols import rpc
 from protocols.errors import EchoError, TransportError
-from protocols.messages import LeaseRequest, RunManifest, TaskSpec, verified_announcements
+from protocols.messages import LeaseRequest, ReachRequest, RunManifest, TaskSpec, verified_announcements
 from protocols.sampling import SamplingRule
 from protocols.signing import fingerprint, load_or_create_key, public_bytes, sign_message
 from protocols.supervise import Backoff, Supervisor
@@ -226,7 +226,7 @@ class Coordinator:
         # A persistent libp2p identity keeps our address stable, so nodes reconnect after a restart.
         # main thread: see SwarmDHT.start
         dht = SwarmDHT.start(cfg.host, cfg.port or self._previous_port(), None, self.data_dir / "p2p.id",
-                             run_fingerprint=self.fp)
+                             run_fingerprint=self.fp, public=True)
         try:
             await self._serve(dht, trainer)
         finally:
@@ -376,8 +376,11 @@ class Coordinator:
                        model=self.model.name, task=cfg.task, staleness=cfg.staleness,
                        samples_per_step=cfg.prompts_per_step * cfg.group_size,
                        resumed_at=service.version if state else None)
+        from protocols.transport.reach import Prober  # hivemind
+
         endpoint = await dht.endpoint()
-        await self._register_handlers(endpoint, service)
+        prober = Prober(cfg.host, addresses[0])
+        await self._register_handlers(endpoint, service, prober)
 
         supervisor = Supervisor()
         supervisor.start(self._refresh_records(dht, manifest, service), "dht-refresh")
@@ -393,6 +396,7 @@ class Coordinator:
         try:
             await supervisor.run(self._steps(service, trainer, ledger, manifest))
         finally:
+            await prober.close()
             if dashboard:
                 dashboard[0].cancel()
                 await asyncio.gather(dashboard[0], return_exceptions=True)
@@ -538,7 +542,7 @@ class Coordinator:
         return publish.Publisher(manifest.run_id, self.key, "full", trainer.weights() if view is None else view,
                                  cfg.update_encoding, cfg.update_density, cfg.snapshot_every)
 
-    async def _register_handlers(self, endpoint, service: RunService) -> None:
+    async def _register_handlers(self, endpoint, service: RunService, prober) -> None:
         async def manifest(request: bytes, peer: str):
             yield service.manifest.to_wire()
 
@@ -551,7 +555,11 @@ class Coordinator:
             receipt = await asyncio.to_thread(service.handle_push, request, peer)
             yield receipt.to_wire()
 
+        async def reach(request: bytes, peer: str, observed: str):
+            yield (await prober.answer(ReachRequest.from_wire(request), peer, observed)).to_wire()
+
         await endpoint.serve(rpc.MANIFEST, manifest)
+        await endpoint.serve(rpc.REACH, reach, with_address=True)
         await endpoint.serve(rpc.LEASE, lease)
         await endpoint.serve(rpc.PUSH, push)
         await service.relay.serve(endpoint)  # echo.update, echo.updates, echo.chunks

@@ -6,8 +6,9 @@ publisher's view, and every `snapshot_every` versions a snapshot 0 -> v of that 
 joiner need not replay every delta.
 - full: nodes start from the base weights; the view and its snapshots are fp32.
 - lora: nodes start with no adapter, so the first update is a snapshot of the adapter; the view is
-  kept in bf16 and snapshots travel in bf16, exactly. A delta update of SmolLM2's r=16 adapter is
-  ~0.6 % of its bf16 checkpoint at the default density (bench/broadcast.py), a snapshot 3.6 %.
+  kept in bf16 and snapshots travel in bf16, exactly. Deltas are dense int4 by default: every
+  adapter weight moves every step, and top-k deltas left nodes many versions behind. A delta of
+  SmolLM2's r=16 adapter is 0.96 % of its bf16 checkpoint, a snapshot 3.6 % (bench/lora_updates.py).
 """
 
 from __future__ import annotations

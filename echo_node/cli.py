@@ -30,6 +30,8 @@ def join(
                                                   "CUDA when present)."),
     gpu_layers: Optional[int] = typer.Option(None, help="llama.cpp layers to offload to the GPU (default: all when "
                                                         "llama.cpp was built with CUDA, Metal or Vulkan; 0 = CPU only)."),
+    host: Optional[str] = typer.Option(None, help="Listen address for peers (default: 127.0.0.1 when the "
+                                                  "coordinator is on 127.0.0.1, else 0.0.0.0)."),
     verbose: bool = typer.Option(False, "--verbose", help="A line per lease and update, and INFO logs, instead of "
                                                           "one live status line."),
 ) -> None:
@@ -40,10 +42,12 @@ def join(
 
     config = NodeConfig(
         address=address, run_key=run_key, model=model, name=name, data_dir=data_dir.expanduser(), threads=threads,
-        backend=backend, gpu_layers=gpu_layers, verbose=verbose,
+        backend=backend, gpu_layers=gpu_layers, host=host, verbose=verbose,
     )
     raise typer.Exit(run_node(config))
 
 
 def main() -> None:
     app()
+if __name__ == "__main__":
+    main()

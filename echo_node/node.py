@@ -28,8 +28,8 @@ from echo_node.updates import UpdateError, apply_update, catch_up, load_lora
 from protocols import rpc, sampling
 from protocols.errors import EchoError, ProtocolError, RemoteError, SignatureError, TransportError
 from protocols.messages import (
-    LeaseRequest, ModelFile, NoWork, PeerAnnouncement, PushReceipt, RolloutBatch, RolloutSample, RunManifest, TaskLease,
-    WeightUpdate, verified_announcements,
+    LeaseRequest, ModelFile, NoWork, PeerAnnouncement, PushReceipt, ReachReply, ReachRequest, RolloutBatch, RolloutSample,
+    RunManifest, TaskLease, WeightUpdate, verified_announcements,
 )
 from protocols.supervise import Backoff
 from protocols.signing import (
@@ -51,6 +51,7 @@ BUSY_RETRY = 0.3  # seconds; the trainer's copy went to a peer that will relay i
 UNREACHABLE_SAY = 60.0  # seconds without an answer from the coordinator before we say so (then each such period)
 STOP_SECONDS = 5.0  # on Ctrl-C, how long the work gets to end before we leave anyway
 FIRST_LEASE_SEEDS = 1  # a node's first lease is one prompt's group: its first rollout is accepted sooner
+RELAY_CHECK = 15.0  # seconds between a node's checks that its relay reservation holds (behind NAT)
 
 
 class JoinRefused(EchoError):
@@ -72,6 +73,7 @@ class NodeConfig:
     threads: int = 0  # generation threads; 0 = all cores
     backend: str = "llama_cpp"  # "llama_cpp" (GGUF, any machine) or "transformers" (full mode, CUDA if present)
     gpu_layers: int | None = None  # llama.cpp layers to offload; None: all when llama.cpp has a GPU backend
+    host: str | None = None  # listen address; None: loopback for a coordinator on loopback, else every interface
     verbose: bool = False  # a line per lease and update, and INFO logs, instead of one live status line
 
 
@@ -155,6 +157,8 @@ class Node:
         self.last_answer = time.monotonic()  # the coordinator last answered us (anything, even a refusal)
         self.said_unreachable = 0.0  # when we last said it has not
         self.joining = Phases()  # where the time from start to the first accepted rollout went
+        self.relay_addrs: tuple[str, ...] = ()  # behind NAT: the relay circuit others reach us through
+        self.via_relay: str | None = None  # behind NAT: the coordinator address we hold a relay reservation at
 
     def _say(self, event: str) -> None:
         """An event: a line of its own without a live status line, else folded into that line."""
@@ -179,11 +183,14 @@ class Node:
         dht = await self._join_dht()
         if dht is None:
             return  # stopped before the coordinator could be reached
-        self.joining.mark("DHT")
         try:
-            await self._run(dht)
+            dht = await self._behind_nat(dht)
+            self.joining.mark("DHT")
+            if dht is not None:
+                await self._run(dht)
         finally:
-            dht.shutdown()
+            if dht is not None:
+                dht.shutdown()
 
     async def _join_dht(self):
         """The DHT, through the coordinator's address; while it cannot be reached (not started
@@ -194,10 +201,58 @@ class Node:
         while not self.stopping.is_set():
             try:
                 # main thread: see SwarmDHT.start
-                return SwarmDHT.start("127.0.0.1", 0, [self.config.address], run_fingerprint=self.config.run_key)
+                return SwarmDHT.start(self.host, 0, [self.config.address], run_fingerprint=self.config.run_key,
+                                      relay=self.via_relay)
             except TransportError as e:
                 await self._retry(e, backoff)
         return None
+
+    @property
+    def host(self) -> str:
+        if self.config.host is not None:
+            return self.config.host
+        return "127.0.0.1" if self.config.address.startswith(("/ip4/127.", "/ip6/::1/")) else "0.0.0.0"
+
+    async def _reach(self, dht, relayed: bool) -> bool | None:
+        """Can the coordinator dial us (directly, or through its relay)? None if it cannot say."""
+        from protocols.transport.dht import peer_of
+
+        endpoint = await dht.endpoint()
+        ports = [a.split("/tcp/", 1)[1].split("/", 1)[0] for a in dht.addresses() if "/tcp/" in a]
+        try:
+            raw = await endpoint.call_one(peer_of(self.config.address), rpc.REACH,
+                                          ReachRequest(int(ports[0]), relayed).to_wire(), timeout=CALL_TIMEOUT)
+            return ReachReply.from_wire(raw).reachable
+        except (TransportError, ProtocolError, IndexError) as e:
+            log.info("reachability check: %s", e)
+            return None
+
+    async def _behind_nat(self, dht):
+        """Our DHT, or when the coordinator cannot dial us, a DHT client that asks the coordinator
+        for a relay reservation (`_confirm_relay` announces it once it holds). None if stopped."""
+        if await self._reach(dht, relayed=False) is not False:
+            return dht
+        console.print("this node cannot be dialled directly (behind NAT or a firewall): it joins as a DHT client "
+                      "and is reached through the coordinator's relay")
+        dht.shutdown()
+        self.via_relay = self.config.address
+        return await self._join_dht()
+
+    async def _confirm_relay(self, dht) -> None:
+        """Behind NAT: until the coordinator can dial us through its relay, ask again now and then;
+        then announce the circuit, so that peers can fetch from us. libp2p makes the reservation
+        within seconds when it knows 4 relays, else after its 3-minute boot delay; meanwhile the
+        node works as usual (everything it does, it dials out for)."""
+        started = time.monotonic()
+        while not self.stopping.is_set():
+            if await self._reach(dht, relayed=True):
+                self.relay_addrs = (f"{self.config.address}/p2p-circuit",)
+                self.version_changed.set()  # announce it now
+                console.print(f"reachable through the relay at {escape(self.config.address)} "
+                              f"(after {time.monotonic() - started:.0f} s)")
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stopping.wait(), RELAY_CHECK)
 
     def _load_backend(self) -> None:
         """The generation backend, and in full mode the float32 master weights updates apply to
@@ -241,6 +296,7 @@ class Node:
         announcer = asyncio.create_task(self._announce(dht, peers_key), name="announce")
         work = asyncio.create_task(self._work_loop(announcer), name="work")
         stop = asyncio.create_task(self.stopping.wait(), name="stop")
+        relay = asyncio.create_task(self._confirm_relay(dht), name="relay") if self.via_relay else None
         try:
             # Ctrl-C cancels whatever call is in flight instead of waiting out its timeout.
             await asyncio.wait({work, stop}, return_when=asyncio.FIRST_COMPLETED)
@@ -248,10 +304,11 @@ class Node:
                 work.result()  # re-raise what ended the work loop
         finally:
             self.stopping.set()
-            for task in (work, stop, announcer):
+            tasks = {work, stop, announcer} | ({relay} if relay else set())
+            for task in tasks:
                 task.cancel()
             # Bounded: the generation thread stops at its next token.
-            await asyncio.wait({work, stop, announcer}, timeout=STOP_SECONDS)
+            await asyncio.wait(tasks, timeout=STOP_SECONDS)
             try:
                 # Withdraw: a signed "left" announcement outlives the live one (the DHT keeps the later expiry).
                 await dht.put(peers_key, self._announcement(left=True).to_wire(), ANNOUNCE_TTL * 2,
@@ -292,6 +349,7 @@ class Node:
             except TransportError:
                 return []
             found = [a for a in announced if a.model_sha256 == self.manifest.base_sha256]
+            self.endpoint.learn_relays(found)
             return [a.peer_id for a in sorted(found, key=lambda a: -a.version)]
 
         def show(done: int, total: int, seconds: float, fetched: int) -> None:
@@ -387,7 +445,9 @@ class Node:
         while not self.stopping.is_set():
             try:
                 await dht.put(key, self._announcement().to_wire(), ANNOUNCE_TTL, subkey=fingerprint(self.node_key))
-                self.peer_versions = {a.peer_id: a.version for a in verified_announcements(await dht.get(key))}
+                announced = verified_announcements(await dht.get(key))
+                self.peer_versions = {a.peer_id: a.version for a in announced}
+                self.endpoint.learn_relays(announced)
             except TransportError as e:
                 log.warning("announcing failed, will retry: %s", e)
             self.version_changed.clear()
@@ -402,6 +462,7 @@ class Node:
             peer_id=self.endpoint.peer_id, name=self.name, role="node", backend=self.backend.name,
             model_sha256=self.manifest.base_sha256, version=self.version, throughput=self.backend.throughput,
             public_key=self.node_key, time=time.time(), left=left, hardware=self.backend.hardware,
+            relay_addrs=self.relay_addrs,
         ), self.key)
 
     async def _work_loop(self, announcer: asyncio.Task) -> None:

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 from protocols.messages.updates import MAX_CHUNKS_PER_REQUEST  # noqa: F401  (callers batch by it)
 from protocols.messages import (
-    Chunk, ChunkRequest, LeaseRequest, ModelFile, NoWork, PushReceipt, RolloutBatch, RunManifest, TaskLease, UpdateIndex,
-    UpdateRequest, WeightUpdate,
+    Chunk, ChunkRequest, LeaseRequest, ModelFile, NoWork, PushReceipt, ReachReply, ReachRequest, RolloutBatch, RunManifest,
+    TaskLease, UpdateIndex, UpdateRequest, WeightUpdate,
 )
 
 
@@ -39,5 +39,6 @@ UPDATES = Rpc("echo.updates", None, (UpdateIndex,), 1024, 60.0, per_peer=4)
 UPDATE = Rpc("echo.update", UpdateRequest, (WeightUpdate,), UpdateRequest.MAX_BYTES, 60.0, per_peer=4)
 BASE = Rpc("echo.base", None, (ModelFile,), 1024, 60.0, per_peer=4)
 CHUNKS = Rpc("echo.chunks", ChunkRequest, (Chunk,), ChunkRequest.MAX_BYTES, 120.0, per_peer=4, stream=True)
+REACH = Rpc("echo.reach", ReachRequest, (ReachReply,), ReachRequest.MAX_BYTES, 20.0, per_peer=1)
 
-ALL = (MANIFEST, LEASE, PUSH, UPDATES, UPDATE, BASE, CHUNKS)
+ALL = (MANIFEST, LEASE, PUSH, UPDATES, UPDATE, BASE, CHUNKS, REACH)

@@ -1,6 +1,7 @@
 """Every message that crosses a process boundary, in one package.
 
-- `run`      RunManifest (+ TaskSpec, TurnFormat), PeerAnnouncement, ErrorReply: what a run is, who is in it
+- `run`      RunManifest (+ TaskSpec, TurnFormat), PeerAnnouncement, ReachRequest/Reply, ErrorReply: what a
+             run is, who is in it, who can be dialled
 - `work`     LeaseRequest, TaskLease, NoWork, RolloutBatch (+ RolloutSample, Segment), PushReceipt
 - `updates`  WeightUpdate (+ TensorEntry), ModelFile, UpdateRequest, UpdateIndex, ChunkRequest, Chunk
 
@@ -14,8 +15,8 @@ known by its fingerprint, so credit and bans follow the key, not a claimed name)
 """
 
 from protocols.messages.run import (
-    MAX_ADDRS, MAX_SAMPLE_TOKENS, MAX_TURNS, MODES, ROLES, UPDATE_MODES, ErrorReply, PeerAnnouncement, RunManifest,
-    TaskSpec, TurnFormat, verified_announcements,
+    MAX_ADDRS, MAX_SAMPLE_TOKENS, MAX_TURNS, MODES, ROLES, UPDATE_MODES, ErrorReply, PeerAnnouncement, ReachReply,
+    ReachRequest, RunManifest, TaskSpec, TurnFormat, verified_announcements,
 )
 from protocols.messages.updates import (
     MAX_CHUNK_BYTES, MAX_TENSORS, Chunk, ChunkRequest, ModelFile, TensorEntry, UpdateIndex, UpdateInfo, UpdateRequest,
@@ -29,6 +30,6 @@ from protocols.messages.work import (
 __all__ = [
     "MAX_ADDRS", "MAX_BATCH_TOKENS", "MAX_CHUNK_BYTES", "MAX_SAMPLES", "MAX_SAMPLE_TOKENS", "MAX_SEEDS", "MAX_TENSORS",
     "MAX_TURNS", "MODES", "ROLES", "SEGMENT_ROLES", "UPDATE_MODES", "Chunk", "ChunkRequest", "ErrorReply", "LeaseRequest",
-    "ModelFile", "NoWork", "PeerAnnouncement", "PushReceipt", "RolloutBatch", "RolloutSample", "RunManifest", "Segment", "TaskLease", "TaskSpec",
+    "ModelFile", "NoWork", "PeerAnnouncement", "PushReceipt", "ReachReply", "ReachRequest", "RolloutBatch", "RolloutSample", "RunManifest", "Segment", "TaskLease", "TaskSpec",
     "TensorEntry", "TurnFormat", "UpdateIndex", "UpdateInfo", "UpdateRequest", "WeightUpdate", "verified_announcements",
 ]

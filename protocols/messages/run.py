@@ -13,6 +13,7 @@ MODES = ("sequential", "async")
 UPDATE_MODES = ("lora", "full")
 ROLES = ("node", "trainer")
 MAX_ADDRS = 16
+MAX_RELAY_ADDRS = 4
 MAX_SAMPLE_TOKENS = 32768  # prompt + completion, per sample (also bounds max_new_tokens)
 MAX_TURNS = 100  # model turns per multi-turn episode
 
@@ -135,6 +136,9 @@ class PeerAnnouncement(WireMessage):
     time: float
     left: bool = False  # a signed withdrawal: the peer has left (only its own key can hide it)
     hardware: str = ""  # e.g. "x86_64, 8 cores, 31 GiB RAM, CPU only" (shown on the dashboard)
+    # Where a peer that cannot be dialled directly (behind NAT) is reached: relay circuit
+    # multiaddrs (".../p2p/RELAY/p2p-circuit"); empty for a directly reachable peer.
+    relay_addrs: tuple[str, ...] = ()
     signature: bytes = b""
 
     @property
@@ -146,7 +150,7 @@ class PeerAnnouncement(WireMessage):
             "peer_id": self.peer_id, "name": self.name, "role": self.role, "backend": self.backend,
             "model_sha256": self.model_sha256, "version": self.version, "throughput": self.throughput,
             "public_key": self.public_key, "time": self.time, "left": self.left, "hardware": self.hardware,
-            "signature": self.signature,
+            "relay_addrs": list(self.relay_addrs), "signature": self.signature,
         }
 
     @classmethod
@@ -158,7 +162,9 @@ class PeerAnnouncement(WireMessage):
             version=f.integer("version"), throughput=f.number("throughput", 0.0),
             public_key=f.blob("public_key", PUBLIC_KEY_BYTES, exact=PUBLIC_KEY_BYTES),
             time=f.number("time", 0.0), left=f.flag("left") if f.has("left") else False,
-            hardware=f.text("hardware", 128) if f.has("hardware") else "", signature=f.signature(),
+            hardware=f.text("hardware", 128) if f.has("hardware") else "",
+            relay_addrs=tuple(f.texts("relay_addrs", MAX_RELAY_ADDRS, 256)) if f.has("relay_addrs") else (),
+            signature=f.signature(),
         )
 
 
@@ -176,6 +182,45 @@ def verified_announcements(records: Any) -> list[PeerAnnouncement]:
         if announcement.node_id == subkey and not announcement.left:
             found.append(announcement)
     return found
+
+
+@dataclass(frozen=True)
+class ReachRequest(WireMessage):
+    """Can you dial me? The asker's libp2p port; the answering peer dials it at the address the
+    asker's stream came from (never at an address the asker names), or through its own relay."""
+
+    KIND = "reach_request"
+    MAX_BYTES = 256
+
+    port: int  # the TCP port the asker's libp2p host listens on
+    relayed: bool = False  # dial through the answering peer's relay instead of directly
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"port": self.port, "relayed": self.relayed}
+
+    @classmethod
+    def from_dict(cls, body: dict[str, Any]) -> ReachRequest:
+        f = Fields(body, cls.KIND)
+        return cls(port=f.integer("port", 1, 65535), relayed=f.flag("relayed") if f.has("relayed") else False)
+
+
+@dataclass(frozen=True)
+class ReachReply(WireMessage):
+    """Whether a fresh peer could dial the asker, and the address the asker was seen at."""
+
+    KIND = "reach_reply"
+    MAX_BYTES = 1024
+
+    reachable: bool
+    observed: str  # the multiaddr the asker's stream came from
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"reachable": self.reachable, "observed": self.observed}
+
+    @classmethod
+    def from_dict(cls, body: dict[str, Any]) -> ReachReply:
+        f = Fields(body, cls.KIND)
+        return cls(reachable=f.flag("reachable"), observed=f.text("observed", 256))
 
 
 @dataclass(frozen=True)

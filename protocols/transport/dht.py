@@ -104,18 +104,27 @@ class SwarmDHT:
     @classmethod
     def start(
         cls, host: str = "127.0.0.1", port: int = 0, initial_peers: list[str] | None = None,
-        identity: Path | None = None, run_fingerprint: str | None = None,
+        identity: Path | None = None, run_fingerprint: str | None = None, public: bool = False,
+        relay: str | None = None,
     ) -> SwarmDHT:
         """Blocking (~0.5 s): start a DHT listening on host:port, joining `initial_peers` if given.
         `identity` (a key file, created if missing) keeps the peer id, hence the address nodes
         dialled, the same across restarts. `run_fingerprint`: store only that run's records
-        (`RunRecords`); every peer of a run passes it. Call from the main thread: the DHT process
-        is told to die when the thread that forked it ends."""
+        (`RunRecords`); every peer of a run passes it. `public`: this peer is reachable (the
+        coordinator), so it relays for peers behind NAT (libp2p runs the relay service only on a
+        peer it believes public). `relay`: this peer cannot be dialled; it joins as a DHT client
+        and holds a reservation at the peer `relay` (a multiaddr), through which others reach it.
+        Call from the main thread: the DHT process is told to die when the thread that forked it ends."""
         # p2pd is a Go program: with Go's default GOGC=100 its RSS climbs from ~60 to ~87 MB over
         # its first thousand calls and stays there; GOGC=50 plateaus at ~71 MB at the same speed
         # (measured: 10,000 RPCs, two peers on 127.0.0.1). A volunteer's machine keeps the difference.
         os.environ.setdefault("GOGC", "50")
         extra = {"identity_path": str(identity)} if identity is not None else {}
+        if public:
+            extra["force_reachability"] = "public"
+        if relay is not None:
+            # As a trusted (static) relay it is used at once; found otherwise, after minutes.
+            extra.update(client_mode=True, use_auto_relay=True, force_reachability="private", trusted_relays=[relay])
         validators = [RunRecords(run_fingerprint)] if run_fingerprint else []
         try:
             dht = hivemind.DHT(

@@ -28,8 +28,9 @@ HEADER_BYTES = 8
 REFUSE_LINGER = 2.0  # seconds a refused caller gets to read the reason and hang up
 OK, ERROR, END = b"\x00", b"\x01", b"\x02"
 
-# A handler gets the request payload and the caller's peer id and yields reply payloads.
-Handler = Callable[[bytes, str], AsyncIterator[bytes]]
+# A handler gets the request payload and the caller's peer id (and, served `with_address`, the
+# multiaddr its stream came from) and yields reply payloads.
+Handler = Callable[..., AsyncIterator[bytes]]
 
 
 async def write_frame(writer: asyncio.StreamWriter, status: bytes, payload: bytes = b"") -> None:
@@ -53,9 +54,13 @@ class Endpoint:
         self.p2p = p2p
         self.peer_id = p2p.peer_id.to_base58()
         self.errors: Counter[tuple[str, str]] = Counter()  # (handler, code) -> count, for metrics
+        # Peers that cannot be dialled directly and the relay circuits they announced: dialled
+        # through one of those before a stream is opened (`learn_relays`).
+        self.relays: dict[str, tuple[str, ...]] = {}
 
-    async def serve(self, rpc: Rpc, handler: Handler) -> None:
-        """Serve `rpc` with `handler`, within the declaration's request size, timeout and per-peer limit."""
+    async def serve(self, rpc: Rpc, handler: Handler, with_address: bool = False) -> None:
+        """Serve `rpc` with `handler`, within the declaration's request size, timeout and per-peer limit.
+        `with_address`: the handler also gets the multiaddr the caller's stream came from."""
         name, max_request_bytes, timeout = rpc.name, rpc.max_request_bytes, rpc.timeout
         active: Counter[str] = Counter()  # peer -> calls in flight
 
@@ -73,8 +78,9 @@ class Endpoint:
                     status, request = await read_frame(reader, max_request_bytes)
                 if status != OK:
                     raise ProtocolError(f"request frame has status {status!r}")
+                replies = handler(request, peer, str(info.addr)) if with_address else handler(request, peer)
                 async with asyncio.timeout(timeout):
-                    async for reply in handler(request, peer):
+                    async for reply in replies:
                         await write_frame(writer, OK, reply)
                     await write_frame(writer, END)
             except ProtocolError as e:
@@ -134,6 +140,8 @@ class Endpoint:
         writer = None
         try:
             async with asyncio.timeout(timeout):
+                if peer in self.relays:
+                    await self._dial_relayed(peer)
                 _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), name)
                 await write_frame(writer, OK, request)
                 while True:
@@ -157,6 +165,22 @@ class Endpoint:
         finally:
             if writer is not None:
                 writer.close()
+
+    def learn_relays(self, announcements) -> None:
+        """Remember how to reach announced peers that are only reachable through a relay."""
+        self.relays = {a.peer_id: a.relay_addrs for a in announcements if a.relay_addrs and a.peer_id != self.peer_id}
+
+    async def _dial_relayed(self, peer: str) -> None:
+        """Connect to a relayed peer through a circuit it announced (a no-op once connected);
+        if none works, the stream open that follows reports the failure."""
+        from protocols.transport.reach import circuit
+
+        for address in self.relays.get(peer, ()):
+            try:
+                await self.p2p._client.connect(PeerID.from_base58(peer), [circuit(address)])
+                return
+            except (P2PDaemonError, ValueError) as e:
+                log.info("relay circuit %s to %s failed: %s", address, peer[-8:], e)
 
     async def call_one(self, peer: str, rpc: Rpc, request: bytes, idempotent: bool = False,
                        timeout: float | None = None) -> bytes:

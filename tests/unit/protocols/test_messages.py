@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 from protocols import wire
 from protocols.errors import InvalidValue, MalformedMessage, MessageTooLarge, ProtocolError, UnsupportedVersion
 from protocols.messages import (
-    MAX_SAMPLE_TOKENS, Chunk, ErrorReply, LeaseRequest, ModelFile, NoWork, PeerAnnouncement, PushReceipt,
+    MAX_SAMPLE_TOKENS, Chunk, ErrorReply, LeaseRequest, ModelFile, NoWork, PeerAnnouncement, PushReceipt, ReachReply,
+    ReachRequest,
     ChunkRequest, UpdateIndex, UpdateInfo, UpdateRequest, RolloutBatch, RolloutSample, RunManifest, TaskLease,
     WeightUpdate,
 )
@@ -20,6 +21,8 @@ EXAMPLES = [
     NoWork(latest_version=4, retry_after=1.5, finished=False), PushReceipt(3, 1, {"stale": 1}, 5),
     UpdateRequest(6, 7), ChunkRequest((factories.SHA,)),
     UpdateIndex(9, (UpdateInfo(8, 9, 1000, False), UpdateInfo(0, 8, 50_000, True))),
+    factories.announcement(relay_addrs=("/ip4/203.0.113.7/tcp/31337/p2p/QmRelay/p2p-circuit",)),
+    ReachRequest(40123, relayed=True), ReachReply(False, "/ip4/203.0.113.9/tcp/51234"),
 ]
 
 
@@ -47,8 +50,9 @@ def test_unknown_fields_are_ignored(message):
 
 @pytest.mark.parametrize("message", EXAMPLES, ids=lambda m: m.KIND)
 def test_every_required_field_is_required(message):
-    # "left", "hardware": announcements of peers from before these fields existed
-    optional = {"signature", "left", "hardware"}
+    # "left", "hardware", "relay_addrs": announcements of peers from before these fields existed;
+    # "relayed": a plain reachability check
+    optional = {"signature", "left", "hardware", "relay_addrs", "relayed"}
     for name in message.to_dict():
         if name in optional:
             continue
@@ -253,3 +257,15 @@ def test_withdrawals_and_misfiled_announcements_are_not_live():
     assert not stripped.left
     with pytest.raises(SignatureError):
         verify_message(stripped, stripped.public_key)
+
+
+def test_reachability_and_relay_values_are_checked():
+    with pytest.raises(InvalidValue, match="port"):
+        ReachRequest.from_wire(envelope(ReachRequest(1), port=0))
+    with pytest.raises(InvalidValue, match="port"):
+        ReachRequest.from_wire(envelope(ReachRequest(1), port=65536))
+    announcement = factories.announcement()
+    with pytest.raises(MessageTooLarge, match="relay_addrs"):
+        PeerAnnouncement.from_wire(envelope(announcement, relay_addrs=["/p2p-circuit"] * 5))
+    with pytest.raises(MalformedMessage, match="relay_addrs"):
+        PeerAnnouncement.from_wire(envelope(announcement, relay_addrs=["x" * 257]))
