@@ -380,6 +380,7 @@ class Coordinator:
 
         endpoint = await dht.endpoint()
         prober = Prober(cfg.host, addresses[0])
+        await prober.start()
         await self._register_handlers(endpoint, service, prober)
 
         supervisor = Supervisor()

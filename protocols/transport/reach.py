@@ -105,6 +105,11 @@ class Prober:
                         pass
         return ReachReply(reachable, observed)
 
+    async def start(self) -> None:
+        """Start the direct host now, so that the first node to join does not wait for it."""
+        async with self.lock:
+            self.direct = self.direct or await self._host(relay=False)
+
     async def _host(self, relay: bool) -> P2P:
         return await P2P.create(host_maddrs=[f"/ip4/{self.host}/tcp/0"], use_relay=relay, auto_nat=False,
                                 nat_port_map=False, dht_mode="client")
