@@ -129,7 +129,7 @@ class Phases:
         return self.previous - self.started
 
     def summary(self) -> str:
-        return ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds in self.seconds.items())
+        return ", ".join(f"{phase} {seconds:.2f} s" for phase, seconds in self.seconds.items())
 
 
 class Node:
