@@ -55,7 +55,9 @@ console = Console(soft_wrap=True)
 
 RECORD_TTL = 120.0  # seconds; DHT records are refreshed at a third of this
 PEER_REFRESH = 1.0  # seconds between reads of the nodes' announcements (who can relay what)
-LINGER_SECONDS = 15.0  # after the last step, how long to keep serving nodes that have not heard
+LINGER_SECONDS = 40.0  # after the last step, how long to keep serving nodes that have not heard (past a
+# node's longest retry delay, Backoff.cap, so a node that missed a short restarted run still hears)
+ANNOUNCED_FRESH = 15.0  # a live node re-announces every 5 s; older announcements are of nodes gone
 STOP_SECONDS = 5.0  # on SIGINT/SIGTERM, how long the run gets to close its files and the DHT
 
 
@@ -429,6 +431,7 @@ class Coordinator:
                 announced = verified_announcements(await dht.get(record_key(self.fp, "peers")))
                 self.peer_versions = relay_holders(announced, service.talked())
                 service.hardware = {a.node_id: a.hardware for a in announced}  # replaced whole: no lock needed
+                service.announced = frozenset(a.node_id for a in announced if time.time() - a.time < ANNOUNCED_FRESH)
                 service.prune(time.time())
                 backoff.reset()
                 await asyncio.sleep(PEER_REFRESH)

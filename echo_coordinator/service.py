@@ -122,6 +122,7 @@ class RunService:
         self.last_seen: dict[str, float] = {}  # node id -> time of its last signed lease request
         self.backends: dict[str, str] = {}  # node id -> backend it says it samples with (display only)
         self.hardware: dict[str, str] = {}  # node id -> its announcement's hardware summary (display only)
+        self.announced: frozenset[str] = frozenset()  # node ids with a live announcement in the DHT
         self.throughput = Throughput()  # measured rollout throughput per node (the capacity model's μ_i)
         self._streams: dict[str, str] = {}  # node id -> libp2p peer its last lease request came from
         self._judging: set[tuple[str, str]] = set()  # (lease id, signer) of batches being judged now
@@ -260,8 +261,10 @@ class RunService:
                     self.prompts[seed] = self.render_prompt(seed)
 
     def all_told_finished(self) -> bool:
+        """Every node that asked for work since this start, and every node announcing itself in the
+        run (one that has not asked since a restart may be waiting out a retry delay), has heard."""
         with self.lock:
-            return set(self.names) <= self.told_finished
+            return set(self.names) | self.announced <= self.told_finished
 
     def prune(self, now: float, idle: float = 600.0) -> None:
         """Forget keys that have not asked for work in `idle` seconds (names, rate buckets): keys

@@ -466,45 +466,72 @@ class Node:
         ), self.key)
 
     async def _work_loop(self, announcer: asyncio.Task) -> None:
-        backoff = Backoff()
-        while True:
-            if announcer.done():
-                announcer.result()  # re-raise why announcing failed
-            try:
-                reply = await self._request_lease()
-                self.last_answer = time.monotonic()
-                if isinstance(reply, NoWork):
-                    if reply.finished:
-                        await self._finish(reply.latest_version)
-                        return
-                    self.latest = max(self.latest, reply.latest_version)
-                    self._say("waiting for work")
-                    await asyncio.sleep(reply.retry_after)
-                    continue
-                self.latest = max(self.latest, reply.version)
-                await self._prepare(reply)
-                self.joining.mark("first lease")
-                self._say(f"{'evaluating' if reply.evaluation else 'generating'} {len(reply.seeds)} prompts")
-                batch = await asyncio.to_thread(self._generate, reply)
-                self.joining.mark("generation")
-                receipt = await self._push(batch, reply.expires_at)
-                if receipt.accepted and self.joining.mark("push", last=True):
-                    console.print(f"first rollout accepted {self.joining.total():.1f} s after start "
-                                  f"({self.joining.summary()})")
-                self.accepted += receipt.accepted
-                self.latest = max(self.latest, receipt.latest_version)
-                tokens = sum(len(x.completion_ids) for x in batch.samples)
-                self._say(f"lease {reply.lease_id}: {receipt.accepted} samples ({tokens} tokens) accepted at version "
-                          f"{batch.version}, {self.backend.throughput:.0f} tok/s")
-                backoff.reset()
-            except RemoteError as e:
-                self.last_answer = time.monotonic()
-                if e.code == "not_allowed":
-                    raise JoinRefused(f"this run admits only listed node keys; ask its operator to add "
-                                      f"{fingerprint(self.node_key)}") from None
-                await self._retry(e, backoff)
-            except (TransportError, ProtocolError, UpdateError) as e:
-                await self._retry(e, backoff)
+        """Lease, generate, push; a batch's push (the trainer verifying it) overlaps the next
+        lease's generation, and at most one push is in flight."""
+        backoff, pushing = Backoff(), None
+        try:
+            while True:
+                if announcer.done():
+                    announcer.result()  # re-raise why announcing failed
+                try:
+                    reply = await self._request_lease()
+                    self.last_answer = time.monotonic()
+                    if isinstance(reply, NoWork):
+                        if reply.finished:
+                            if pushing is not None:
+                                await pushing
+                            await self._finish(reply.latest_version)
+                            return
+                        self.latest = max(self.latest, reply.latest_version)
+                        self._say("waiting for work")
+                        await asyncio.sleep(reply.retry_after)
+                        continue
+                    self.latest = max(self.latest, reply.version)
+                    await self._prepare(reply)
+                    self.joining.mark("first lease")
+                    self._say(f"{'evaluating' if reply.evaluation else 'generating'} {len(reply.seeds)} prompts")
+                    batch = await asyncio.to_thread(self._generate, reply)
+                    self.joining.mark("generation")
+                    if pushing is not None:
+                        await pushing
+                    pushing = asyncio.create_task(self._deliver(batch, reply.expires_at), name="push")
+                    backoff.reset()
+                except RemoteError as e:
+                    self.last_answer = time.monotonic()
+                    if e.code == "not_allowed":
+                        raise self._not_admitted() from None
+                    await self._retry(e, backoff)
+                except (TransportError, ProtocolError, UpdateError) as e:
+                    await self._retry(e, backoff)
+        finally:
+            if pushing is not None:
+                pushing.cancel()  # stopping: the lease expires at the trainer, as with a batch cut short
+
+    async def _deliver(self, batch: RolloutBatch, expires_at: float) -> None:
+        """Push one batch and account for the answer. A refused or undeliverable batch is logged
+        and left to expire at the trainer; only a key the run does not admit ends the node."""
+        try:
+            receipt = await self._push(batch, expires_at)
+        except RemoteError as e:
+            self.last_answer = time.monotonic()
+            if e.code == "not_allowed":
+                raise self._not_admitted() from None
+            log.warning("lease %s was refused: %s", batch.lease_id, e)
+            return
+        except (TransportError, ProtocolError) as e:
+            log.warning("lease %s was not delivered: %s", batch.lease_id, e)
+            return
+        if receipt.accepted and self.joining.mark("push", last=True):
+            console.print(f"first rollout accepted {self.joining.total():.1f} s after start "
+                          f"({self.joining.summary()})")
+        self.accepted += receipt.accepted
+        self.latest = max(self.latest, receipt.latest_version)
+        tokens = sum(len(x.completion_ids) for x in batch.samples)
+        self._say(f"lease {batch.lease_id}: {receipt.accepted} samples ({tokens} tokens) accepted at version "
+                  f"{batch.version}, {self.backend.throughput:.0f} tok/s")
+
+    def _not_admitted(self) -> JoinRefused:
+        return JoinRefused(f"this run admits only listed node keys; ask its operator to add {fingerprint(self.node_key)}")
 
     async def _retry(self, error: Exception, backoff: Backoff) -> None:
         """Log a failed round and wait (a stop ends the wait); say so plainly when the coordinator

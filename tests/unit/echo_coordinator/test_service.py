@@ -97,6 +97,19 @@ def test_bad_lease_requests(service):
     assert service.handle_lease(lease_request(node), now=NOW).finished
 
 
+def test_the_run_ends_once_every_asking_and_every_announced_node_has_heard(service):
+    asked, waiting_out_a_retry = generate_key(), generate_key()
+    service.open_step([1])
+    service.handle_lease(lease_request(asked), now=NOW)
+    service.finished = True
+    service.announced = frozenset({fingerprint(public_bytes(waiting_out_a_retry))})
+    assert not service.all_told_finished()
+    service.handle_lease(lease_request(asked), now=NOW + 1)
+    assert not service.all_told_finished()  # the announced node has not asked since this start
+    assert service.handle_lease(lease_request(waiting_out_a_retry), now=NOW + 2).finished
+    assert service.all_told_finished()
+
+
 @pytest.mark.parametrize("tamper, error, match", [
     (lambda b, s, k: dataclasses.replace(b, version=b.version), None, None),  # control: untouched batch passes
     (lambda b, s, k: dataclasses.replace(b, samples=b.samples[:-1]), SignatureError, "signature"),

@@ -2,13 +2,15 @@
 
 import asyncio
 import time
+from types import SimpleNamespace
 
 import pytest
 
 from echo_node.node import JoinRefused, Node, NodeConfig
 from echo_node.updates import UpdateError
 from protocols.errors import RemoteError, TransportError
-from protocols.messages import PushReceipt, TaskSpec
+from protocols import rpc
+from protocols.messages import NoWork, PushReceipt, RolloutBatch, TaskSpec
 from tests.support.envs import MoreE
 from tests.unit.protocols import factories
 
@@ -94,3 +96,65 @@ def test_a_push_is_retried_across_a_broken_stream_but_not_after_a_refusal(tmp_pa
     node.endpoint = FlakyTrainer(TransportError("stream broke"))
     with pytest.raises(TransportError, match="stream broke"):
         asyncio.run(node._push(batch, time.time()))
+
+
+class SlowTrainer:
+    """Hands out `leases` leases, then says the run is over; answers each push after `seconds`,
+    refusing the first as stale. Records what happened when."""
+
+    peer_id = "QmNode"
+
+    def __init__(self, leases: int, seconds: float):
+        self.left, self.seconds, self.events, self.pushing, self.most_pushing = leases, seconds, [], 0, 0
+
+    async def call_one(self, peer, handler, payload):
+        if handler == rpc.LEASE:
+            if self.left == 0:
+                return NoWork(latest_version=0, retry_after=0.0, finished=True).to_wire()
+            self.left -= 1
+            return factories.lease(lease_id=f"L{self.left}", version=0, expires_at=time.time() + 60).to_wire()
+        lease_id = RolloutBatch.from_wire(payload).lease_id
+        self.pushing += 1
+        self.most_pushing = max(self.most_pushing, self.pushing)
+        await asyncio.sleep(self.seconds)
+        self.pushing -= 1
+        self.events.append(("answered", lease_id))
+        if lease_id == "L2":
+            raise RemoteError("stale", "batch of version 0 refused at version 4", "p", "echo.push")
+        return PushReceipt(accepted=2, rejected=0, reasons={}, latest_version=0).to_wire()
+
+
+def test_a_push_overlaps_the_next_generation_and_one_refusal_does_not_stop_the_node(tmp_path):
+    node = node_for(tmp_path, TaskSpec("arithmetic", {}, max_turns=1))
+    node.manifest = factories.manifest(mode="async")
+    node.trainer, node.endpoint = "trainer", SlowTrainer(leases=3, seconds=0.3)
+    node.backend = SimpleNamespace(name="llama.cpp", throughput=0.0)
+    finished = []
+
+    def generate(lease):
+        node.endpoint.events.append(("generate", lease.lease_id))
+        time.sleep(0.2)
+        return factories.batch(lease_id=lease.lease_id, version=0)
+
+    async def prepare(lease):
+        pass
+
+    async def finish(version):
+        finished.append(list(node.endpoint.events))
+
+    node._generate, node._prepare, node._finish = generate, prepare, finish
+    node._say = lambda event: None
+
+    async def run():
+        announcer = asyncio.create_task(asyncio.sleep(60))
+        await node._work_loop(announcer)
+        announcer.cancel()
+
+    asyncio.run(run())
+    events = node.endpoint.events
+    # L1 is generated while L2's push is being answered, L0 while L1's; never two pushes at once.
+    assert events == [("generate", "L2"), ("generate", "L1"), ("answered", "L2"), ("generate", "L0"),
+                      ("answered", "L1"), ("answered", "L0")]
+    assert node.endpoint.most_pushing == 1
+    assert node.accepted == 4  # L1 and L0; the refused L2 is only logged
+    assert finished == [events]  # the run ends once the last push is answered
