@@ -16,7 +16,8 @@ node's core to verify):
     .venv/bin/python bench/node_overhead.py [--leases 12] [--rounds 3] [--threads 1]
 
 Ends with a JSON line: `overhead_ratio` (stack / raw tokens/s, median over rounds; goal >= 0.95),
-`backend_ratio` (backend / raw) and `network_ratio` (stack / backend).
+`backend_ratio` (backend / raw), `network_ratio` (stack / backend) and `update_share` (the share of
+the stack's time its node spent taking new versions: a cost of training, not of the network).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ BIN = Path(sys.executable).parent
 FIRST_SEED = 500_000  # where an async run with seed 0 starts leasing (RunService first_seed)
 GROUP, MAX_NEW = 8, 32
 LEASE_LINE = re.compile(r"lease \S+: (\d+) samples \((\d+) tokens\) accepted")
+UPDATE_LINE = re.compile(r"updated to version \d+ via .* in ([\d.]+)s")
 
 
 def prompts(count: int) -> list[list[int]]:
@@ -87,8 +89,9 @@ def backend_rate(batch: list[list[int]], threads: int) -> float:
     return tokens / (time.perf_counter() - started)
 
 
-def stack_rate(leases: int, threads: int, work: Path) -> float:
-    """Tokens/s of accepted leases 2..N of one node of a real run (lease 1 pays the start)."""
+def stack_rate(leases: int, threads: int, work: Path) -> tuple[float, float]:
+    """Tokens/s of accepted leases 2..N of one node of a real run (lease 1 pays the start), and
+    the share of that time the node spent taking new versions (fetch, verify, adapter swap)."""
     (work / "run.toml").write_text(f"""
 [run]
 mode = "async"
@@ -119,15 +122,19 @@ threads = 1
                                  "--data-dir", str(work / "node"), "--threads", str(threads)],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         seen: list[tuple[float, int]] = []
+        updating = 0.0
         for text in node.stdout:
-            found = LEASE_LINE.search(text)
+            found, update = LEASE_LINE.search(text), UPDATE_LINE.search(text)
+            if update and seen:
+                updating += float(update[1])
             if found:
                 seen.append((time.monotonic(), int(found[2])))
                 if len(seen) == leases:
                     break
         if len(seen) < leases:
             raise SystemExit(f"the node stopped after {len(seen)} leases (code {node.wait()})")
-        return sum(t for _, t in seen[1:]) / (seen[-1][0] - seen[0][0])
+        window = seen[-1][0] - seen[0][0]
+        return sum(t for _, t in seen[1:]) / window, updating / window
     finally:
         for proc in (node, coordinator):
             if proc is not None:
@@ -149,11 +156,12 @@ def main() -> None:
     rows = []
     for r in range(args.rounds):
         with tempfile.TemporaryDirectory(prefix="echo-overhead-") as tmp:
-            rates = dict(raw=raw_rate(batch, args.threads), backend=backend_rate(batch, args.threads),
-                         stack=stack_rate(args.leases, args.threads, Path(tmp)))
+            rates = dict(raw=raw_rate(batch, args.threads), backend=backend_rate(batch, args.threads))
+            rates["stack"], rates["updating"] = stack_rate(args.leases, args.threads, Path(tmp))
         rows.append(rates)
         print(f"round {r}: raw {rates['raw']:.1f} tok/s, backend {rates['backend']:.1f}, stack {rates['stack']:.1f}"
-              f"  (stack/raw {rates['stack'] / rates['raw']:.3f})", flush=True)
+              f"  (stack/raw {rates['stack'] / rates['raw']:.3f}; {100 * rates['updating']:.1f} % of the stack's time "
+              "taking new versions)", flush=True)
 
     def median_ratio(a: str, b: str) -> float:
         return round(statistics.median(row[a] / row[b] for row in rows), 3)
@@ -163,6 +171,7 @@ def main() -> None:
         print(f"{name:<10}{statistics.median(row[name] for row in rows):>15.1f}")
     print(json.dumps(dict(overhead_ratio=median_ratio("stack", "raw"), backend_ratio=median_ratio("backend", "raw"),
                           network_ratio=median_ratio("stack", "backend"),
+                          update_share=round(statistics.median(row["updating"] for row in rows), 3),
                           tokens_per_second={k: round(statistics.median(row[k] for row in rows), 1)
                                              for k in ("raw", "backend", "stack")},
                           rounds=args.rounds, leases=args.leases, threads=args.threads)))
