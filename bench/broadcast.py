@@ -152,7 +152,7 @@ async def fetcher(address: str, manifest_path: str, go: str, relay_on: bool) -> 
         peer_id=endpoint.peer_id, name="bench", role="node", backend="none", model_sha256=manifest.base_sha256,
         version=1, throughput=0.0, public_key=public_bytes(key), time=done,
     ), key)
-    await dht.put(PEERS_KEY, announcement.to_wire(), 120, subkey=endpoint.peer_id)
+    await dht.put(PEERS_KEY, announcement.to_wire(), 120, subkey=announcement.node_id)  # readers check the subkey
     print(f"DONE {done}", flush=True)
     await asyncio.sleep(3600)
 
