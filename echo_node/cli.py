@@ -49,5 +49,7 @@ def join(
 
 def main() -> None:
     app()
-if __name__ == "__main__":
+
+
+if __name__ == "__main__":  # python -m echo_node.cli (the NAT test runs nodes in namespaces this way)
     main()

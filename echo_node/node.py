@@ -348,8 +348,8 @@ class Node:
                 announced = verified_announcements(await dht.get(peers_key))
             except TransportError:
                 return []
+            self.endpoint.learn_relays(announced)  # the whole set, as the announcer's refresh does
             found = [a for a in announced if a.model_sha256 == self.manifest.base_sha256]
-            self.endpoint.learn_relays(found)
             return [a.peer_id for a in sorted(found, key=lambda a: -a.version)]
 
         def show(done: int, total: int, seconds: float, fetched: int) -> None:
