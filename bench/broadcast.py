@@ -40,10 +40,10 @@ def build_updates(density: float, lora_encoding: str):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from echo_coordinator.coordinator import demo_model_path
+    from echo_coordinator.main import demo_model_path
     from echo_coordinator.publish import Publisher
-    from echo_coordinator.trainer import LORA_TARGETS
-    from echo_node.full_weights import distinct_weights
+    from echo_coordinator.trainer.learner import LORA_TARGETS
+    from engines.hf import distinct_weights
     from protocols.messages import RunManifest, TaskSpec
     from protocols.signing import generate_key, public_bytes
 
@@ -124,7 +124,8 @@ async def fetcher(address: str, manifest_path: str, go: str, relay_on: bool) -> 
     from echo_node.updates import UpdateError, catch_up
     from protocols.messages import PeerAnnouncement, RunManifest, verified_announcements
     from protocols.signing import generate_key, public_bytes, sign_message
-    from protocols.transport.dht import SwarmDHT, peer_of
+    from protocols.multiaddr import peer_of
+    from protocols.transport.dht import SwarmDHT
     from protocols.transport.relay import Relay
 
     manifest = RunManifest.from_wire(Path(manifest_path).read_bytes())

@@ -33,7 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from echo_coordinator.config import TrainerConfig  # noqa: E402
-from echo_coordinator.trainer import Trainer, TrainSample  # noqa: E402
+from echo_coordinator.trainer.learner import Trainer  # noqa: E402
+from echo_coordinator.trainer.samples import TrainSample  # noqa: E402
 
 SHAPES = {  # Qwen2 configs (config.json of Qwen2-0.5B / Qwen2-1.5B)
     "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,

@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from echo_coordinator.coordinator import demo_model_path  # noqa: E402
+from echo_coordinator.main import demo_model_path  # noqa: E402
 
 BIN = Path(sys.executable).parent
 ACCEPTED = re.compile(r"first rollout accepted ([\d.]+) s after start \((.*)\)")

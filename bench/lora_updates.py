@@ -30,10 +30,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from echo_coordinator.config import TrainerConfig  # noqa: E402
-from echo_coordinator.coordinator import demo_model_path  # noqa: E402
+from echo_coordinator.main import demo_model_path  # noqa: E402
 from echo_coordinator.publish import Publisher  # noqa: E402
-from echo_coordinator.trainer import Trainer, TrainSample, prompt_ids  # noqa: E402
-from echo_node.llama_backend import LlamaBackend  # noqa: E402
+from echo_coordinator.trainer.learner import Trainer  # noqa: E402
+from echo_coordinator.trainer.samples import TrainSample  # noqa: E402
+from engines.hf import prompt_ids  # noqa: E402
+from engines.llama_backend import LlamaBackend  # noqa: E402
 from protocols.signing import generate_key  # noqa: E402
 from tasks import make_task  # noqa: E402
 

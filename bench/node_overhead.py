@@ -42,7 +42,7 @@ if __name__ == "__main__":
     # OpenMP pool sized for 2 cores and then pinned to 1 made llama.cpp 2.5x slower (measured).
     os.sched_setaffinity(0, {1})
 
-from echo_coordinator.coordinator import demo_model_path  # noqa: E402
+from echo_coordinator.main import demo_model_path  # noqa: E402
 
 BIN = Path(sys.executable).parent
 FIRST_SEED = 500_000  # where an async run with seed 0 starts leasing (RunService first_seed)
@@ -54,7 +54,7 @@ UPDATE_LINE = re.compile(r"updated to version \d+ via .* in ([\d.]+)s")
 def prompts(count: int) -> list[list[int]]:
     from transformers import AutoTokenizer
 
-    from echo_coordinator.trainer import prompt_ids
+    from engines.hf import prompt_ids
     from tasks import make_task
 
     model = demo_model_path()
@@ -79,7 +79,7 @@ def raw_rate(batch: list[list[int]], threads: int) -> float:
 
 
 def backend_rate(batch: list[list[int]], threads: int) -> float:
-    from echo_node.llama_backend import LlamaBackend
+    from engines.llama_backend import LlamaBackend
 
     backend = LlamaBackend(demo_model_path(), threads=threads, n_ctx=2048)
     tokens, started = 0, time.perf_counter()

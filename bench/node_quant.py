@@ -35,9 +35,11 @@ from verification import evidence_of, sample_lease, verdicts  # noqa: E402
 
 from echo_coordinator import base_model  # noqa: E402
 from echo_coordinator.config import TrainerConfig  # noqa: E402
-from echo_coordinator.coordinator import demo_model_path  # noqa: E402
-from echo_coordinator.trainer import Trainer, TrainSample, prompt_ids  # noqa: E402
-from echo_node.llama_backend import LlamaBackend  # noqa: E402
+from echo_coordinator.main import demo_model_path  # noqa: E402
+from echo_coordinator.trainer.learner import Trainer  # noqa: E402
+from echo_coordinator.trainer.samples import TrainSample  # noqa: E402
+from engines.hf import prompt_ids  # noqa: E402
+from engines.llama_backend import LlamaBackend  # noqa: E402
 from protocols.sampling import SamplingRule  # noqa: E402
 from tasks import make_task  # noqa: E402
 
@@ -49,7 +51,7 @@ def hf_checkpoint(directory: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from echo_node.gguf_io import load_model, load_tokenizer
+    from engines.hf import load_model, load_tokenizer
 
     gguf = demo_model_path()
     model = load_model(gguf, dtype=torch.float32)

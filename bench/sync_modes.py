@@ -157,7 +157,7 @@ def main() -> None:
     if args.quick:
         args.steps, args.prompts, args.eval_every, args.eval_prompts = 4, 2, 2, 8
     if not args.model:
-        from echo_coordinator.coordinator import demo_model_path
+        from echo_coordinator.main import demo_model_path
 
         args.model = str(demo_model_path())
     cpus = sorted(os.sched_getaffinity(0))

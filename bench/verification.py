@@ -39,12 +39,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from echo_coordinator.config import TrainerConfig  # noqa: E402
-from echo_coordinator.coordinator import demo_model_path  # noqa: E402
-from echo_coordinator.trainer import Trainer, TrainSample, prompt_ids  # noqa: E402
-from echo_coordinator.verify import lora_base, sample_seeds  # noqa: E402
-from echo_node.full_weights import export_quantized, load_master  # noqa: E402
-from echo_node.gguf_io import write_lora_adapter  # noqa: E402
-from echo_node.llama_backend import LlamaBackend  # noqa: E402
+from echo_coordinator.main import demo_model_path  # noqa: E402
+from echo_coordinator.trainer.learner import Trainer  # noqa: E402
+from echo_coordinator.trainer.samples import TrainSample  # noqa: E402
+from engines.hf import prompt_ids  # noqa: E402
+from echo_coordinator.verify import lora_base  # noqa: E402
+from protocols.sampling import sample_seeds  # noqa: E402
+from engines.full_weights import export_quantized  # noqa: E402
+from engines.hf import load_master  # noqa: E402
+from engines.gguf_io import write_lora_adapter  # noqa: E402
+from engines.llama_backend import LlamaBackend  # noqa: E402
 from protocols.messages import RolloutSample  # noqa: E402
 from protocols.sampling import SampleEvidence, SamplingRule, judge  # noqa: E402
 from tasks import make_task  # noqa: E402
@@ -75,7 +79,7 @@ class Nodes:
                 path = export_quantized(config, base, model, work / f"{kind}.gguf", FTYPES[kind])
                 self.backends[kind] = LlamaBackend(path, threads=2, n_ctx=512)
             elif kind == "transformers":
-                from echo_node.transformers_backend import TransformersBackend
+                from engines.transformers_backend import TransformersBackend
 
                 self.backends[kind] = TransformersBackend(model, threads=2)
             else:
@@ -113,7 +117,7 @@ def sample_lease(backend, lease: str, prompts: dict[int, tuple[int, ...]], group
     for seed, prompt in prompts.items():
         for _ in range(group):
             probe = [*samples, RolloutSample(seed, prompt, (0,), (0.0,))]
-            noise = sample_seeds(noise_lease or lease, probe)[-1]
+            noise = sample_seeds(noise_lease or lease, [x.seed for x in probe])[-1]
             out = backend.generate(list(prompt), MAX_NEW, temperature, noise)
             samples.append(RolloutSample(seed, prompt, out.token_ids, out.logprobs))
     return samples
@@ -121,7 +125,7 @@ def sample_lease(backend, lease: str, prompts: dict[int, tuple[int, ...]], group
 
 def evidence_of(trainer, lease: str, samples: list[RolloutSample], weights) -> list:
     train = [TrainSample(s.prompt_ids, s.completion_ids, s.logprobs, s.loss_mask, 0.0, s.seed) for s in samples]
-    return trainer.evidence(train, sample_seeds(lease, samples), weights)
+    return trainer.evidence(train, sample_seeds(lease, [x.seed for x in samples]), weights)
 
 
 def cheats(trainer, node, lease: str, honest: list[RolloutSample], task, temperature: float, group: int,

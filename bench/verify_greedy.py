@@ -31,9 +31,11 @@ sys.path.insert(0, str(ROOT / "bench"))
 from verification import MAX_NEW, Nodes, quantiles, verdicts  # noqa: E402
 
 from echo_coordinator.config import TrainerConfig  # noqa: E402
-from echo_coordinator.coordinator import demo_model_path  # noqa: E402
+from echo_coordinator.main import demo_model_path  # noqa: E402
 from echo_coordinator.evaluation import eval_seeds  # noqa: E402
-from echo_coordinator.trainer import Trainer, TrainSample, prompt_ids  # noqa: E402
+from echo_coordinator.trainer.learner import Trainer  # noqa: E402
+from echo_coordinator.trainer.samples import TrainSample  # noqa: E402
+from engines.hf import prompt_ids  # noqa: E402
 from echo_coordinator.verify import lora_base  # noqa: E402
 from protocols.messages import RolloutSample  # noqa: E402
 from protocols.sampling import SamplingRule, sample_seed  # noqa: E402

@@ -57,7 +57,7 @@ def trl_run(out: Path, steps: int, prompts: int, group: int, eval_every: int, ch
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from echo_coordinator.trainer import LORA_TARGETS
+    from echo_coordinator.trainer.learner import LORA_TARGETS
     from node_quant import hf_checkpoint
     from tasks import make_task
 
@@ -107,9 +107,9 @@ def evaluate(adapter_files: dict[int, Path | None], prompts: int) -> dict[int, f
     from safetensors.numpy import load_file
 
     from echo_coordinator.config import RunConfig, TrainerConfig
-    from echo_coordinator.coordinator import demo_model_path
+    from echo_coordinator.main import demo_model_path
     from echo_coordinator.local_eval import _run
-    from echo_coordinator.trainer import Trainer
+    from echo_coordinator.trainer.learner import Trainer
     from echo_coordinator.verify import lora_base
     from tasks import make_task
 
@@ -150,7 +150,7 @@ def main() -> None:
         trl_run(args.trl_run, args.steps, args.prompts, args.group, args.eval_every, bool(args.checkpointing))
         return
     install_trl()
-    from echo_coordinator.coordinator import demo_model_path
+    from echo_coordinator.main import demo_model_path
     from sync_modes import run_mode
 
     evaluated = list(range(args.eval_every, args.steps, args.eval_every)) + [args.steps]

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from echo_node.gguf_io import ARCHS, SUPPORTED, UnsupportedModel, add_hparams, arch_of, quantize, write_model
+from engines.gguf_io import ARCHS, SUPPORTED, UnsupportedModel, add_hparams, arch_of, quantize, write_model
 from protocols.chunks import DEFAULT_CHUNK_SIZE
 from protocols.errors import EchoError
 from protocols.messages import ModelFile
@@ -65,19 +65,6 @@ def model_file(path: Path, run_id: str, key, chunk_size: int = BASE_CHUNK_SIZE) 
             digests.append(sha256_hex(piece))
     return sign_message(ModelFile(run_id=run_id, name=path.name, sha256=whole.hexdigest(), size=path.stat().st_size,
                                   chunk_size=chunk_size, chunks=tuple(digests)), key)
-
-
-def record(data_dir: Path, base: BaseModel) -> None:
-    """Where the trainer's model came from, for `eval` and `export` (which run without the coordinator)."""
-    (data_dir / "base.json").write_text(json.dumps({"source": str(base.source), "node_gguf": str(base.node_gguf),
-                                                    "arch": base.arch}))
-
-
-def recorded_source(data_dir: Path) -> Path:
-    try:
-        return Path(json.loads((data_dir / "base.json").read_text())["source"])
-    except (OSError, json.JSONDecodeError, KeyError) as e:
-        raise ModelError(f"{data_dir} has no readable base.json (was a run started there?): {e}") from None
 
 
 def resolve(model: str) -> Path:

@@ -54,7 +54,7 @@ def start(
         )
     except ConfigError as e:
         raise typer.BadParameter(str(e)) from None
-    from echo_coordinator.coordinator import run_coordinator
+    from echo_coordinator.main import run_coordinator
 
     raise typer.Exit(run_coordinator(run, trainer, demo=demo, verbose=verbose))
 
@@ -87,15 +87,17 @@ def eval_command(
     as_json: bool = typer.Option(False, "--json", help="Print JSON records instead of a table."),
 ) -> None:
     """Re-run the run's held-out evaluation of one version here, with the trainer's weights."""
-    from echo_coordinator.local_eval import evaluate
     from echo_coordinator.ledger import Ledger
+    from echo_coordinator.local_eval import evaluate
+    from echo_coordinator.run_dir import RunDir
     from protocols.errors import EchoError
 
+    run_dir = RunDir(data_dir)
     if version is None:
-        if not (data_dir / "ledger.sqlite").exists():
+        if not run_dir.ledger.exists():
             typer.echo(f"no run found in {data_dir} (missing ledger.sqlite)", err=True)
             raise typer.Exit(1)
-        ledger = Ledger(data_dir / "ledger.sqlite")
+        ledger = Ledger(run_dir.ledger)
         version = ledger.run().get("version", 0)
         ledger.close()
     def progress(sampling: str, done: int, total: int) -> None:
@@ -108,7 +110,7 @@ def eval_command(
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1) from None
     swarm = {}
-    metrics = data_dir / "metrics.jsonl"
+    metrics = run_dir.metrics
     if metrics.exists():
         for line in metrics.read_text().splitlines():
             r = json.loads(line)
@@ -133,7 +135,7 @@ def export_command(
 ) -> None:
     """Write a version of the trained policy as an HF checkpoint (LoRA merged), and optionally as GGUF."""
     from echo_coordinator.export import export
-    from echo_node.gguf_io import FILE_TYPES
+    from engines.gguf_io import FILE_TYPES
     from protocols.errors import EchoError
 
     if gguf is not None and gguf not in FILE_TYPES:
@@ -146,11 +148,13 @@ def export_command(
 
 
 def _latest_version(data_dir: Path) -> int:
-    state = data_dir / "state.json"
-    if not state.exists():
+    from echo_coordinator.run_dir import RunDir
+
+    state = RunDir(data_dir).load_state()
+    if state is None:
         typer.echo(f"no run found in {data_dir} (missing state.json)", err=True)
         raise typer.Exit(1)
-    return int(json.loads(state.read_text())["version"])
+    return state.version
 
 
 @app.command("plot")
@@ -160,9 +164,10 @@ def plot_command(
 ) -> None:
     """Write a PNG of reward, held-out accuracy, staleness and throughput per version."""
     from echo_coordinator.plot import plot_run
+    from echo_coordinator.run_dir import RunDir
 
     try:
-        path = plot_run(data_dir, out or data_dir / "curves.png")
+        path = plot_run(data_dir, out or RunDir(data_dir).curves)
     except FileNotFoundError as e:
         typer.echo(str(e), err=True)
         raise typer.Exit(1) from None
@@ -180,13 +185,15 @@ def dashboard_command(
     from echo_coordinator import web
     from echo_coordinator.ledger import Ledger
     from echo_coordinator.observe import RunView
+    from echo_coordinator.run_dir import RunDir
 
-    if not (data_dir / "ledger.sqlite").exists():
+    run_dir = RunDir(data_dir)
+    if not run_dir.ledger.exists():
         typer.echo(f"no run found in {data_dir} (missing ledger.sqlite)", err=True)
         raise typer.Exit(1)
     sock = web.bind("127.0.0.1", port)
     typer.echo(f"dashboard of {data_dir}: http://127.0.0.1:{sock.getsockname()[1]}/  (Ctrl-C to stop)")
-    ledger = Ledger(data_dir / "ledger.sqlite")
+    ledger = Ledger(run_dir.ledger)
     try:
         asyncio.run(web.serve(RunView(data_dir, ledger), sock))
     except KeyboardInterrupt:

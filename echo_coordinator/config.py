@@ -1,20 +1,23 @@
 """Run and trainer configuration: TOML file (`[run]`, `[trainer]` tables) plus CLI overrides.
 
 Every field is checked in `__post_init__` with a message that says how to fix it; nothing is
-silently rewritten.
+silently rewritten. One strict reader (`from_tables`) serves both run.toml and the copy a run
+saves of its configuration (`config.json`, read back by `eval` and `export`): an unknown table or
+field, or a value of the wrong type, is refused with its name.
 """
 
 from __future__ import annotations
 
 import tomllib
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from protocols.errors import EchoError
 from protocols.messages import MODES, UPDATE_MODES
 
 
-class ConfigError(ValueError):
+class ConfigError(EchoError, ValueError):
     """A config file or override is wrong; the message says which field and how to fix it."""
 
 
@@ -151,18 +154,30 @@ def load_config(path: Path | None, **overrides: Any) -> tuple[RunConfig, Trainer
             raw = tomllib.loads(Path(path).read_text())
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise ConfigError(f"cannot read config {path}: {e}") from None
-    unknown_tables = set(raw) - {"run", "trainer"}
-    if unknown_tables:
-        raise ConfigError(f"unknown table(s) {sorted(unknown_tables)} in {path}; expected [run] and [trainer]")
-    run = _build(RunConfig, raw.get("run", {}), path)
-    trainer = _build(TrainerConfig, raw.get("trainer", {}), path)
+    run, trainer = from_tables(raw, path)
     run_names, trainer_names = {f.name for f in fields(RunConfig)}, {f.name for f in fields(TrainerConfig)}
     run = replace(run, **{k: v for k, v in overrides.items() if v is not None and k in run_names})
     trainer = replace(trainer, **{k: v for k, v in overrides.items() if v is not None and k in trainer_names})
     return run, trainer
 
 
+def to_tables(run: RunConfig, trainer: TrainerConfig) -> dict[str, dict[str, Any]]:
+    """Both configs as `{"run": ..., "trainer": ...}`, what `from_tables` reads back."""
+    return {"run": asdict(run), "trainer": asdict(trainer)}
+
+
+def from_tables(raw: dict[str, Any], source: Path | None) -> tuple[RunConfig, TrainerConfig]:
+    """The configs of a `[run]` and a `[trainer]` table (either may be missing: the defaults);
+    `source` names the file in error messages."""
+    unknown_tables = set(raw) - {"run", "trainer"}
+    if unknown_tables:
+        raise ConfigError(f"unknown table(s) {sorted(unknown_tables)} in {source}; expected [run] and [trainer]")
+    return _build(RunConfig, raw.get("run", {}), source), _build(TrainerConfig, raw.get("trainer", {}), source)
+
+
 def _build(cls, table: dict[str, Any], path: Path | None):
+    if not isinstance(table, dict):
+        raise ConfigError(f"{cls.__name__}: expected a table, got {table!r} in {path}")
     known = {f.name for f in fields(cls)}
     unknown = set(table) - known
     if unknown:

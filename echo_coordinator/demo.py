@@ -17,6 +17,8 @@ import time
 from importlib import resources
 from pathlib import Path
 
+from echo_coordinator.run_dir import RunDir
+
 BIN = Path(sys.executable).parent
 NODES = ("alice", "bob")
 
@@ -30,6 +32,7 @@ def main(task: str = "demo") -> int:
         return 2
     data_dir = Path("runs") / time.strftime(f"{task}-%Y%m%d-%H%M%S")
     data_dir.mkdir(parents=True)
+    run_dir = RunDir(data_dir)
     started = time.monotonic()
     children: list[subprocess.Popen] = []
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # progress lines arrive as they happen
@@ -39,25 +42,26 @@ def main(task: str = "demo") -> int:
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env,
         )
         children.append(coordinator)
-        join = data_dir / "join.txt"
-        full_log = open(data_dir / "coordinator.log", "w")  # everything, for when something goes wrong
+        join = run_dir.join_file
+        full_log = open(run_dir.log("coordinator"), "w")  # everything, for when something goes wrong
         for line in coordinator.stdout:
             show("coordinator", line, full_log)
             if join.exists():
                 break
         else:
-            return report_exit(coordinator.wait(), data_dir)
+            return report_exit(coordinator.wait(), run_dir.log("coordinator"))
         argv = shlex.split(join.read_text())
         for name in NODES:
-            log = open(data_dir / f"{name}.log", "w")
+            log = open(run_dir.log(name), "w")
             children.append(subprocess.Popen(
-                [str(BIN / argv[0]), *argv[1:], "--name", name, "--data-dir", str(data_dir / name), "--threads", "1"],
+                [str(BIN / argv[0]), *argv[1:], "--name", name, "--data-dir", str(run_dir.node_dir(name)),
+                 "--threads", "1"],
                 stdout=log, stderr=subprocess.STDOUT, env=env,
             ))
         print(f"started nodes {', '.join(NODES)} (logs in {data_dir})", flush=True)
         for line in coordinator.stdout:
             show("coordinator", line, full_log)
-        code = report_exit(coordinator.wait(), data_dir)
+        code = report_exit(coordinator.wait(), run_dir.log("coordinator"))
         if code == 0:
             for node in children[1:]:
                 node.wait(timeout=60)  # they leave once told the run is over
@@ -66,7 +70,7 @@ def main(task: str = "demo") -> int:
         code = 130
     finally:
         stop(children)
-    print_rewards(data_dir, time.monotonic() - started)
+    print_rewards(run_dir, time.monotonic() - started)
     return code
 
 
@@ -78,13 +82,13 @@ def show(who: str, line: str, log) -> None:
         print(f"[{who}] {line.rstrip()}", flush=True)
 
 
-def report_exit(code: int, data_dir: Path) -> int:
+def report_exit(code: int, log: Path) -> int:
     if code < 0:
         reason = " (killed; SIGKILL often means out of memory: see `dmesg`)" if code == -signal.SIGKILL else ""
-        print(f"the coordinator died from signal {-code}{reason}; its log: {data_dir / 'coordinator.log'}", flush=True)
+        print(f"the coordinator died from signal {-code}{reason}; its log: {log}", flush=True)
         return 1
     if code != 0:
-        print(f"the coordinator exited with code {code}; its log: {data_dir / 'coordinator.log'}", flush=True)
+        print(f"the coordinator exited with code {code}; its log: {log}", flush=True)
     return code
 
 
@@ -100,12 +104,12 @@ def stop(children: list[subprocess.Popen]) -> None:
             p.wait()
 
 
-def print_rewards(data_dir: Path, seconds: float) -> None:
+def print_rewards(run_dir: RunDir, seconds: float) -> None:
     """The reward per version, the held-out accuracy where evaluated, and the curves as a PNG."""
     from echo_coordinator.plot import plot_run, read_metrics
 
     try:
-        steps, evals = read_metrics(data_dir)
+        steps, evals = read_metrics(run_dir.root)
     except FileNotFoundError:
         return
     accuracy = {e["eval_version"]: e["eval_accuracy"] for e in evals if e["eval_sampling"] == "greedy"}
@@ -116,7 +120,7 @@ def print_rewards(data_dir: Path, seconds: float) -> None:
         held_out = f"  held-out {accuracy[version]:.3f} {'*' * round(20 * accuracy[version])}" if version in accuracy else ""
         print(f"  v{version:<3} {reward}{held_out}")
     if steps:
-        print(f"curves: {plot_run(data_dir, data_dir / 'curves.png')}")
+        print(f"curves: {plot_run(run_dir.root, run_dir.curves)}")
 
 
 if __name__ == "__main__":

@@ -9,8 +9,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from echo_coordinator.base_model import convert, recorded_source
-from echo_coordinator.local_eval import read_config, weights_of
+from echo_coordinator.base_model import convert
+from echo_coordinator.local_eval import weights_of
+from echo_coordinator.run_dir import RunDir
 from protocols.errors import EchoError
 
 
@@ -19,13 +20,14 @@ def export(data_dir: Path, out: Path, version: int, gguf: str | None = None, say
     import torch
     from transformers import AutoModelForCausalLM
 
-    from echo_coordinator.trainer import Trainer
+    from echo_coordinator.trainer.learner import Trainer
 
-    run, tcfg = read_config(data_dir)
+    run_dir = RunDir(data_dir)
+    run, tcfg = run_dir.read_config()
     started = time.perf_counter()
     # On the CPU in fp32: the merge is exact there, and a GPU trainer's bf16 would round it.
-    trainer = Trainer(recorded_source(data_dir), replace(tcfg, device="cpu"), run.temperature, run.seed, run.update)
-    trainer.load_weights(weights_of(data_dir, run, trainer, version))
+    trainer = Trainer(run_dir.base_source(), replace(tcfg, device="cpu"), run.temperature, run.seed, run.update)
+    trainer.load_weights(weights_of(run_dir, run, trainer, version))
     model = trainer.model.merge_and_unload() if run.update == "lora" else trainer.model
     # A fresh model of the same config: one loaded from a GGUF is marked quantized, which
     # transformers refuses to save, though its weights are plain dequantized floats.

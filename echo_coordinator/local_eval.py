@@ -8,33 +8,20 @@ differ only where quantization flips a token (docs/protocols.md)."""
 
 from __future__ import annotations
 
-import json
 import time
-from dataclasses import fields
 from pathlib import Path
 
 import numpy as np
 
-from echo_coordinator.config import RunConfig, TrainerConfig
+from echo_coordinator.config import RunConfig
 from echo_coordinator.evaluation import SAMPLINGS, eval_seeds
-from echo_coordinator.rewards import Transcripts, score
+from echo_coordinator.run_dir import RunDir
+from engines.episodes import Transcripts, rollout, score
 from protocols.errors import EchoError
-from protocols.messages import RolloutSample
 from protocols.sampling import sample_seed
 
 
-def read_config(data_dir: Path) -> tuple[RunConfig, TrainerConfig]:
-    path = Path(data_dir) / "config.json"
-    if not path.exists():
-        raise EchoError(f"no run configuration in {data_dir} (missing config.json; runs started before "
-                        f"evaluation existed do not have one)")
-    raw = json.loads(path.read_text())
-    known = {f.name for f in fields(RunConfig)}, {f.name for f in fields(TrainerConfig)}
-    return (RunConfig(**{k: v for k, v in raw["run"].items() if k in known[0]}),
-            TrainerConfig(**{k: v for k, v in raw["trainer"].items() if k in known[1]}))
-
-
-def weights_of(data_dir: Path, run: RunConfig, trainer, version: int) -> dict[str, np.ndarray]:
+def weights_of(run_dir: RunDir, run: RunConfig, trainer, version: int) -> dict[str, np.ndarray]:
     """What the trainer held at `version`, from the run directory."""
     from safetensors.numpy import load_file
 
@@ -43,41 +30,40 @@ def weights_of(data_dir: Path, run: RunConfig, trainer, version: int) -> dict[st
     if run.update == "lora":
         if version == 0:
             return lora_base(trainer.weights())
-        path = data_dir / "adapters" / f"v{version}.safetensors"
+        path = run_dir.adapter(version)
         if not path.exists():
-            have = sorted(int(p.stem[1:]) for p in (data_dir / "adapters").glob("v*.safetensors"))
-            raise EchoError(f"no adapter of version {version} in {data_dir}; versions saved: {[0] + have}")
+            raise EchoError(f"no adapter of version {version} in {run_dir.root}; "
+                            f"versions saved: {[0] + run_dir.adapter_versions()}")
         return load_file(str(path))
-    state = json.loads((data_dir / "state.json").read_text()) if (data_dir / "state.json").exists() else {}
-    if version != state.get("version"):
-        raise EchoError(f"a full-mode run keeps only its latest version ({state.get('version')}); "
+    state = run_dir.load_state()
+    latest = state.version if state else None
+    if version != latest:
+        raise EchoError(f"a full-mode run keeps only its latest version ({latest}); "
                         f"version {version} cannot be evaluated")
-    if not state.get("checkpoint"):
+    if state.checkpoint is None:
         return trainer.weights()  # version 0: the base model
-    return load_file(str(data_dir / state["checkpoint"] / "weights.safetensors"))
+    return load_file(str(run_dir.weights_of(state.checkpoint)))
 
 
 def evaluate(data_dir: Path, version: int, prompts: int | None = None, progress=None) -> list[dict]:
     """Held-out accuracy of `version`, one record per sampling (the same keys as metrics.jsonl's)."""
-    from echo_coordinator.base_model import recorded_source
-    from echo_coordinator.trainer import Trainer
+    from echo_coordinator.trainer.learner import Trainer
     from tasks import TaskError, make_task
 
-    data_dir = Path(data_dir)
-    run, tcfg = read_config(data_dir)
+    run_dir = RunDir(data_dir)
+    run, tcfg = run_dir.read_config()
     try:
         task = make_task(run.task, run.eval_task_params or run.task_params)
     except TaskError as e:
         raise EchoError(str(e)) from None
-    trainer = Trainer(recorded_source(data_dir), tcfg, run.temperature, run.seed, run.update)
-    with trainer.holding(weights_of(data_dir, run, trainer, version)):
+    trainer = Trainer(run_dir.base_source(), tcfg, run.temperature, run.seed, run.update)
+    with trainer.holding(weights_of(run_dir, run, trainer, version)):
         return _run(trainer, task, run, version, prompts, progress)
 
 
 def _run(trainer, task, run: RunConfig, version: int, prompts: int | None, progress) -> list[dict]:
-    from echo_coordinator.trainer import prompt_ids, turn_format
-    from echo_node.episodes import play
-    from echo_node.transformers_backend import TransformersBackend
+    from engines.hf import prompt_ids, turn_format
+    from engines.transformers_backend import TransformersBackend
 
     tokenizer = trainer.tokenizer
     rules = Transcripts.of(tokenizer, turn_format(tokenizer), run.max_new_tokens)
@@ -91,12 +77,7 @@ def _run(trainer, task, run: RunConfig, version: int, prompts: int | None, progr
             prompt = prompt_ids(tokenizer, task.episode(seed).messages)
             for j in range(per_prompt):
                 noise = None if sampling == "greedy" else sample_seed(f"eval-v{version}", seed, j)
-                if task.max_turns > 1:
-                    sample = play(backend, task.episode(seed), seed, prompt, rules.turns, task.max_turns,
-                                  run.max_new_tokens, run.temperature, noise)
-                else:
-                    out = backend.generate(list(prompt), run.max_new_tokens, run.temperature, noise)
-                    sample = RolloutSample(seed, prompt, out.token_ids, out.logprobs)
+                sample = rollout(backend, task, seed, prompt, rules.turns, run.max_new_tokens, run.temperature, noise)
                 scores.append(score(task, sample, rules))
                 tokens += sum(sample.loss_mask)
             if progress:

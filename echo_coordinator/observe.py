@@ -19,6 +19,7 @@ from typing import Any
 
 from echo_coordinator.capacity import plan
 from echo_coordinator.ledger import Ledger
+from echo_coordinator.run_dir import RunDir
 
 RECENT_STEPS = 5  # steps the step time and throughput are medians over
 ACTIVE_SECONDS = 120.0  # a peer seen within this is active
@@ -33,7 +34,7 @@ class RunView:
 
     def steps(self) -> list[dict]:
         """metrics.jsonl's step records, read on from where the last call stopped."""
-        path = self.data_dir / "metrics.jsonl"
+        path = RunDir(self.data_dir).metrics
         if not path.exists():
             return self._steps
         with open(path, "rb") as f:

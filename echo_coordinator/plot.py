@@ -7,11 +7,12 @@ import json
 from pathlib import Path
 
 from echo_coordinator.observe import mean_staleness
+from echo_coordinator.run_dir import RunDir
 
 
 def read_metrics(data_dir: Path) -> tuple[list[dict], list[dict]]:
     """metrics.jsonl as (step records, complete evaluation records)."""
-    path = Path(data_dir) / "metrics.jsonl"
+    path = RunDir(data_dir).metrics
     if not path.exists():
         raise FileNotFoundError(f"no metrics in {data_dir} (missing metrics.jsonl)")
     # Only whole lines: the last one may be being written.

@@ -17,17 +17,18 @@ from typing import Any
 
 from echo_coordinator.ledger import Ledger
 from echo_coordinator.observe import RunView
+from echo_coordinator.run_dir import RunDir
 
 
 def read_report(data_dir: Path) -> dict[str, Any]:
     """The ledger's run record (the keys `status --json` always had), `peers`, and `progress`
     (the dashboard's /api/run without its per-step history); `live` says where they came from."""
-    path = Path(data_dir) / "ledger.sqlite"
+    path = RunDir(data_dir).ledger
     if not path.exists():
         raise FileNotFoundError(f"no run found in {data_dir} (missing {path.name})")
     ledger = Ledger(path)
     try:
-        run, peers = _ask_live(Path(data_dir) / "dashboard.txt")
+        run, peers = _ask_live(RunDir(data_dir).dashboard_file)
         live = run is not None
         if not live:
             view = RunView(Path(data_dir), ledger)

@@ -14,25 +14,13 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from echo_coordinator.trainer import TrainSample
+from echo_coordinator.trainer.samples import TrainSample
 from protocols.errors import VerificationError
 from protocols.messages import RolloutSample
-from protocols.sampling import SampleEvidence, SamplingRule, judge, sample_seed
+from protocols.sampling import SampleEvidence, SamplingRule, judge, sample_seeds
 
 # (samples, their sample seeds (None: greedy), node-held weights of the version) -> evidence per sample
 Evidence = Callable[[list[TrainSample], list[int | None], dict[str, np.ndarray]], list[SampleEvidence]]
-
-
-def sample_seeds(lease_id: str, samples: Sequence[RolloutSample]) -> list[int]:
-    """Each sample's noise seed: its task seed and its index among that seed's samples, in batch order
-    (the order the node generated them in), so G copies of one completion cannot all pass."""
-    seen: dict[int, int] = {}
-    seeds = []
-    for s in samples:
-        index = seen.get(s.seed, 0)
-        seen[s.seed] = index + 1
-        seeds.append(sample_seed(lease_id, s.seed, index))
-    return seeds
 
 
 def lora_base(adapter: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -84,8 +72,8 @@ class Verifier:
             # Only after a restart (older versions died with the process) or for a version the
             # bound no longer admits; either way nothing here can vouch for the batch.
             raise VerificationError("unverifiable", f"no weights of version {version} to check against")
-        train = [TrainSample(s.prompt_ids, s.completion_ids, s.logprobs, s.loss_mask, 0.0, s.seed) for s in samples]
-        seeds = [None] * len(samples) if greedy else sample_seeds(lease_id, samples)
+        train = [TrainSample.of(s) for s in samples]
+        seeds = [None] * len(samples) if greedy else sample_seeds(lease_id, [s.seed for s in samples])
 
         def timed() -> tuple[list[SampleEvidence], float]:
             started = time.perf_counter()

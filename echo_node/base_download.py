@@ -24,7 +24,7 @@ from protocols import rpc
 from protocols.errors import IntegrityError
 from protocols.messages import ModelFile, RunManifest
 from protocols.signing import sha256_file, sha256_hex, verify_message
-from protocols.supervise import Backoff
+from protocols.supervise import retry
 
 log = logging.getLogger(__name__)
 
@@ -128,20 +128,25 @@ async def download(endpoint, trainer: str, peers: Callable[[], Awaitable[list[st
 async def _fetch(endpoint, trainer: str, peers, digests: list[str], timeout: float, sources: Counter) -> dict[str, bytes]:
     """One batch of chunks from peers and the trainer; "busy" (the trainer sent its share) is
     retried at once with fresh peers, other failures with backoff, ATTEMPTS times."""
-    backoff, failures = Backoff(), 0
-    while True:
+    failures = 0
+
+    async def attempt() -> dict[str, bytes]:
         providers = [p for p in dict.fromkeys(await peers()) if p != trainer] + [trainer]
-        try:
-            return await fetch_chunks(endpoint, providers, list(dict.fromkeys(digests)), timeout, sources)
-        except UpdateError as e:
-            if e.busy:
-                await asyncio.sleep(BUSY_RETRY)
-                continue
-            failures += 1
-            if failures >= ATTEMPTS:
-                raise
-            log.info("base model chunks unavailable (%s); retrying", e)
-            await asyncio.sleep(backoff.next())
+        return await fetch_chunks(endpoint, providers, list(dict.fromkeys(digests)), timeout, sources)
+
+    def give_up(error: BaseException, delay: float) -> bool:
+        nonlocal failures
+        if error.busy:
+            return False
+        failures += 1
+        return failures >= ATTEMPTS
+
+    async def wait(error: BaseException, delay: float) -> None:
+        if not error.busy:
+            log.info("base model chunks unavailable (%s); retrying", error)
+        await asyncio.sleep(delay)
+
+    return await retry(attempt, UpdateError, busy=lambda e: e.busy, busy_delay=BUSY_RETRY, give_up=give_up, wait=wait)
 
 
 def progress_line(done: int, total: int, seconds: float, fetched: int, width: int = 24) -> str:

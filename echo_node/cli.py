@@ -36,14 +36,17 @@ def join(
                                                           "one live status line."),
 ) -> None:
     """Join a run: verify it, then generate rollouts until Ctrl-C."""
-    if backend not in ("llama_cpp", "transformers"):
-        raise typer.BadParameter(f"--backend must be llama_cpp or transformers, got {backend!r}")
-    from echo_node.node import NodeConfig, run_node
+    from echo_node.config import ConfigError, NodeConfig
 
-    config = NodeConfig(
-        address=address, run_key=run_key, model=model, name=name, data_dir=data_dir.expanduser(), threads=threads,
-        backend=backend, gpu_layers=gpu_layers, host=host, verbose=verbose,
-    )
+    try:
+        config = NodeConfig(
+            address=address, run_key=run_key, model=model, name=name, data_dir=data_dir.expanduser(), threads=threads,
+            backend=backend, gpu_layers=gpu_layers, host=host, verbose=verbose,
+        )
+    except ConfigError as e:
+        raise typer.BadParameter(str(e)) from None
+    from echo_node.main import run_node
+
     raise typer.Exit(run_node(config))
 
 

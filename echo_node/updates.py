@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from echo_node.gguf_io import write_lora_adapter
+from engines.gguf_io import write_lora_adapter
 from protocols import catchup, chunks, delta, rpc
 from protocols.errors import CodecError, EchoError, ProtocolError, TransportError
 from protocols.messages import Chunk, ChunkRequest, RunManifest, UpdateIndex, UpdateRequest, WeightUpdate

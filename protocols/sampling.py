@@ -22,6 +22,7 @@ trainer could port `_mix` as is).
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,6 +36,19 @@ _S30, _S27, _S31, _S11 = np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(
 def sample_seed(lease_id: str, task_seed: int, index: int) -> int:
     """The seed of sample `index` (0..G-1) of `task_seed` in lease `lease_id`: 64 bits."""
     return int.from_bytes(hashlib.sha256(f"{lease_id}/{task_seed}/{index}".encode()).digest()[:8], "big")
+
+
+def sample_seeds(lease_id: str, task_seeds: Sequence[int]) -> list[int]:
+    """The seed of each sample of a batch whose task seeds are `task_seeds`, in batch order (the
+    order the node generates them in): a sample's index is its place among its seed's samples,
+    so G copies of one completion cannot all pass. Node and verifier both call this."""
+    seen: dict[int, int] = {}
+    seeds = []
+    for task_seed in task_seeds:
+        index = seen.get(task_seed, 0)
+        seen[task_seed] = index + 1
+        seeds.append(sample_seed(lease_id, task_seed, index))
+    return seeds
 
 
 def _mix(x: np.ndarray) -> np.ndarray:

@@ -3,15 +3,19 @@ process told when it is not. Shared by the node and the coordinator; asyncio onl
 
 A process runs its main work with `Supervisor.run(main)`: if a background task dies of anything
 but cancellation, main is cancelled and `BackgroundFailed` names the task and the cause, so
-nothing stops silently while the rest goes on. Loops that talk to the network use `Backoff`
-and log each transient failure with its cause before they retry.
+nothing stops silently while the rest goes on. Calls to a peer that may fail for a while go
+through `retry`, which waits by `Backoff` (or briefly, when the peer is only busy) and lets the
+caller log each failure with its cause and decide when to give up.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
+from typing import TypeVar
+
+T = TypeVar("T")
 
 from protocols.errors import EchoError
 
@@ -30,6 +34,32 @@ class Backoff:
 
     def reset(self) -> None:
         self.delay = 0.0
+
+
+async def _sleep(error: BaseException, delay: float) -> None:
+    await asyncio.sleep(delay)
+
+
+async def retry(attempt: Callable[[], Awaitable[T]], transient: type[BaseException] | tuple[type[BaseException], ...], *,
+                backoff: Backoff | None = None, wait: Callable[[BaseException, float], Awaitable[None]] = _sleep,
+                busy: Callable[[BaseException], bool] = lambda e: False, busy_delay: float = 0.3,
+                give_up: Callable[[BaseException, float], bool] = lambda e, delay: False) -> T:
+    """`attempt()`'s result, tried again while it raises one of `transient`: after `backoff`'s
+    next delay, or after `busy_delay` when `busy(error)` (the peer is busy, not failing: the
+    backoff does not grow). `wait(error, delay)` does the waiting (and the logging); a failure
+    for which `give_up(error, delay)` is true is raised instead. Other errors propagate."""
+    backoff = backoff or Backoff()
+    while True:
+        try:
+            result = await attempt()
+        except transient as e:
+            delay = busy_delay if busy(e) else backoff.next()
+            if give_up(e, delay):
+                raise
+            await wait(e, delay)
+            continue
+        backoff.reset()
+        return result
 
 
 class BackgroundFailed(EchoError):

@@ -55,13 +55,6 @@ async def _die_with_parent(_dht, _node) -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def peer_of(address: str) -> str:
-    """The libp2p peer id at the end of a multiaddr (`/ip4/.../tcp/N/p2p/<id>`)."""
-    if "/p2p/" not in address:
-        raise ValueError(f"{address!r} names no peer (no /p2p/ part)")
-    return address.rsplit("/p2p/", 1)[1]
-
-
 def record_key(run_fingerprint: str, name: str) -> str:
     return f"echo/{run_fingerprint}/{name}"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from tests.integration.test_end_to_end import VENV_BIN, join_argv, processes, spawn, tiny_model, write_config  # noqa: F401
+from tests.support.runs import VENV_BIN, join_argv, spawn, write_config
 
 
 def test_a_node_not_on_the_allow_list_is_refused_with_its_fingerprint(tmp_path, tiny_model, processes):  # noqa: F811

@@ -22,8 +22,8 @@ import pytest
 from hivemind.p2p import PeerID
 from safetensors.numpy import load_file
 
-from echo_node.gguf_io import write_lora_adapter
-from echo_node.llama_backend import LlamaBackend
+from engines.gguf_io import write_lora_adapter
+from engines.llama_backend import LlamaBackend
 from protocols import rpc, sampling
 from protocols.errors import RemoteError, TransportError
 from protocols.messages import (
@@ -31,11 +31,12 @@ from protocols.messages import (
     verified_announcements,
 )
 from protocols.signing import fingerprint, generate_key, public_bytes, sign_message
-from protocols.transport.dht import SwarmDHT, peer_of, record_key
+from protocols.multiaddr import peer_of
+from protocols.transport.dht import SwarmDHT, record_key
 from protocols.transport.streams import OK
 from protocols.wire import decode_one_of
 from tasks import make_task
-from tests.integration.test_end_to_end import VENV_BIN, join_argv, processes, spawn, wait_for  # noqa: F401 (fixture)
+from tests.support.runs import VENV_BIN, join_argv, spawn, wait_for
 from tests.support.tiny_model import build_tiny_gguf
 
 T = 1.0

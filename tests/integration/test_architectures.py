@@ -11,10 +11,12 @@ import torch
 
 from echo_coordinator.base_model import PROBE_TEXT, ModelError, prepare, resolve
 from echo_coordinator.config import TrainerConfig
-from echo_coordinator.trainer import Trainer
-from echo_node.full_weights import export_quantized, load_master
-from echo_node.gguf_io import FILE_TYPES, load_model, load_tokenizer, write_lora_adapter
-from echo_node.llama_backend import LlamaBackend
+from echo_coordinator.trainer.learner import Trainer
+from engines.full_weights import export_quantized
+from engines.hf import load_master
+from engines.gguf_io import FILE_TYPES, write_lora_adapter
+from engines.hf import load_model, load_tokenizer
+from engines.llama_backend import LlamaBackend
 from tests.support.tiny_model import build_tiny_checkpoint
 
 IDS = list(range(100, 140))  # a 40-token sequence of real vocabulary

@@ -3,66 +3,10 @@
 from __future__ import annotations
 
 import json
-import shlex
 import signal
-import socket
 import sqlite3
-import sys
-from pathlib import Path
 
-from tests.integration.test_end_to_end import VENV_BIN, processes, spawn, tiny_model, wait_for  # noqa: F401
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def async_config(path: Path, model: Path, data_dir: Path, steps: int, staleness: int, port: int = 0, extra: str = "",
-                 lease_seconds: float = 120) -> Path:
-    path.write_text(f"""
-[run]
-model = "{model}"
-task = "tests.support.envs:LetterE"
-mode = "async"
-staleness = {staleness}
-steps = {steps}
-prompts_per_step = 2
-group_size = 4
-max_new_tokens = 8
-min_nodes = 2
-port = {port}
-data_dir = "{data_dir}"
-lease_seconds = {lease_seconds}
-{extra}
-
-[trainer]
-lora_rank = 4
-learning_rate = 0.01
-threads = 1
-""")
-    return path
-
-
-def start_coordinator(processes, config: Path, log: Path):
-    return spawn(processes, [sys.executable, "-m", "echo_coordinator.cli", "start", "--config", str(config)], log)
-
-
-def start_node(processes, join_line: str, tmp_path: Path, name: str, slow_delay: float | None = None):
-    argv = shlex.split(join_line)
-    args = [*argv[1:], "--name", name, "--data-dir", str(tmp_path / name), "--threads", "1"]
-    if slow_delay is None:
-        return spawn(processes, [str(VENV_BIN / "echo-node"), *args], tmp_path / f"{name}.log")
-    return spawn(processes, [sys.executable, "-m", "tests.support.slow_node", *args], tmp_path / f"{name}.log",
-                 SLOW_NODE_DELAY=str(slow_delay))
-
-
-def metrics(run_dir: Path, evals: bool = False) -> list[dict]:
-    """Step records (or, with `evals`, evaluation records) of metrics.jsonl."""
-    path = run_dir / "metrics.jsonl"
-    records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    return [r for r in records if ("eval_version" in r) == evals]
+from tests.support.runs import async_config, free_port, metrics, start_coordinator, start_node, wait_for
 
 
 def test_slow_node_under_s1_is_dropped_and_counted(tmp_path, tiny_model, processes):

@@ -6,44 +6,17 @@ from __future__ import annotations
 
 import json
 import signal
-import sqlite3
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.integration.test_async import async_config, free_port, metrics, start_coordinator, start_node
-from tests.integration.test_end_to_end import processes, spawn, tiny_model, wait_for  # noqa: F401
+from tests.support.runs import (
+    async_config, check_books, free_port, journal, metrics, spawn, start_coordinator, start_node, wait_for,
+)
 
 GROUP, PROMPTS = 4, 2  # async_config's group_size and prompts_per_step; a lease holds one seed
-
-
-def journal(run_dir: Path, sql: str) -> list[tuple]:
-    db = sqlite3.connect(run_dir / "ledger.sqlite", timeout=10)
-    try:
-        return db.execute(sql).fetchall()
-    finally:
-        db.close()
-
-
-def check_books(run_dir: Path) -> dict:
-    """Every acknowledged group is trained on exactly once or still buffered; what was trained is
-    what the ledger credits, step by step."""
-    steps = metrics(run_dir)
-    trained = sum(r["samples"] for r in steps)
-    (accepted_leases,) = journal(run_dir, "SELECT COUNT(*) FROM accepted")[0]
-    (buffered,) = journal(run_dir, "SELECT COUNT(*) FROM buffer")[0]
-    (credited,) = journal(run_dir, "SELECT COALESCE(SUM(accepted), 0) FROM peers")[0]
-    history = dict(journal(run_dir, "SELECT version, SUM(samples) FROM history GROUP BY version"))
-    assert credited == trained, (credited, trained)
-    assert history == {r["version"] + 1: r["samples"] for r in steps}  # step by step, none twice
-    dropped = sum(r["dropped_stale"] for r in steps)
-    assert accepted_leases * GROUP == trained + dropped + buffered * GROUP, (accepted_leases, trained, dropped, buffered)
-    books = dict(trained=trained, dropped=dropped, buffered=buffered, accepted_leases=accepted_leases,
-                 expired=sum(r["leases_expired"] for r in steps), staleness_max=max(r["staleness_max"] for r in steps))
-    print(run_dir.parent.name, books)  # pytest -s: the figures for the notes
-    return books
 
 
 def start_slow_coordinator(processes, config: Path, log: Path, seconds: float):

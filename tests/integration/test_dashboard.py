@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from echo_coordinator.ledger import Ledger
-from tests.integration.test_end_to_end import VENV_BIN, join_argv, processes, spawn, tiny_model, wait_for, write_config  # noqa: F401
+from tests.support.runs import VENV_BIN, join_argv, spawn, wait_for, write_config
 
 pytestmark = pytest.mark.slow
 

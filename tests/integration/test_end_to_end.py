@@ -10,7 +10,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import gguf
@@ -18,77 +17,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from echo_coordinator.demo import stop
-from echo_node.gguf_io import lora_pairs, permute_qk
+from engines.gguf_io import lora_pairs, permute_qk
 from protocols.messages import verified_announcements
 from protocols.transport.dht import SwarmDHT
+from tests.support.runs import STEPS, VENV_BIN, join_argv, spawn, wait_for, write_config
 from tests.support.tiny_model import build_tiny_gguf
-
-VENV_BIN = Path(sys.executable).parent
-STEPS = 3
-LETTER_E = "tests.support.envs:LetterE"  # a user environment by dotted path that a tiny model can learn
-
-
-def wait_for(predicate, timeout: float, what: str, procs=()):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        for p in procs:
-            if p.poll() is not None:
-                raise AssertionError(f"process exited with {p.returncode} while waiting for {what}")
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
-def join_argv(run_dir: Path, coordinator: subprocess.Popen) -> list[str]:
-    """Once the coordinator has printed it, the join line as argv: echo-node join ADDR --run-key FP."""
-    wait_for((run_dir / "join.txt").exists, 120, "the join line", [coordinator])
-    return shlex.split((run_dir / "join.txt").read_text())
-
-
-@pytest.fixture
-def processes():
-    started: list[subprocess.Popen] = []
-    yield started
-    stop(started)  # only our own children, by handle
-
-
-def spawn(processes, args, log: Path, **extra_env: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200", **extra_env}
-    proc = subprocess.Popen(args, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, cwd=Path(__file__).parents[2])
-    processes.append(proc)
-    return proc
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    return build_tiny_gguf(tmp_path_factory.mktemp("model") / "tiny.gguf")
-
-
-def write_config(path: Path, model: Path, data_dir: Path, task: str = LETTER_E, steps: int = STEPS, extra: str = "") -> Path:
-    path.write_text(f"""
-[run]
-model = "{model}"
-task = "{task}"
-steps = {steps}
-prompts_per_step = 4
-group_size = 4
-max_new_tokens = 8
-min_nodes = 2
-port = 0
-data_dir = "{data_dir}"
-lease_seconds = 60
-{extra}
-
-[trainer]
-lora_rank = 4
-learning_rate = 0.01
-micro_batch_tokens = 512
-threads = 1
-""")
-    return path
-
 
 EVAL = "eval_every = 2\neval_prompts = 6\neval_sampling = \"both\"\neval_samples = 2"
 

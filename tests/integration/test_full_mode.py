@@ -10,9 +10,9 @@ import gguf
 import numpy as np
 from safetensors.numpy import load_file
 
-from echo_node.gguf_io import permute_qk
-from tests.integration.test_async import start_node
-from tests.integration.test_end_to_end import VENV_BIN, processes, spawn, tiny_model, wait_for  # noqa: F401
+from engines.gguf_io import permute_qk
+from tests.support.runs import start_node
+from tests.support.runs import VENV_BIN, spawn, wait_for
 
 STEPS = 10
 GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.integration.test_end_to_end import processes, spawn, wait_for  # noqa: F401 (fixture)
+from tests.support.runs import spawn, wait_for
 from tests.support.netns import HOME_IP, WAN_IP, Network, Unavailable
 from tests.support.tiny_model import build_tiny_checkpoint
 

@@ -14,12 +14,13 @@ import numpy as np
 import torch
 
 from echo_coordinator.config import TrainerConfig
-from echo_coordinator.trainer import Trainer
-from echo_node.gguf_io import FILE_TYPES, load_model
-from echo_node.llama_backend import LlamaBackend
+from echo_coordinator.trainer.learner import Trainer
+from engines.gguf_io import FILE_TYPES
+from engines.hf import load_model
+from engines.llama_backend import LlamaBackend
 from protocols.signing import sha256_file
 from tests.integration.test_architectures import Q8_KL, hf_logprobs, kl, llama_logprobs
-from tests.integration.test_end_to_end import VENV_BIN, processes, spawn, wait_for  # noqa: F401 (fixture)
+from tests.support.runs import VENV_BIN, spawn, wait_for
 from tests.support.tiny_model import build_tiny_checkpoint
 
 STEPS = 3

@@ -9,7 +9,7 @@ import sqlite3
 import sys
 from pathlib import Path
 
-from tests.integration.test_end_to_end import VENV_BIN, join_argv, processes, spawn, tiny_model  # noqa: F401
+from tests.support.runs import VENV_BIN, join_argv, spawn
 
 REPO = Path(__file__).parents[2]
 STEPS = 2

@@ -5,9 +5,9 @@ with both processes gone."""
 import re
 import sys
 
-from tests.integration.test_async import async_config, start_node
-from tests.integration.test_end_to_end import processes, spawn, tiny_model, wait_for  # noqa: F401
-from tests.integration.test_crashes import check_books, metrics
+from tests.support.runs import async_config, start_node
+from tests.support.runs import spawn, wait_for
+from tests.support.runs import check_books, metrics
 
 
 def test_a_run_trains_on_two_trainer_processes(tmp_path, tiny_model, processes):

@@ -108,21 +108,25 @@ def test_a_node_that_cannot_reach_the_coordinator_says_so_keeps_trying_and_stops
                                                                                             capsys):
     """The join address of a coordinator that is not up (yet, or any more): the node retries
     joining the DHT with backoff, says so on its console, and Ctrl-C still ends it at once."""
-    import echo_node.node as node_module
-    from echo_node.node import Node, NodeConfig
+    from echo_node import session as session_module
+    from echo_node.config import NodeConfig
+    from echo_node.presence import Presence
+    from echo_node.session import Session
 
     gone = SwarmDHT.start("127.0.0.1", 0)
     address = gone.addresses()[0]
     gone.shutdown()
-    monkeypatch.setattr(node_module, "UNREACHABLE_SAY", 1.0)
-    node = Node(NodeConfig(address=address, run_key="a" * 26, model=tmp_path / "unused.gguf", data_dir=tmp_path / "n"))
+    monkeypatch.setattr(session_module, "UNREACHABLE_SAY", 1.0)
+    session = Session(NodeConfig(address=address, run_key="a" * 26, model=tmp_path / "unused.gguf",
+                                 data_dir=tmp_path / "n"))
+    presence = Presence(session)
 
     async def go():
-        joining = asyncio.create_task(node._join_dht())
+        joining = asyncio.create_task(presence.join())
         await asyncio.sleep(8)
         assert not joining.done()  # still trying
-        node._request_stop()
+        session.request_stop()
         return await asyncio.wait_for(joining, 10)
 
-    assert asyncio.run(go()) is None
+    assert asyncio.run(go()) is False
     assert "cannot reach the coordinator at" in capsys.readouterr().out

@@ -4,9 +4,9 @@ volunteer, with every other code path the real node's."""
 import asyncio
 import os
 
-from echo_node.node import Node
+from echo_node.work import Work
 
-_push = Node._push
+_push = Work._push
 
 
 async def _slow_push(self, batch, expires_at):
@@ -14,7 +14,7 @@ async def _slow_push(self, batch, expires_at):
     return await _push(self, batch, expires_at)
 
 
-Node._push = _slow_push
+Work._push = _slow_push
 
 if __name__ == "__main__":
     from echo_node.cli import main

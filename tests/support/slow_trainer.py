@@ -4,7 +4,7 @@ to be interrupted, with every other code path the real coordinator's."""
 import os
 import time
 
-from echo_coordinator.trainer import Trainer
+from echo_coordinator.trainer.learner import Trainer
 
 _step = Trainer.step
 

@@ -6,7 +6,8 @@ import sys
 from pathlib import Path
 
 from echo_coordinator.config import TrainerConfig
-from echo_coordinator.distributed import Ranks, run_worker
+from echo_coordinator.trainer.distributed import Ranks
+from echo_coordinator.trainer.worker import run_worker
 
 if __name__ == "__main__":
     update = sys.argv[3] if len(sys.argv) > 3 else "lora"

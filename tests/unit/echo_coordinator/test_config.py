@@ -1,8 +1,10 @@
 from importlib import resources
+from pathlib import Path
 
 import pytest
 
-from echo_coordinator.config import ConfigError, RunConfig, TrainerConfig, load_config
+from echo_coordinator.config import ConfigError, RunConfig, TrainerConfig, from_tables, load_config, to_tables
+from protocols.errors import EchoError
 
 
 def test_every_shipped_config_parses():
@@ -40,3 +42,17 @@ def test_bad_configs_say_what_to_fix(tmp_path, text, match):
 def test_missing_config_file(tmp_path):
     with pytest.raises(ConfigError, match="cannot read"):
         load_config(tmp_path / "absent.toml")
+
+
+def test_one_strict_reader_for_toml_and_a_saved_config(tmp_path):
+    run, trainer = RunConfig(steps=3, task_params={"digits": 1}), TrainerConfig(learning_rate=1e-3)
+    assert from_tables(to_tables(run, trainer), None) == (run, trainer)
+    saved = to_tables(run, trainer)
+    saved["trainer"]["lora_rnak"] = 4
+    with pytest.raises(ConfigError, match=r"unknown field\(s\) \['lora_rnak'\] in config.json") as e:
+        from_tables(saved, Path("config.json"))
+    assert isinstance(e.value, EchoError)  # the CLI's eval and export report it as an error line
+    with pytest.raises(ConfigError, match="unknown table"):
+        from_tables({"run": {}, "extra": {}}, None)
+    with pytest.raises(ConfigError, match="steps must be a int"):
+        from_tables({"run": {"steps": 2.5}}, None)

@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 
-from echo_coordinator import distributed
+from echo_coordinator.trainer import distributed, samples as codec
 from echo_coordinator.config import TrainerConfig
-from echo_coordinator.distributed import DistributedError, Ranks, RanksDisagree
-from echo_coordinator.trainer import Trainer, TrainSample
+from echo_coordinator.trainer.distributed import DistributedError, Ranks, RanksDisagree
+from echo_coordinator.trainer.learner import Trainer
+from echo_coordinator.trainer.samples import TrainSample
 from tests.support.tiny_model import build_tiny_gguf
 
 # Two optimiser steps per batch: the start-of-step logprobs and the minibatch split are shared too.
@@ -118,5 +119,5 @@ def test_shares_cover_the_batch_once_and_balance_tokens():
 
 def test_samples_cross_ranks_unchanged():
     samples = batch(3)
-    assert distributed.decode_samples(distributed.encode_samples(samples)) == [
+    assert codec.decode(codec.encode(samples)) == [
         dataclasses.replace(s, reward=float(s.reward)) for s in samples]

@@ -8,15 +8,17 @@ import pytest
 
 from echo_coordinator.evaluation import EvalSet, due
 from echo_coordinator.ledger import Ledger
-from echo_coordinator.peers import SpotCheck
-from echo_coordinator.service import Policing, Refused, RunService
+from echo_coordinator.service import LeaseSettings, Policing, Refused, RunService, Work
+from echo_coordinator.service.policing import SpotCheck
 from echo_coordinator.verify import Verifier
 from protocols.errors import InvalidValue, LeaseError, VerificationError
 from protocols.messages import NoWork, RolloutBatch, RolloutSample, TaskLease
 from protocols.sampling import SamplingRule, choose, gumbel, log_softmax, sample_seed
 from protocols.signing import fingerprint, generate_key, public_bytes, sign_message
 from tasks import make_task
-from tests.unit.echo_coordinator.test_service import GROUP, LOGITS, NOW, TRANSCRIPTS, lease_request, push, toy_evidence
+from tests.unit.echo_coordinator.service.test_run_service import (
+    GROUP, LOGITS, NOW, TRANSCRIPTS, lease_request, push, toy_evidence,
+)
 from tests.unit.protocols import factories
 
 EVAL_SEEDS = (10**12, 10**12 + 1, 10**12 + 2, 10**12 + 3)
@@ -32,18 +34,19 @@ def make_service(tmp_path, mode="sequential", sampling="greedy", verify=False) -
     if verify:
         verifier = Verifier(toy_evidence, SamplingRule(), keep_versions=0)
         verifier.remember(0, {})
-    svc = RunService(manifest, run_key, task, render_prompt=lambda seed: (1, 2, 3 + seed % 50), transcripts=TRANSCRIPTS,
-                     ledger=Ledger(tmp_path / "ledger.sqlite"), lease_seconds=60, seeds_per_lease=1,
+    work = Work(task, render_prompt=lambda seed: (1, 2, 3 + seed % 50), transcripts=TRANSCRIPTS, evaluation=evaluation)
+    svc = RunService(manifest, run_key, Ledger(tmp_path / "ledger.sqlite"), work,
+                     LeaseSettings(lease_seconds=60, seeds_per_lease=1),
                      # Spot checks that never draw a training batch: evaluation batches are checked anyway.
-                     policing=Policing(verifier, SpotCheck(fraction=1e-9, trust_after=0)), evaluation=evaluation)
-    svc.started = True
+                     Policing(verifier, SpotCheck(fraction=1e-9, trust_after=0)))
+    svc.begin()
     return svc
 
 
 def answers(svc, key, lease: TaskLease, right=True, per_prompt=None, version=None) -> RolloutBatch:
     samples = []
     for seed, prompt in zip(lease.seeds, lease.prompts):
-        answer = int(svc.eval_task.generate(seed).answer) + (0 if right else 1)
+        answer = int(svc.work.task_of(evaluation=True).generate(seed).answer) + (0 if right else 1)
         samples += [RolloutSample(seed, prompt, (answer,), (-0.5,))] * (per_prompt or lease.samples)
     batch = RolloutBatch("run-1", lease.lease_id, lease.version if version is None else version, public_bytes(key),
                          tuple(samples))

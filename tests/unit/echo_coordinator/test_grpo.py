@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from echo_coordinator.config import TrainerConfig
-from echo_coordinator.grpo import group_advantages, grpo_loss
-from echo_coordinator.trainer import Trainer, TrainSample
+from echo_coordinator.trainer.grpo import group_advantages, grpo_loss
+from echo_coordinator.trainer.learner import Trainer
+from echo_coordinator.trainer.samples import TrainSample
 from tests.support.tiny_model import build_tiny_gguf
 
 

@@ -3,7 +3,7 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
-from echo_coordinator.trainer import micro_batches
+from echo_coordinator.trainer.tensors import micro_batches
 
 
 @given(st.lists(st.integers(1, 3000), max_size=60), st.integers(1, 8192))

@@ -16,7 +16,7 @@ from echo_coordinator import web
 from echo_coordinator.observe import RunView
 from echo_coordinator.report import read_report
 from protocols.signing import fingerprint, generate_key, public_bytes
-from tests.unit.echo_coordinator.test_service import NOW, answer_batch, lease_request, push, service  # noqa: F401
+from tests.unit.echo_coordinator.service.test_run_service import NOW, answer_batch, lease_request, push, service  # noqa: F401
 
 STEP = dict(version=0, mode="sequential", samples=4, reward_mean=0.75, step_seconds=20.0, wait_seconds=15.0, time=NOW,
             mismatch_kl=0.01, tis_clipped_fraction=0.02, staleness_histogram={"0": 4}, rejected_by_reason={})

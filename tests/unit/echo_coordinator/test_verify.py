@@ -7,10 +7,13 @@ import numpy as np
 import pytest
 
 from echo_coordinator.config import TrainerConfig
-from echo_coordinator.trainer import Trainer, TrainSample, prompt_ids
-from echo_coordinator.verify import Verifier, lora_base, sample_seeds
-from echo_node.gguf_io import write_lora_adapter
-from echo_node.llama_backend import LlamaBackend
+from echo_coordinator.trainer.learner import Trainer
+from echo_coordinator.trainer.samples import TrainSample
+from engines.hf import prompt_ids
+from echo_coordinator.verify import Verifier, lora_base
+from protocols.sampling import sample_seeds
+from engines.gguf_io import write_lora_adapter
+from engines.llama_backend import LlamaBackend
 from protocols.errors import VerificationError
 from protocols.messages import RolloutSample
 from protocols.sampling import SamplingRule
@@ -42,7 +45,7 @@ def generate(backend, prompts, group=3, temperature=T, tokens=12) -> list[Rollou
     for seed, prompt in prompts.items():
         for j in range(group):
             s = RolloutSample(seed, prompt, (0,), (0.0,))
-            noise_seed = sample_seeds(LEASE, [*samples, s])[-1]
+            noise_seed = sample_seeds(LEASE, [x.seed for x in [*samples, s]])[-1]
             out = backend.generate(list(prompt), tokens, temperature, noise_seed)
             samples.append(RolloutSample(seed, prompt, out.token_ids, out.logprobs))
     return samples

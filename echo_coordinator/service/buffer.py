@@ -1,0 +1,93 @@
+"""What a step trains on: the rollout gate (the trainer's version and the batches it admits) and
+the replay buffer of accepted groups, oldest first.
+
+Nothing accepted is ever lost: a batch's groups are in the journal (`journal.py`) before its
+push is acknowledged, and a restarted coordinator takes them back (`restore`). Groups the
+staleness bound no longer admits are dropped as they are found, counted as "stale" refusals,
+and never credited.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from echo_coordinator.journal import Group, Journal, Recovered
+from echo_coordinator.service.judging import Refused
+from echo_coordinator.trainer.samples import TrainSample
+from protocols.messages import RolloutBatch
+from protocols.sync import Entry, Mode, ReplayBuffer, RolloutGate, Verdict
+
+
+@dataclass
+class StepBatch:
+    samples: list[TrainSample]
+    rewards: list[float]
+    staleness: list[int]  # per sample: trainer version minus the sample's policy version
+    dropped: int  # samples dropped as too stale when the batch was assembled
+
+
+class TrainingBuffer:
+    """The gate and the buffer. No lock of its own: the service's lock guards it; journal writes
+    are queued under it, so they land in the order the state changed, and waited for outside it."""
+
+    def __init__(self, mode: Mode, staleness: int, journal: Journal):
+        self.gate = RolloutGate(mode, staleness, version=0)
+        # Sequential mode trains only on the requested version: a replay bound of 0.
+        self.replay = ReplayBuffer(staleness if mode is Mode.ASYNC else 0)
+        self.journal = journal
+        self.stale_dropped = 0  # samples dropped from the buffer as stale since this start
+        self._dropped = 0  # samples dropped from the buffer as stale since the last take
+
+    @property
+    def version(self) -> int:
+        return self.gate.version
+
+    def seeds(self) -> set[int]:
+        return {entry.item.seed for entry in self.replay}
+
+    def offer(self, batch: RolloutBatch) -> None:
+        """The rollout gate's verdict, counted; accepted batches are remembered for good."""
+        verdict = self.gate.offer(batch.node_id, batch.lease_id, batch.version)
+        if verdict is not Verdict.ACCEPT:
+            raise Refused(verdict, f"batch of version {batch.version} refused at version {self.version}: {verdict.value}")
+
+    def add(self, lease_id: str, groups: list[Group], book_state: dict) -> Future:
+        """Buffer an accepted batch's groups; returns their journal write (with the lease book's
+        state, `book_state`, the lease now answered)."""
+        for group in groups:
+            self.replay.add(group.node_id, group.version, group)
+        return self.journal.accept(lease_id, groups, book_state)
+
+    def prune(self) -> Future | None:
+        """Drop the groups the staleness bound no longer admits; their journal write, if any."""
+        dropped = self.replay.prune(self.version)
+        return self._drop(dropped) if dropped else None
+
+    def take(self, groups: int | None) -> tuple[StepBatch, Future]:
+        """Up to `groups` groups (all if None) the bound still admits; and the journal write to wait for."""
+        taken, dropped = self.replay.take(len(self.replay) if groups is None else groups, self.version)
+        saved = self._drop(dropped, taken=taken)
+        batch = StepBatch([], [], [], self._dropped)
+        self._dropped = 0
+        for entry in taken:
+            staleness = self.version - entry.version
+            batch.samples += [dataclasses.replace(s, staleness=staleness) for s in entry.item.samples]
+            batch.rewards += [s.reward for s in entry.item.samples]
+            batch.staleness += [staleness] * len(entry.item.samples)
+        return batch, saved
+
+    def restore(self, gate: dict, version: int, recovered: Recovered) -> None:
+        """After a restart at `version`: the gate (its counters from `gate`, its accepted lease ids
+        from the journal) and every accepted group not yet trained on."""
+        self.gate = RolloutGate.from_dict({**gate, "version": version, "accepted_keys": sorted(recovered.accepted)})
+        for group in recovered.groups:
+            self.replay.add(group.node_id, group.version, group)
+
+    def _drop(self, dropped: list[Entry], taken: list[Entry] | tuple = ()) -> Future:
+        """Count groups dropped as too stale; journal them with those `taken`."""
+        for entry in dropped:
+            self._dropped += len(entry.item.samples)
+            self.stale_dropped += len(entry.item.samples)
+        return self.journal.take([e.item for e in taken], self.version, [e.item for e in dropped])

@@ -1,0 +1,99 @@
+"""Handing out leases: what a node that asks for work gets, training or evaluation.
+
+Training seeds are the step loop's in sequential mode (`open_step`) and drawn fresh from
+`first_seed` on in async mode as leases drain them. Every training lease is in the journal
+before the node has it (`book_state`), so a restarted coordinator takes back what nodes hold.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from echo_coordinator.service.evaluating import EvalRounds
+from echo_coordinator.service.settings import LeaseSettings
+from protocols.errors import PeerRefused
+from protocols.messages import LeaseRequest, RunManifest, TaskLease
+from protocols.sync import LeaseBook, Mode
+
+MAX_LEASES_PER_KEY = 2  # outstanding at once: one in generation, one whose push is being retried
+
+
+class Leasing:
+    """The training lease book and the run's phase (started, training, finished). No lock of its
+    own: the service's lock guards it."""
+
+    def __init__(self, manifest: RunManifest, render_prompt: Callable[[int], tuple[int, ...]],
+                 settings: LeaseSettings, id_prefix: str):
+        self.run_id, self.mode = manifest.run_id, Mode(manifest.mode)
+        self.render_prompt, self.settings = render_prompt, settings
+        self.book = LeaseBook(ttl=settings.lease_seconds, id_prefix=id_prefix)
+        self.next_seed = settings.first_seed  # async mode draws fresh seeds from here as leases drain them
+        self.prompts: dict[int, tuple[int, ...]] = {}  # leasable or leased training seed -> its prompt
+        self.started = False  # no work is handed out before the step loop starts (min_nodes reached)
+        self.training = True  # false once the last step is taken: only evaluation work is left
+        self.finished = False  # nothing left to hand out: nodes are told the run is over
+
+    def book_state(self) -> dict:
+        """The training leases, for the journal."""
+        return {"leases": self.book.to_dict(), "next_seed": self.next_seed}
+
+    def restore(self, values: dict) -> None:
+        """The training leases the journal kept (`book_state`) at a restart."""
+        book = LeaseBook.from_dict(values["leases"])
+        book.ttl = self.book.ttl  # this start's setting, for the leases it issues
+        self.book = book
+        self.next_seed = int(values["next_seed"])
+        for seed in book.pending_seeds + tuple(s for lease in book.outstanding for s in lease.seeds):
+            self.prompts[seed] = self.render_prompt(seed)
+
+    def open_step(self, seeds: list[int], buffered: set[int]) -> None:
+        """Sequential mode: lease these seeds, but those the book already knows or the buffer holds."""
+        self.add_seeds([s for s in seeds if not self.book.knows(s) and s not in buffered])
+
+    def add_seeds(self, seeds: list[int]) -> None:
+        for seed in seeds:
+            self.prompts[seed] = self.render_prompt(seed)
+        self.book.add_seeds(seeds)
+
+    def answered(self, seed: int) -> None:
+        self.prompts.pop(seed, None)  # never leased again
+
+    def lease(self, request: LeaseRequest, now: float, version: int, buffered: int,
+              rounds: EvalRounds) -> TaskLease | None:
+        """The work for `request` at trainer `version` with `buffered` groups waiting to be trained
+        on; None: none now. A key already holding its share of leases is refused."""
+        node_id = request.node_id
+        books = [self.book] + rounds.books()
+        for book in books:
+            book.expire(now)  # an expired lease no longer counts against its key
+        held = sum(lease.node_id == node_id for book in books for lease in book.outstanding)
+        if held >= MAX_LEASES_PER_KEY:
+            raise PeerRefused("lease_limit", f"this key already holds {held} leases; push or let them expire")
+        if not self.started:
+            return None
+        count = min(request.max_seeds, self.settings.seeds_per_lease)
+        # Async nodes are never idle, so evaluation goes first; sequential nodes are idle
+        # while the trainer steps, and evaluate then. Either way a node that holds an open
+        # round's version answers it before training work moves it on: then it no longer can.
+        holds_round = rounds.pending_at(request.version)
+        if self.mode is Mode.ASYNC or (holds_round and request.version < version):
+            return rounds.lease(node_id, request, now) or self._train_lease(node_id, count, version, buffered, now)
+        return self._train_lease(node_id, count, version, buffered, now) or rounds.lease(node_id, request, now)
+
+    def _train_lease(self, node_id: str, count: int, version: int, buffered: int, now: float) -> TaskLease | None:
+        if not self.training:
+            return None
+        max_ahead = self.settings.max_ahead
+        if self.mode is Mode.ASYNC and max_ahead is not None and buffered >= max_ahead:
+            return None
+        if self.mode is Mode.ASYNC and self.book.pending_count < count:
+            fresh = list(range(self.next_seed, self.next_seed + count))
+            self.next_seed += count
+            self.add_seeds(fresh)
+        lease = self.book.issue(node_id, count, version, now)
+        if lease is None:
+            return None
+        return TaskLease(
+            lease_id=lease.lease_id, run_id=self.run_id, node_id=lease.node_id, seeds=lease.seeds,
+            prompts=tuple(self.prompts[s] for s in lease.seeds), version=lease.version, expires_at=lease.expires_at,
+        )

@@ -1,0 +1,135 @@
+"""Peer policing: who may ask for work, how often, which batches are verified, and for how long a
+cheat is shut out.
+
+The rules (`RateLimit`, `BanRule`, `SpotCheck`, `relay_holders`) are pure decision logic (no
+clock, no I/O); `Policing` applies them for the service, and the ledger keeps what must survive
+a restart (strikes and bans). Keys are free, so none of this stops a Sybil with many keys; it
+bounds what each key costs us and makes a caught key worthless for a growing time.
+docs/verification.md says what stays open and what an operator can do (`--allow-keys`).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from echo_coordinator.evaluation import EvalRound
+from echo_coordinator.ledger import Ledger
+from echo_coordinator.verify import Verifier
+from protocols.errors import PeerRefused, VerificationError
+from protocols.messages import PeerAnnouncement, RolloutBatch
+from protocols.signing import FINGERPRINT_CHARS
+
+_DRAWS = random.SystemRandom()  # spot-check draws: a node must not predict them
+
+
+@dataclass
+class RateLimit:
+    """A token bucket per peer: `rate` requests a second on average, bursts up to `burst`."""
+
+    rate: float
+    burst: float
+    _buckets: dict[str, tuple[float, float]] = field(default_factory=dict)  # peer -> (tokens, at)
+
+    def allow(self, peer: str, now: float) -> bool:
+        tokens, at = self._buckets.get(peer, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - at) * self.rate)
+        allowed = tokens >= 1.0
+        self._buckets[peer] = (tokens - 1.0 if allowed else tokens, now)
+        return allowed
+
+    def forget_idle(self, now: float) -> None:
+        """Drop full buckets (peers quiet long enough to be back at `burst`): bounded memory."""
+        self._buckets = {p: (t, at) for p, (t, at) in self._buckets.items()
+                         if t + (now - at) * self.rate < self.burst}
+
+
+@dataclass(frozen=True)
+class BanRule:
+    """Every batch that fails verification is a strike; strike k bans the key for
+    `first * 2**(k-1)` seconds, at most `longest`. An honest node's false-rejection rate is
+    measured to be 0 (docs/verification.md), so one strike already shuts a key out briefly."""
+
+    first: float = 60.0
+    longest: float = 24 * 3600.0
+
+    def seconds(self, strikes: int) -> float:
+        return min(self.first * 2.0 ** max(strikes - 1, 0), self.longest) if strikes > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class SpotCheck:
+    """Which batches get their sampling verified. Every batch of a key that is new (fewer than
+    `trust_after` verified batches) or has ever failed; past that, a `fraction` of batches at
+    random. A cheat in k batches of a trusted key goes unseen with probability (1 - fraction)**k."""
+
+    fraction: float = 1.0
+    trust_after: int = 4
+
+    def __post_init__(self):
+        if not 0.0 < self.fraction <= 1.0:
+            raise ValueError(f"spot-check fraction must be in (0, 1], got {self.fraction}")
+
+    def should_check(self, verified: int, failed: int, draw: float) -> bool:
+        """`draw`: a uniform [0, 1) number the caller drew (secret from the node)."""
+        return failed > 0 or verified < self.trust_after or draw < self.fraction
+
+
+@dataclass(frozen=True)
+class Policing:
+    """How the service polices peers: verification, spot checks, bans, the allow-list."""
+
+    verifier: Verifier | None  # None: sampling is not verified (tests of other rules only)
+    spot: SpotCheck = SpotCheck()
+    bans: BanRule = BanRule()
+    allow: frozenset[str] | None = None  # node key fingerprints; None = anyone may join
+
+    def admit(self, ledger: Ledger, node_id: str, now: float) -> None:
+        """Refuse a key that is not on the allow-list or is serving a ban."""
+        if self.allow is not None and node_id not in self.allow:
+            raise PeerRefused("not_allowed", f"key {node_id} is not on this run's allow-list")
+        banned_until = ledger.trust(node_id).banned_until
+        if banned_until > now:
+            raise PeerRefused("banned", f"key {node_id} failed verification; banned for {banned_until - now:.0f} s more")
+
+    def verify(self, ledger: Ledger, batch: RolloutBatch, now: float, round_: EvalRound | None = None) -> None:
+        """Check the sampling if the spot-check says so; a failure is a strike and a ban. An
+        evaluation batch is always checked, against its round's weights, greedy or with the lease's noise."""
+        if self.verifier is None:
+            return
+        trust = ledger.trust(batch.node_id)
+        # Every evaluation batch is checked: held-out accuracy is the number a run is judged by,
+        # and its batches are small (a lease of greedy answers).
+        if round_ is None and not self.spot.should_check(trust.verified, trust.failed, _DRAWS.random()):
+            return
+        try:
+            if round_ is None:
+                self.verifier.check(batch.lease_id, batch.version, batch.samples)
+            else:
+                self.verifier.check(batch.lease_id, batch.version, batch.samples, round_.weights, round_.greedy)
+        except VerificationError as e:
+            if e.code != "unverifiable":
+                ledger.record_check(batch.node_id, False, self.bans.seconds, now)
+            raise
+        ledger.record_check(batch.node_id, True, self.bans.seconds, now)
+
+
+def relay_holders(announced: list[PeerAnnouncement], talked: dict[str, str]) -> dict[str, int]:
+    """libp2p peer -> version it holds, from the announcements whose node has asked us for work
+    from that very peer (`talked`: node id -> peer). An announcement alone could claim any version
+    and any capacity, and the upload budget would then turn honest nodes away to fetch from it."""
+    return {a.peer_id: a.version for a in announced if talked.get(a.node_id) == a.peer_id}
+
+
+def read_allow_list(path: Path) -> frozenset[str]:
+    """Node key fingerprints, one per line (`#` comments and blank lines ignored)."""
+    keys = set()
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        if len(line) != FINGERPRINT_CHARS or not line.isalnum():
+            raise ValueError(f"{path}:{number}: {line!r} is not a {FINGERPRINT_CHARS}-character key fingerprint")
+        keys.add(line.lower())
+    return frozenset(keys)

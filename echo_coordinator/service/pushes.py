@@ -1,0 +1,148 @@
+"""The push path: a node's signed batch for one lease, judged and buffered (or refused).
+
+A push is judged in three parts so that a slow batch never stalls the other handlers: under the
+lock, look up its lease and bind its version to it; outside the lock, check the samples, replay
+every episode for its reward and verify the sampling (`policing`); under the lock again, commit:
+the rollout gate, the lease, the replay buffer. When the lease holder's signed batch is refused
+the lease is released and its seeds go straight to the next node that asks. A batch's groups
+are in the journal before its push is acknowledged. Evaluation answers take the same path to a
+different end: scored for held-out accuracy, credited at once, never trained on.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from concurrent.futures import Future
+
+from echo_coordinator.evaluation import EvalRound
+from echo_coordinator.ledger import Ledger
+from echo_coordinator.service import judging
+from echo_coordinator.service.buffer import TrainingBuffer
+from echo_coordinator.service.evaluating import EvalRounds
+from echo_coordinator.service.leasing import Leasing
+from echo_coordinator.service.policing import Policing
+from echo_coordinator.service.registry import Registry
+from echo_coordinator.service.settings import Work
+from engines.episodes import score
+from protocols.errors import InvalidValue, LeaseError, ProtocolError
+from protocols.messages import PushReceipt, RolloutBatch, RunManifest
+from protocols.sync import Lease, Mode, Verdict, judge_version
+
+
+class Pushes:
+    """Judges pushes against the service's parts. It takes the service's lock itself, since it
+    must let go of it while judging; nothing else here is touched without it."""
+
+    def __init__(self, lock: threading.Lock, manifest: RunManifest, work: Work, ledger: Ledger, policing: Policing,
+                 nodes: Registry, leasing: Leasing, rounds: EvalRounds, buffer: TrainingBuffer):
+        self.lock, self.manifest, self.work, self.ledger, self.policing = lock, manifest, work, ledger, policing
+        self.mode = Mode(manifest.mode)
+        self.nodes, self.leasing, self.rounds, self.buffer = nodes, leasing, rounds, buffer
+        self.judging: set[tuple[str, str]] = set()  # (lease id, signer) of batches being judged now
+        self.rejections: Counter[str] = Counter()  # samples refused by reason (the buffer counts its stale drops)
+        self.unsigned: Counter[str] = Counter()  # pushes refused before a key could be named (since start)
+
+    def handle(self, data: bytes, peer_id: str, now: float) -> PushReceipt:
+        """Judge a pushed batch (wire bytes) and buffer its groups. Credit comes later, when a step
+        trains on them."""
+        try:
+            node_id, body = RolloutBatch.signed_body(data)
+        except ProtocolError as e:
+            # Whoever sent it cannot be named: no ledger row changes, not even the claimed key's.
+            with self.lock:
+                self.rejections[e.code] += 1
+                self.unsigned[e.code] += 1
+            raise
+        with self.lock:
+            name = self.nodes.name(node_id)
+        samples = 1  # what a batch that does not even decode is counted as
+        try:
+            batch = RolloutBatch.from_dict(body)
+            samples = len(batch.samples)
+            saved = self._accept(batch, peer_id, name, now)
+        except ProtocolError as e:
+            with self.lock:
+                self.rejections[e.code] += samples
+            self.ledger.reject(node_id, peer_id, name, e.code, samples, now)
+            raise
+        if saved is None:  # an evaluation answer
+            tokens = sum(sum(s.loss_mask) for s in batch.samples)
+            self.ledger.credit_eval(node_id, peer_id, name, len(batch.samples), tokens, now)
+        else:
+            saved.result()  # in the journal before the node hears it was accepted
+        return PushReceipt(accepted=len(batch.samples), rejected=0, latest_version=self.buffer.version)
+
+    def _accept(self, batch: RolloutBatch, peer_id: str, name: str, now: float) -> Future | None:
+        """Judge a batch and buffer its groups; returns the journal write to wait for (None for
+        an evaluation answer: scored, nothing to train on)."""
+        if batch.run_id != self.manifest.run_id:
+            raise InvalidValue(f"batch for run {batch.run_id!r}, this is {self.manifest.run_id!r}")
+        self.policing.admit(self.ledger, batch.node_id, now)
+        started = time.monotonic()
+        judging_now = (batch.lease_id, batch.node_id)  # keyed by signer too: nobody can block another's push
+        with self.lock:
+            if judging_now in self.judging:
+                # The same lease pushed again (from any number of peers) while we judge it: one
+                # replay and one verification per lease, never more.
+                raise LeaseError(f"lease {batch.lease_id} is already being judged")
+            self.judging.add(judging_now)
+            round_ = self.rounds.round_of(batch.lease_id)
+        book = self.leasing.book if round_ is None else round_.book
+        try:
+            with self.lock:
+                lease = self._held_lease(batch, now, round_)
+                prompts = {seed: (self.leasing.prompts if round_ is None else self.rounds.evaluation.prompts)[seed]
+                           for seed in lease.seeds}
+            # Judged without the lock: replay and verification take a while, other handlers go on.
+            per_seed = self.manifest.group_size if round_ is None else round_.samples
+            judging.check_samples(batch, prompts, per_seed, self.manifest.vocab_size)
+            # Rewards are recomputed here by replaying each episode; nothing the node says counts.
+            task = self.work.task_of(evaluation=round_ is not None)
+            rewards = [score(task, s, self.work.transcripts) for s in batch.samples]
+            self.policing.verify(self.ledger, batch, now, round_)
+            now += time.monotonic() - started  # the lease may have expired while we judged
+            groups = [] if round_ is not None else judging.groups(batch, rewards, peer_id, name)
+            with self.lock:
+                self._held_lease(batch, now, round_)
+                if round_ is None:
+                    self.buffer.offer(batch)
+                book.complete(batch.lease_id, batch.node_id, now)
+                issued = lease.expires_at - self.leasing.book.ttl
+                self.nodes.throughput.pushed(batch.node_id, len(batch.samples), issued, now)
+                if round_ is not None:
+                    self.rounds.answered(round_, batch, rewards, now)
+                    return None
+                for group in groups:
+                    self.leasing.answered(group.seed)
+                return self.buffer.add(batch.lease_id, groups, self.leasing.book_state())
+        except ProtocolError:
+            # The holder's (signed) attempt failed: its seeds go straight back to other nodes.
+            with self.lock:
+                if any(x.lease_id == batch.lease_id and x.node_id == batch.node_id for x in book.outstanding):
+                    book.release(batch.lease_id, batch.node_id)
+            raise
+        finally:
+            with self.lock:
+                self.judging.discard(judging_now)
+
+    def _held_lease(self, batch: RolloutBatch, now: float, round_: EvalRound | None) -> Lease:
+        """Under the lock: the outstanding lease this batch answers (in `round_`'s book for an
+        evaluation), held by its signer, admitting its version."""
+        book = self.leasing.book if round_ is None else round_.book
+        book.expire(now)
+        lease = next((x for x in book.outstanding if x.lease_id == batch.lease_id), None)
+        if lease is None:
+            book.complete(batch.lease_id, batch.node_id, now)  # raises the precise LeaseError
+            raise LeaseError(f"lease {batch.lease_id} is not outstanding")
+        if lease.node_id != batch.node_id:
+            raise LeaseError(f"lease {batch.lease_id} belongs to another node")
+        staleness = self.manifest.staleness
+        if round_ is not None:
+            judging.check_claimed_version(self.mode, staleness, round_.version, batch.version, evaluation=True)
+            return lease
+        judging.check_claimed_version(self.mode, staleness, lease.version, batch.version, evaluation=False)
+        if judge_version(self.mode, self.buffer.version, staleness, batch.version) is not Verdict.ACCEPT:
+            self.buffer.offer(batch)  # already too old (or early): refuse now, before paying for replay and verification
+        return lease

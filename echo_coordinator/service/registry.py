@@ -1,0 +1,74 @@
+"""What the service knows per node key (a node's signing key fingerprint, its id).
+
+Learnt from its signed lease requests (name, backend, held version, the libp2p peer it spoke
+from) and from the DHT's announcements (hardware, liveness). Keys are free, so everything here
+is forgotten once a key has been quiet for a while (`prune`): it must not grow with every key
+ever seen.
+"""
+
+from __future__ import annotations
+
+from echo_coordinator.capacity import Throughput
+from echo_coordinator.service.policing import RateLimit
+from protocols.errors import PeerRefused
+from protocols.messages import LeaseRequest
+
+LEASE_RATE = RateLimit(rate=4.0, burst=8.0)  # lease requests per key; an honest node asks every 0.5 s at most
+
+
+class Registry:
+    """Per node key: what it said and when. No lock of its own: the service's lock guards it."""
+
+    def __init__(self) -> None:
+        self.names: dict[str, str] = {}  # node id -> display name from its (signed) lease requests
+        self.last_seen: dict[str, float] = {}  # node id -> time of its last signed lease request
+        self.backends: dict[str, str] = {}  # node id -> backend it says it samples with (display only)
+        self.hardware: dict[str, str] = {}  # node id -> its announcement's hardware summary (display only)
+        self.announced: frozenset[str] = frozenset()  # node ids with a live announcement in the DHT
+        self.talked: dict[str, str] = {}  # node id -> libp2p peer its last lease request came from
+        self.told_finished: set[str] = set()  # nodes that have heard the run is over
+        self.lease_rate = RateLimit(LEASE_RATE.rate, LEASE_RATE.burst)
+        self.throughput = Throughput()  # measured rollout throughput per node (the capacity model's μ_i)
+
+    def heard(self, request: LeaseRequest, peer_id: str, now: float) -> None:
+        """A signed lease request, from libp2p peer `peer_id` ("": unknown). Past its key's rate
+        limit it is refused before anything is noted."""
+        node_id = request.node_id
+        if not self.lease_rate.allow(node_id, now):
+            raise PeerRefused("rate_limited", f"more than {LEASE_RATE.rate:g} lease requests a second")
+        self.names[node_id], self.last_seen[node_id] = request.name, now
+        self.backends[node_id] = request.backend
+        self.throughput.holds(node_id, request.version, now)
+        if peer_id:
+            self.talked[node_id] = peer_id
+
+    def name(self, node_id: str) -> str:
+        return self.names.get(node_id, node_id[:8])
+
+    def note_peers(self, hardware: dict[str, str], announced: frozenset[str]) -> None:
+        """What the DHT's announcements say now; each replaces the last whole."""
+        self.hardware, self.announced = dict(hardware), frozenset(announced)
+
+    def all_told_finished(self) -> bool:
+        """Every node that asked for work since this start, and every node announcing itself in the
+        run (one that has not asked since a restart may be waiting out a retry delay), has heard."""
+        return set(self.names) | self.announced <= self.told_finished
+
+    def prune(self, now: float, idle: float) -> None:
+        """Forget keys that have not asked for work in `idle` seconds (names, rate buckets)."""
+        for node_id in [n for n, at in self.last_seen.items() if now - at > idle]:
+            del self.last_seen[node_id]
+            self.names.pop(node_id, None)
+            self.backends.pop(node_id, None)
+            self.throughput.forget(node_id)
+            self.talked.pop(node_id, None)
+            self.told_finished.discard(node_id)
+        self.lease_rate.forget_idle(now)
+
+    def nodes(self, now: float) -> dict[str, dict]:
+        """Per node seen in the last `prune` window: its backend, held version and measured throughput."""
+        rates = self.throughput.rates(now)
+        return {n: dict(name=self.name(n), backend=self.backends.get(n, ""),
+                        hardware=self.hardware.get(n, ""), holds=self.throughput.held.get(n),
+                        samples_per_second=rates.get(n), last_request=at)
+                for n, at in self.last_seen.items()}

@@ -1,0 +1,10 @@
+"""The training swarm's learner. Only `learner`, `grpo` and `worker` load torch; importing this
+package, `samples` or `tensors` does not.
+
+- `samples`      TrainSample and its one codec (msgpack), torch-free
+- `grpo`         advantages and the GRPO + truncated-importance-sampling objective
+- `learner`      `Trainer`: the model (LoRA or full), a step, logprobs and verification evidence
+- `distributed`  the rank protocol: ranks, rank 0's channel, gradient sums, the agreement check
+- `worker`       the loop a rank other than 0 runs
+- `tensors`      safetensors on disk, micro-batches, handing freed memory back
+"""

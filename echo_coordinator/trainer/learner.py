@@ -1,0 +1,321 @@
+"""The learner: the base model loaded by transformers from an HF checkpoint (full precision) or
+from the GGUF file the nodes run (dequantized; `base_model.py`), trained with the objective in
+`grpo` (its docstring states the exact loss) either as a LoRA adapter (peft; `update = "lora"`)
+or in full (`update = "full"`). On a GPU the weights are bf16 and AdamW is fused; on the CPU fp32.
+
+By default one optimiser step per batch, so the trainer's policy at the start of the step (`old`)
+equals the weights being differentiated and the PPO ratio is 1 at the point of the gradient
+(`ppo_epochs` / `ppo_minibatches` make more). The TIS weight pi_old / mu is what corrects for
+what the nodes actually ran.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from safetensors.numpy import load_file
+
+from echo_coordinator.config import TrainerConfig
+from echo_coordinator.trainer import distributed
+from echo_coordinator.trainer.grpo import grpo_loss, group_advantages
+from echo_coordinator.trainer.samples import TrainSample, encode
+from echo_coordinator.trainer.tensors import micro_batches, release_freed_memory, save_tensors
+from engines.hf import is_tied_head, load_model, load_tokenizer
+from protocols.sampling import SampleEvidence
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class StepStats:
+    samples: int
+    trained_samples: int  # samples with a non-zero advantage
+    tokens: int
+    loss: float
+    tis_clipped_fraction: float
+    ratio_clipped_fraction: float
+    mismatch_kl: float  # mean per token, k3 estimator of KL(behaviour || trainer)
+    mean_log_ratio: float  # mean per token of log pi_trainer - log mu
+    log_ratio_by_staleness: dict[int, float]  # the same mean, per staleness (trained samples only)
+    busy_seconds: float  # forward, backward and optimiser time
+
+
+def pad_rows(rows: list[torch.Tensor], length: int) -> torch.Tensor:
+    """(B, length) from rows of at most `length` values, zero-padded on the right."""
+    out = torch.zeros((len(rows), length), device=rows[0].device if rows else None)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = row
+    return out
+
+
+class Trainer:
+    def __init__(self, source: Path, config: TrainerConfig, temperature: float, seed: int = 0, update: str = "lora",
+                 ranks: distributed.Ranks | None = None):
+        """`source`: an HF checkpoint directory or a GGUF file (see `gguf_io.load_model`).
+        `ranks`: this process's place among several trainer processes (`distributed`), joined here."""
+        torch.manual_seed(seed)
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        self.config, self.temperature, self.update, self.ranks = config, temperature, update, ranks
+        self.steps = 0  # optimiser passes taken, counted from the checkpoint `load` restored (ranks compare it)
+        if ranks is not None:
+            self.device = torch.device(ranks.device(config.device))
+            ranks.join(str(self.device))
+            self.channel = distributed.Channel(str(self.device))
+        else:
+            self.device = torch.device(config.device if config.device != "auto" else
+                                       "cuda" if torch.cuda.is_available() else "cpu")
+        self.tokenizer = load_tokenizer(source)
+        # bf16 on a GPU; fp32 on the CPU (where bf16 is slower and coarser than the nodes' q8_0).
+        # LoRA adapters stay fp32 either way (peft casts them up).
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        base = load_model(source, dtype=dtype).to(self.device)
+        if update == "lora":
+            lora = LoraConfig(
+                r=config.lora_rank, lora_alpha=config.lora_alpha, target_modules=list(LORA_TARGETS), lora_dropout=0.0,
+                bias="none", init_lora_weights=config.lora_init == "zero",
+            )
+            self.model = get_peft_model(base, lora)
+        else:
+            self.model = base
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        fused = dict(fused=True) if self.device.type == "cuda" else {}
+        self.optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=0.0, **fused)
+        if ranks is not None and ranks.leader:
+            self.send_state()  # every rank starts from rank 0's weights
+
+    def step(self, samples: list[TrainSample], expected_steps: int | None = None) -> StepStats:
+        """One GRPO step on a batch: `ppo_epochs` passes, each in `ppo_minibatches` optimiser
+        steps. The PPO ratio is taken against the weights at the start of the step (`old`), so
+        with more than one optimiser step the clip binds; with one, old = new and it cannot.
+        With several trainer ranks each computes its share of every optimiser step's gradient
+        and they are summed (`distributed`); rank 0 sends the batch, the others are given it
+        with the step count rank 0 is at (`expected_steps`)."""
+        started = time.perf_counter()
+        if self.ranks is not None:
+            if self.ranks.leader:
+                self.channel.send(distributed.STEP, self.steps, encode(samples))
+            elif expected_steps != self.steps:
+                raise distributed.RanksDisagree(f"rank {self.ranks.rank} has taken {self.steps} steps, rank 0 "
+                                                f"{expected_steps}")
+        rewards = np.array([s.reward for s in samples], dtype=np.float32)
+        advantages = group_advantages(rewards, np.array([s.group for s in samples]))
+        # Groups whose samples all scored the same carry no signal (advantage 0): skip their compute.
+        trained = [(s, a) for s, a in zip(samples, advantages) if a != 0.0]
+        lengths = [len(s.prompt_ids) + len(s.completion_ids) for s, _ in trained]
+        cfg = self.config
+        minibatches = [m.tolist() for m in np.array_split(np.arange(len(trained)), min(cfg.ppo_minibatches,
+                                                                                         max(len(trained), 1)))]
+        mine = [distributed.share(m, lengths, self.ranks) for m in minibatches]  # this rank's part of each
+        old = None
+        if cfg.ppo_epochs * cfg.ppo_minibatches > 1:
+            touched = sorted({i for part in mine for i in part})
+            old = dict(zip(touched, self._start_logprobs([trained[i][0] for i in touched])))
+        self.model.train()
+        sums = dict(loss=0.0, tokens=0, clipped_tis=0, clipped_ratio=0, ratio_tokens=0, kl=0.0, log_ratio=0.0)
+        staleness = sorted({s.staleness for s, _ in trained})
+        by_staleness = {k: [0.0, 0] for k in staleness}  # staleness -> [log-ratio sum, tokens]
+        for epoch in range(cfg.ppo_epochs):
+            for minibatch, part in zip(minibatches, mine):
+                if not minibatch:
+                    continue
+                total_tokens = sum(sum(trained[i][0].loss_mask) for i in minibatch)  # the whole minibatch's
+                out = self._accumulate([trained[i] for i in part], None if old is None else [old[i] for i in part],
+                                       total_tokens)
+                if self.ranks is not None:
+                    distributed.sum_gradients(self.optimizer)
+                self.optimizer.step()
+                sums["clipped_ratio"] += out["clipped_ratio"]
+                sums["ratio_tokens"] += out["tokens"]
+                if epoch == 0:  # what the batch is, measured once: loss, tokens, mismatch
+                    for key in ("loss", "tokens", "clipped_tis", "kl", "log_ratio"):
+                        sums[key] += out[key]
+                    for k, (ratio, n) in out["by_staleness"].items():
+                        by_staleness[k][0] += ratio
+                        by_staleness[k][1] += n
+        self.steps += 1
+        if self.ranks is not None:  # every rank's figures summed, and every rank on the same weights
+            keys = list(sums)
+            total = distributed.sum_values([sums[k] for k in keys] + [x for k in staleness for x in by_staleness[k]])
+            sums = dict(zip(keys, total))
+            by_staleness = {k: total[len(keys) + 2 * i : len(keys) + 2 * i + 2] for i, k in enumerate(staleness)}
+            distributed.agree(self.optimizer, self.steps, self.ranks)
+        release_freed_memory()
+        tokens = max(sums["tokens"], 1)
+        return StepStats(
+            samples=len(samples), trained_samples=len(trained), tokens=int(sums["tokens"]), loss=sums["loss"],
+            tis_clipped_fraction=sums["clipped_tis"] / tokens,
+            ratio_clipped_fraction=sums["clipped_ratio"] / max(sums["ratio_tokens"], 1),
+            mismatch_kl=sums["kl"] / tokens, mean_log_ratio=sums["log_ratio"] / tokens,
+            log_ratio_by_staleness={k: r / max(n, 1) for k, (r, n) in sorted(by_staleness.items()) if n},
+            busy_seconds=time.perf_counter() - started,
+        )
+
+    def _accumulate(self, part: list[tuple[TrainSample, float]], old: list[torch.Tensor] | None,
+                    total_tokens: int) -> dict:
+        """Gradients of the loss over `part` (this rank's share of one optimiser step's samples),
+        micro-batched by padded tokens; `old`: each sample's (L-1,) start-of-step logprobs, None =
+        on-policy; `total_tokens`: the optimiser step's masked tokens over every rank, so the
+        parts' gradients sum to the gradient of the whole."""
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = dict(loss=0.0, tokens=0, clipped_tis=0, clipped_ratio=0, kl=0.0, log_ratio=0.0, by_staleness={})
+        lengths = [len(s.prompt_ids) + len(s.completion_ids) for s, _ in part]
+        for indices in micro_batches(lengths, self.config.micro_batch_tokens):
+            micro = [part[i] for i in indices]
+            ids, mask, behaviour = self._pack([s for s, _ in micro])
+            new = self._logprobs(ids, mask > 0)  # (B, L-1)
+            start = new.detach() if old is None else pad_rows([old[i] for i in indices], new.shape[1])
+            adv = torch.tensor([a for _, a in micro], dtype=torch.float32, device=self.device)
+            out = grpo_loss(new, start, behaviour, adv, mask, total_tokens, self.config.clip_eps, self.config.tis_cap)
+            out.loss.backward()
+            sums["loss"] += float(out.loss.detach())
+            sums["tokens"] += out.tokens
+            sums["clipped_tis"] += out.clipped_tis
+            sums["clipped_ratio"] += out.clipped_ratio
+            sums["kl"] += out.mismatch_kl_sum
+            sums["log_ratio"] += out.log_ratio_sum
+            for (s, _), ratio, n in zip(micro, out.row_log_ratio, out.row_tokens):
+                bucket = sums["by_staleness"].setdefault(s.staleness, [0.0, 0])
+                bucket[0] += ratio
+                bucket[1] += n
+        return sums
+
+    @torch.no_grad()
+    def _start_logprobs(self, samples: list[TrainSample]) -> list[torch.Tensor]:
+        """Each sample's (L_i - 1,) logprobs under the weights at the start of the step."""
+        self.model.eval()
+        out: list[torch.Tensor | None] = [None] * len(samples)
+        lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
+        for indices in micro_batches(lengths, self.config.micro_batch_tokens):
+            ids, mask, _ = self._pack([samples[i] for i in indices])
+            lp = self._logprobs(ids, mask > 0)
+            for row, i in enumerate(indices):
+                out[i] = lp[row, : lengths[i] - 1].clone()
+        return out
+
+    def _pack(self, samples: list[TrainSample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Right-padded (B, L) ids and (B, L-1) mask / behaviour logprobs aligned with the
+        next-token predictions: position p predicts token p + 1."""
+        length = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
+        ids = torch.full((len(samples), length), self.tokenizer.pad_token_id or 0, dtype=torch.long)
+        mask = torch.zeros((len(samples), length - 1))
+        behaviour = torch.zeros((len(samples), length - 1))
+        for row, s in enumerate(samples):
+            p, c = len(s.prompt_ids), len(s.completion_ids)
+            ids[row, : p + c] = torch.tensor(s.prompt_ids + s.completion_ids)
+            mask[row, p - 1 : p - 1 + c] = torch.tensor(s.loss_mask, dtype=torch.float32)
+            behaviour[row, p - 1 : p - 1 + c] = torch.tensor(s.behaviour, dtype=torch.float32)
+        return ids.to(self.device), mask.to(self.device), behaviour.to(self.device)
+
+    def _scaled_logits(self, ids: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+        """(N, V) logits / T of the next token at the N positions `where` (B, L-1) marks, in row
+        order. The vocabulary projection, the largest matmul of a small model, and the softmax
+        over it run only where a token is scored, not over prompts and padding. Right padding
+        needs no attention mask: real tokens never attend to later pad tokens."""
+        causal = self.model.get_base_model() if self.update == "lora" else self.model
+        hidden = causal.model(input_ids=ids).last_hidden_state[:, :-1]  # (B, L-1, H)
+        return causal.lm_head(hidden[where]).float() / self.temperature
+
+    def _logprobs(self, ids: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+        """(B, L-1) logprob of each next token at the positions `where` marks, 0 elsewhere."""
+        logits = self._scaled_logits(ids, where)
+        chosen = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:][where][:, None]).squeeze(-1)
+        return torch.zeros(where.shape, device=where.device).masked_scatter(where, chosen)
+
+    @torch.no_grad()
+    def logprobs(self, samples: list[TrainSample]) -> list[np.ndarray]:
+        """Trainer logprobs of each sample's completion tokens (for verification and tests)."""
+        self.model.eval()
+        ids, _, _ = self._pack(samples)
+        where = torch.zeros((len(samples), ids.shape[1] - 1), dtype=torch.bool, device=self.device)
+        for row, s in enumerate(samples):
+            where[row, len(s.prompt_ids) - 1 : len(s.prompt_ids) - 1 + len(s.completion_ids)] = True
+        lp = self._logprobs(ids, where)
+        lp = lp.cpu()
+        return [lp[row, len(s.prompt_ids) - 1 : len(s.prompt_ids) - 1 + len(s.completion_ids)].numpy()
+                for row, s in enumerate(samples)]
+
+    @torch.no_grad()
+    def evidence(self, samples: list[TrainSample], seeds: list[int | None],
+                 weights: dict[str, np.ndarray] | None = None) -> list[SampleEvidence]:
+        """Verification: how each sample's model tokens compare with what these weights (or, given
+        `weights`, what nodes hold at another version) sample under the lease's noise `seeds`."""
+        with self.holding(weights):
+            self.model.eval()
+            out: list[SampleEvidence | None] = [None] * len(samples)
+            lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
+            for indices in micro_batches(lengths, self.config.micro_batch_tokens):
+                part = [samples[i] for i in indices]
+                ids, mask, _ = self._pack(part)
+                # Model tokens only (env tokens are not sampled), each row's in order.
+                logits = self._scaled_logits(ids, mask > 0).double().cpu().numpy()  # (N, V)
+                start = 0
+                for i, s in zip(indices, part):
+                    positions = np.flatnonzero(s.loss_mask)
+                    rows = logits[start : start + len(positions)]  # (P, V)
+                    start += len(positions)
+                    out[i] = SampleEvidence.of(rows, seeds[i], positions, np.asarray(s.completion_ids)[positions],
+                                               np.asarray(s.behaviour)[positions])
+                del logits
+        release_freed_memory()
+        return out
+
+    @contextmanager
+    def holding(self, weights: dict[str, np.ndarray] | None) -> Iterator[None]:
+        """Temporarily load `weights` (a `weights()`-shaped dict: what nodes held at some version),
+        then put the trainer's own back bit for bit. None: keep the trainer's weights."""
+        if weights is None:
+            yield
+            return
+        own = self.weights()
+        self.load_weights(weights)
+        try:
+            yield
+        finally:
+            self.load_weights(own)
+
+    def load_weights(self, weights: dict[str, np.ndarray]) -> None:
+        tensors = {k: torch.from_numpy(v).to(self.device) for k, v in weights.items()}
+        if self.update == "lora":
+            set_peft_model_state_dict(self.model, tensors)
+        else:
+            self.model.load_state_dict(tensors, strict=False)  # a tied lm_head follows embed_tokens
+
+    def save(self, directory: Path, weights: dict[str, np.ndarray]) -> None:
+        """`weights` (this step's `weights()`) and optimiser state, so a restarted trainer
+        continues the same trajectory. (torch.save is fine here: a local file we wrote, never peer data.)"""
+        directory.mkdir(parents=True, exist_ok=True)
+        save_tensors(weights, directory / "weights.safetensors")
+        torch.save(self.optimizer.state_dict(), directory / "optimizer.pt.tmp")
+        (directory / "optimizer.pt.tmp").replace(directory / "optimizer.pt")
+
+    def load(self, directory: Path) -> None:
+        self.load_weights(load_file(str(directory / "weights.safetensors")))
+        self.optimizer.load_state_dict(torch.load(directory / "optimizer.pt", weights_only=True, map_location=self.device))
+        if self.ranks is not None:
+            self.send_state()
+
+    def send_state(self) -> None:
+        """Rank 0: give every other rank these weights, optimiser state and step count."""
+        self.channel.send(distributed.LOAD, self.steps, distributed.state_bytes(self.optimizer))
+
+    def receive_state(self, steps: int, payload: bytes) -> None:
+        """The other ranks: take rank 0's weights, optimiser state and step count."""
+        distributed.load_state_bytes(self.optimizer, payload)
+        self.steps = steps
+
+    def weights(self) -> dict[str, np.ndarray]:
+        """What a WeightUpdate carries, as float32 arrays: the LoRA adapter under peft's names
+        (`...q_proj.lora_A.weight`), or in full mode every distinct weight under HF names."""
+        if self.update == "lora":
+            state = get_peft_model_state_dict(self.model)
+        else:
+            state = {k: v for k, v in self.model.state_dict().items() if not is_tied_head(self.model.config, k)}
+        return {name: t.detach().float().cpu().numpy().copy() for name, t in state.items()}

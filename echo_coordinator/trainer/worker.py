@@ -1,0 +1,34 @@
+"""A trainer rank other than 0: load the model, then train on what rank 0 sends until it says
+stop (the rank protocol is `distributed`; this is the loop that serves it)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from echo_coordinator.trainer import samples
+from echo_coordinator.trainer.distributed import LOAD, STEP, STOP, DistributedError, Ranks, die_with_parent
+from echo_coordinator.trainer.learner import Trainer
+
+log = logging.getLogger(__name__)
+
+def run_worker(ranks: Ranks, source: Path, config, temperature: float, seed: int, update: str) -> int:
+    """Load the model, then train on what rank 0 sends until it says stop."""
+    die_with_parent()
+    trainer = Trainer(source, config, temperature, seed, update, ranks=ranks)
+    channel = trainer.channel
+    while True:
+        try:
+            command, version, payload = channel.receive()
+        except DistributedError as e:  # rank 0 went away: its connections closed
+            log.error("trainer rank %d: lost rank 0 (%s)", ranks.rank, e)
+            return 1
+        if command == STEP:
+            trainer.step(samples.decode(payload), version)
+        elif command == LOAD:
+            trainer.receive_state(version, payload)
+        elif command == STOP:
+            return 0
+        else:
+            log.error("trainer rank %d: unknown command %d", ranks.rank, command)
+            return 1

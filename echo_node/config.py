@@ -1,0 +1,48 @@
+"""A node's configuration, checked when it is made, and the errors that end a node on purpose."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from protocols.errors import EchoError
+from protocols.signing import FINGERPRINT_CHARS
+
+BACKENDS = ("llama_cpp", "transformers")
+
+
+class ConfigError(EchoError, ValueError):
+    """A setting is wrong; the message names the option and how to fix it."""
+
+
+class JoinRefused(EchoError):
+    """The run cannot be joined: wrong key, wrong base model, or not found."""
+
+
+class Stopped(EchoError):
+    """Ctrl-C arrived during generation (the unfinished batch is dropped, its lease expires) or
+    before the node could start (a base model download resumes on the next join)."""
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    address: str  # coordinator multiaddr from the join line
+    run_key: str  # pinned run-key fingerprint
+    model: Path | None = None  # this node's copy of the base model GGUF; None: fetch it from the swarm
+    name: str | None = None  # public display name
+    data_dir: Path = Path("~/.echo-node")  # node key, adapters, cached base models
+    threads: int = 0  # generation threads; 0 = all cores
+    backend: str = "llama_cpp"  # "llama_cpp" (GGUF, any machine) or "transformers" (full mode, CUDA if present)
+    gpu_layers: int | None = None  # llama.cpp layers to offload; None: all when llama.cpp has a GPU backend
+    host: str | None = None  # listen address; None: loopback for a coordinator on loopback, else every interface
+    verbose: bool = False  # a line per lease and update, and INFO logs, instead of one live status line
+
+    def __post_init__(self):
+        if "/p2p/" not in self.address:
+            raise ConfigError(f"the coordinator address must be the multiaddr from the join line, ending in "
+                              f"/p2p/<peer id>; got {self.address!r}")
+        if len(self.run_key) != FINGERPRINT_CHARS or not self.run_key.isalnum():
+            raise ConfigError(f"--run-key must be the {FINGERPRINT_CHARS}-character fingerprint the coordinator "
+                              f"printed; got {self.run_key!r}")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"--backend must be llama_cpp or transformers, got {self.backend!r}")

@@ -1,0 +1,122 @@
+"""The node process from start to exit: the shell (logging, the live status line, signals, exit
+codes) and the order of a node's life: join the swarm, join the run, load the model, work, leave."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from pathlib import Path
+
+from echo_node import join
+from echo_node.config import JoinRefused, NodeConfig, Stopped
+from echo_node.presence import Presence
+from echo_node.rollouts import Rollouts, load_task
+from echo_node.session import Session, console
+from echo_node.versions import Versions
+from echo_node.work import Work
+from protocols.errors import EchoError
+from protocols.messages import RunManifest
+from protocols.supervise import Supervisor
+from protocols.transport.relay import Relay
+
+STOP_SECONDS = 5.0  # on Ctrl-C, how long the work gets to end before we leave anyway
+
+
+def run_node(config: NodeConfig) -> int:
+    """Run a node until the run ends or Ctrl-C; the process's exit code."""
+    # On a terminal, one live status line; in a log file (or with --verbose), a line per event.
+    live = console.is_terminal and not config.verbose
+    logging.basicConfig(level=logging.WARNING if live else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        with console.status("starting ...") if live else contextlib.nullcontext() as status:
+            asyncio.run(live_node(Session(config, status)))
+    except JoinRefused as e:
+        console.print(f"[red]refused to join:[/] {e}")
+        return 3
+    except Stopped as e:  # asked to stop, like a Ctrl-C mid-run: not a failure
+        console.print(f"[yellow]{e}[/]")
+        return 0
+    except (EchoError, OSError) as e:
+        console.print(f"[red]error:[/] {e}")
+        return 1
+    return 0
+
+
+async def live_node(session: Session) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, session.request_stop)
+    phases = join.Phases()  # where the time from start to the first accepted rollout went
+    presence = Presence(session)
+    try:
+        if not await presence.join():
+            return  # stopped before the coordinator could be reached
+        phases.mark("DHT")
+        await _take_part(session, presence, phases)
+    finally:
+        presence.shutdown()
+
+
+async def _take_part(session: Session, presence: Presence, phases: join.Phases) -> None:
+    endpoint = await presence.open_endpoint()
+    manifest = await join.fetch_manifest(session, presence.dht, endpoint)
+    trainer = join.trainer_peer(manifest)
+    listed = await join.model_file(session, endpoint, trainer, manifest)
+    phases.mark("manifest")
+    model = await join.base_model(session, endpoint, trainer, manifest, listed,
+                                  lambda: presence.holders(manifest.base_sha256))
+    phases.mark("base model")
+    relay = Relay()
+    relay.serve_file(listed, model)  # every node serves the base to later joiners
+    task = load_task(manifest) if manifest.task.max_turns > 1 else None
+    session.waiting(f"loading {manifest.base_model} ...")
+    backend, master = await asyncio.to_thread(_load_backend, session, manifest, model)
+    await relay.serve(endpoint)
+    phases.mark("model load")
+    console.print(f"joined run {manifest.run_id} as {session.name} (node key {session.fingerprint}); "
+                  f"task {manifest.task.name}, mode {manifest.mode}; {backend.hardware}")
+    presence.advertise(backend, manifest.base_sha256)
+    versions = Versions(session, presence, trainer, manifest, backend, master, relay)
+    work = Work(session, endpoint, trainer, manifest, backend, versions, Rollouts(session, manifest, backend, task),
+                phases)
+    await _serve(session, presence, versions, work)
+
+
+async def _serve(session: Session, presence: Presence, versions: Versions, work: Work) -> None:
+    """Work until the run ends, a stop, or a background task's failure (which ends the node with
+    that task's name and cause: `BackgroundFailed`); then withdraw our announcement."""
+    supervisor = Supervisor()
+    supervisor.start(presence.announce(), "announce")
+    if presence.via_relay:
+        supervisor.start(presence.confirm_relay(), "relay")
+    try:
+        # Ctrl-C cancels whatever call is in flight; bounded: the generation thread stops at its next token.
+        await session.until_stopped(supervisor.run(work.run()), grace=STOP_SECONDS)
+    finally:
+        await presence.withdraw()
+        console.print(f"left the run at version {versions.version}")
+
+
+def _load_backend(session: Session, manifest: RunManifest, model: Path):
+    """The generation backend, and the master weights updates apply to: in full mode the float32
+    base weights, in LoRA mode the adapter, empty until the first update. The config chooses the
+    backend; nothing else asks which one it is."""
+    config = session.config
+    if config.backend == "transformers":
+        from engines.transformers_backend import TransformersBackend
+
+        if manifest.update != "full":
+            raise JoinRefused("the transformers backend takes full-parameter runs (update = \"full\") only")
+        backend = TransformersBackend(model, config.threads)
+    else:
+        from engines.llama_backend import LlamaBackend
+
+        multi_turn = manifest.task.max_turns > 1
+        n_ctx = 4096 if manifest.max_new_tokens > 2048 or multi_turn else 2048
+        backend = LlamaBackend(model, config.threads, n_ctx, interrupt=session.stop_requested,
+                               gpu_layers=config.gpu_layers)
+    master = backend.base_weights()[1] if manifest.update == "full" else {}
+    return backend, master

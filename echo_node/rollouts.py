@@ -1,0 +1,53 @@
+"""Generating a lease's batch: G samples of each of its prompts (an evaluation lease names its own
+count), each with the per-sample noise seed the verifier derives too, then signed."""
+
+from __future__ import annotations
+
+import time
+
+from echo_node.config import JoinRefused, Stopped
+from echo_node.session import Session
+from engines.episodes import rollout
+from protocols import sampling
+from protocols.messages import RolloutBatch, RolloutSample, RunManifest, TaskLease
+from protocols.signing import sign_message
+from tasks import TaskError, make_task
+
+
+def load_task(manifest: RunManifest):
+    """A multi-turn run's environment, which this node steps itself. Single-turn runs need none:
+    the trainer sends rendered prompts."""
+    try:
+        return make_task(manifest.task.name, manifest.task.params)
+    except TaskError as e:
+        raise JoinRefused(f"this run's environment is not available here ({e}); install the package "
+                          f"that provides {manifest.task.name!r}") from None
+
+
+class Rollouts:
+    """Runs in the generation thread: reads the backend, the run and the environment, never
+    writes shared state; `stop_requested` ends it between samples (llama.cpp: between tokens)."""
+
+    def __init__(self, session: Session, manifest: RunManifest, backend, task=None):
+        self.session, self.manifest, self.backend = session, manifest, backend
+        self.task = task  # multi-turn runs: the environment this node steps (`load_task`)
+
+    def generate(self, lease: TaskLease, version: int) -> RolloutBatch:
+        """The lease's batch, generated with the weights of `version` (the one the node holds)."""
+        group = lease.samples if lease.evaluation else self.manifest.group_size
+        order = [(seed, prompt) for seed, prompt in zip(lease.seeds, lease.prompts) for _ in range(group)]
+        noise = sampling.sample_seeds(lease.lease_id, [seed for seed, _ in order])
+        samples = []
+        for (seed, prompt), sample_seed in zip(order, noise):
+            if self.session.stop_requested.is_set():
+                raise Stopped("stopping")
+            samples.append(self._sample(seed, prompt, None if lease.greedy else sample_seed))  # None: greedy
+        batch = RolloutBatch(
+            run_id=self.manifest.run_id, lease_id=lease.lease_id, version=version, node_key=self.session.node_key,
+            samples=tuple(samples), created=time.time(),
+        )
+        return sign_message(batch, self.session.key)
+
+    def _sample(self, seed: int, prompt: tuple[int, ...], sample_seed: int | None) -> RolloutSample:
+        m = self.manifest
+        return rollout(self.backend, self.task, seed, prompt, m.turns, m.max_new_tokens, m.temperature, sample_seed)

@@ -1,0 +1,97 @@
+"""Which version of the policy a node serves, and when it must move: before each lease it moves to
+the lease's version, and a failed move is fatal only where the staleness gate says so."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from echo_node.presence import Presence
+from echo_node.session import Session
+from echo_node.updates import UpdateError, apply_update, catch_up, load_lora
+from protocols.messages import RunManifest, TaskLease, WeightUpdate
+from protocols.supervise import retry
+from protocols.sync import must_update
+from protocols.transport.relay import Relay
+
+log = logging.getLogger(__name__)
+
+CALL_TIMEOUT = 60.0
+BUSY_RETRY = 0.3  # seconds; the trainer's copy went to a peer that will relay it shortly
+
+
+class Versions:
+    """Owns `version`, the weights updates apply to (`master`) and, in full mode, the version the
+    backend serves (`loaded`). Runs on the event loop; decoding and loading weights run in a
+    worker thread, never while the generation thread uses the backend (the work loop awaits one
+    before it starts the other)."""
+
+    def __init__(self, session: Session, presence: Presence, trainer: str, manifest: RunManifest, backend,
+                 master: dict, relay: Relay):
+        self.session, self.presence, self.trainer, self.manifest = session, presence, trainer, manifest
+        self.backend, self.relay = backend, relay
+        self.version = 0  # the last version whose update was fully verified and applied
+        self.loaded = 0  # full mode: the version the backend serves (master weights may be ahead mid-chain)
+        self.master = master  # what updates apply to: the LoRA adapter (none at version 0), or full weights
+
+    async def prepare(self, lease: TaskLease) -> str | None:
+        """Move to the lease's version (the trainer's newest) before sampling, in both modes: in
+        async mode fresh rollouts keep staleness near one step, and the bound S is there for
+        stragglers. If an async update fails, sample with what we hold while the bound admits it
+        (the node-side staleness gate); sequential pull, and every evaluation, needs exactly the
+        lease's version (the trainer gives evaluation leases only to nodes not past it).
+        Returns what `bring_to` does."""
+        if lease.evaluation and lease.version < self.version:
+            raise UpdateError(f"evaluation of version {lease.version}, but this node holds version {self.version}")
+        try:
+            return await self.bring_to(lease.version)
+        except UpdateError as e:
+            strict = self.manifest.mode == "sequential" or lease.evaluation
+            if strict or must_update(self.version, lease.version, self.manifest.staleness):
+                raise
+            log.warning("could not update to version %d (%s); sampling with version %d, within the bound",
+                        lease.version, e, self.version)
+            return None
+
+    async def bring_to(self, version: int) -> str | None:
+        """Catch up to `version`; a line saying how (None when already there). On failure, the
+        node keeps every update of the chain it verified and applied."""
+        if version == self.version:
+            return None
+        started = time.perf_counter()
+        self.session.waiting(f"updating from version {self.version} to {version} ...")
+
+        async def attempt():
+            return await catch_up(self.presence.endpoint, self.trainer, self.presence.peers_holding, self.manifest,
+                                  self.version, version, self._apply, CALL_TIMEOUT)
+
+        async def busy_wait(error: BaseException, delay: float) -> None:
+            # The trainer sent its copy to another node (its upload budget; it lets one more
+            # in if nobody relays): learn who holds it and retry soon, keeping our lease.
+            self.presence.refresh()
+            await asyncio.sleep(delay)
+
+        try:
+            chain = await retry(attempt, UpdateError, busy=lambda e: e.busy, busy_delay=BUSY_RETRY,
+                                give_up=lambda e, delay: not e.busy, wait=busy_wait)
+        finally:
+            if self.manifest.update == "full" and self.loaded != self.version:
+                await asyncio.to_thread(self._load_full_weights)  # whatever verified prefix we reached
+        route = " + ".join(f"{'snapshot' if s.replaces else 'delta'} {s.from_version}->{s.to_version}" for s in chain)
+        return f"updated to version {version} via {route} in {time.perf_counter() - started:.2f}s"
+
+    async def _apply(self, update: WeightUpdate, store: dict[str, bytes], payloads: dict[str, bytes]) -> None:
+        new = await asyncio.to_thread(apply_update, self.master, update, payloads)
+        new = new if update.replaces else {**self.master, **new}
+        if update.mode == "lora":
+            await load_lora(new, update, self.backend, self.session.data_dir / "adapters")  # raises: nothing changed
+        self.master = new
+        self.version = update.to_version
+        self.relay.remember(update, store)
+        self.presence.holding(self.version)
+
+    def _load_full_weights(self) -> None:
+        """Full mode: bring the backend to the master weights (after a whole chain, once)."""
+        self.backend.load_weights(self.master, self.version, self.session.data_dir / "weights")
+        self.loaded = self.version

@@ -1,0 +1,165 @@
+"""The work loop: lease -> move to the lease's version -> generate -> push, until the run ends.
+A batch's push (the trainer verifying it) overlaps the next lease's generation, and at most one
+push is in flight. Failures are retried with backoff; only a key the run does not admit, or a
+background failure (see `main`), ends the node."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from echo_node.config import JoinRefused
+from echo_node.join import Phases
+from echo_node.rollouts import Rollouts
+from echo_node.session import Session, console
+from echo_node.updates import UpdateError
+from echo_node.versions import Versions
+from protocols import rpc
+from protocols.errors import ProtocolError, RemoteError, TransportError
+from protocols.messages import LeaseRequest, NoWork, PushReceipt, RolloutBatch, RunManifest, TaskLease
+from protocols.signing import sign_message
+from protocols.supervise import retry
+from protocols.wire import decode_one_of
+
+log = logging.getLogger(__name__)
+
+FIRST_LEASE_SEEDS = 1  # a node's first lease is one prompt's group: its first rollout is accepted sooner
+ROUND_FAILURES = (TransportError, ProtocolError, UpdateError)  # a round that failed so is tried again
+
+
+class Work:
+    """Owns what the loop learns: samples `accepted`, the `latest` version the trainer told of,
+    and the push in flight. Event-loop side; generation runs in a worker thread."""
+
+    def __init__(self, session: Session, endpoint, trainer: str, manifest: RunManifest, backend, versions: Versions,
+                 rollouts: Rollouts, phases: Phases):
+        self.session, self.endpoint, self.trainer, self.manifest = session, endpoint, trainer, manifest
+        self.backend, self.versions, self.rollouts, self.phases = backend, versions, rollouts, phases
+        self.accepted = 0  # samples the trainer accepted from us since we joined
+        self.latest = 0  # the newest version the trainer told us of
+        self.pushing: asyncio.Task | None = None
+
+    def say(self, event: str) -> None:
+        version = self.versions.version
+        self.session.say(event, f"{self.session.name}: version {version} (lag {max(0, self.latest - version)}) · "
+                                f"{self.accepted} samples accepted · {self.backend.throughput:.0f} tok/s")
+
+    async def run(self) -> None:
+        """Until the trainer says the run is finished."""
+        try:
+            # A round that generated a batch resets the backoff; waiting for work does not.
+            while not await retry(self._round, ROUND_FAILURES, wait=self.session.pause):
+                pass
+        finally:
+            if self.pushing is not None:
+                self.pushing.cancel()  # stopping: the lease expires at the trainer, as with a batch cut short
+
+    async def _round(self) -> bool:
+        """Take a lease, generate its batch and start its push; True when instead the run is finished."""
+        try:
+            lease = await self._next_lease()
+            if lease is None:
+                return True
+            self.latest = max(self.latest, lease.version)
+            if (moved := await self.versions.prepare(lease)) is not None:
+                self.say(moved)
+            self.phases.mark("first lease")
+            self.say(f"{'evaluating' if lease.evaluation else 'generating'} {len(lease.seeds)} prompts")
+            batch = await asyncio.to_thread(self.rollouts.generate, lease, self.versions.version)
+            self.phases.mark("generation")
+            if self.pushing is not None:
+                await self.pushing
+            self.pushing = asyncio.create_task(self._deliver(batch, lease.expires_at), name="push")
+            return False
+        except RemoteError as e:
+            self.session.answered()
+            if e.code == "not_allowed":
+                raise self._not_admitted() from None
+            raise
+
+    async def _next_lease(self) -> TaskLease | None:
+        """A lease, waiting while the trainer has no work; None once the run is finished (then
+        the last push has been answered and the final version fetched)."""
+        while True:
+            reply = await self._request_lease()
+            self.session.answered()
+            if not isinstance(reply, NoWork):
+                return reply
+            if reply.finished:
+                if self.pushing is not None:
+                    await self.pushing
+                await self._finish(reply.latest_version)
+                return None
+            self.latest = max(self.latest, reply.latest_version)
+            self.say("waiting for work")
+            await asyncio.sleep(reply.retry_after)
+
+    async def _request_lease(self) -> TaskLease | NoWork:
+        s = self.session
+        request = sign_message(LeaseRequest(
+            run_id=self.manifest.run_id, node_key=s.node_key, peer_id=self.endpoint.peer_id, name=s.name,
+            version=self.versions.version, max_seeds=64 if self.accepted else FIRST_LEASE_SEEDS, time=time.time(),
+            backend=self.backend.name,
+        ), s.key)
+        raw = await self.endpoint.call_one(self.trainer, rpc.LEASE, request.to_wire())
+        return decode_one_of(raw, (TaskLease, NoWork))
+
+    async def _deliver(self, batch: RolloutBatch, expires_at: float) -> None:
+        """Push one batch and account for the answer. A refused or undeliverable batch is logged
+        and left to expire at the trainer; only a key the run does not admit ends the node."""
+        try:
+            receipt = await self._push(batch, expires_at)
+        except RemoteError as e:
+            self.session.answered()
+            if e.code == "not_allowed":
+                raise self._not_admitted() from None
+            log.warning("lease %s was refused: %s", batch.lease_id, e)
+            return
+        except (TransportError, ProtocolError) as e:
+            log.warning("lease %s was not delivered: %s", batch.lease_id, e)
+            return
+        if receipt.accepted and self.phases.mark("push", last=True):
+            console.print(f"first rollout accepted {self.phases.total():.1f} s after start "
+                          f"({self.phases.summary()})")
+        self.accepted += receipt.accepted
+        self.latest = max(self.latest, receipt.latest_version)
+        tokens = sum(len(x.completion_ids) for x in batch.samples)
+        self.say(f"lease {batch.lease_id}: {receipt.accepted} samples ({tokens} tokens) accepted at version "
+                 f"{batch.version}, {self.backend.throughput:.0f} tok/s")
+
+    async def _push(self, batch: RolloutBatch, expires_at: float) -> PushReceipt:
+        """Push until the trainer answers. A broken stream (the coordinator restarting, say) is
+        retried while the lease lasts: a restarted coordinator still knows the lease, and what
+        it acknowledges it keeps. A refusal is final."""
+
+        async def attempt() -> PushReceipt:
+            raw = await self.endpoint.call_one(self.trainer, rpc.PUSH, batch.to_wire())
+            self.session.answered()
+            return PushReceipt.from_wire(raw)
+
+        async def wait(error: BaseException, delay: float) -> None:
+            log.warning("pushing lease %s failed (%s); retrying in %.1f s while the lease lasts",
+                        batch.lease_id, error, delay)
+            await asyncio.sleep(delay)
+
+        def give_up(error: BaseException, delay: float) -> bool:
+            # RemoteError: the trainer answered (stale, released, refused); pushing again cannot change that.
+            return isinstance(error, RemoteError) or time.time() + delay >= expires_at
+
+        return await retry(attempt, TransportError, wait=wait, give_up=give_up)
+
+    async def _finish(self, version: int) -> None:
+        """Leave with the run's final policy if it can still be fetched; the run is over either way."""
+        try:
+            moved = await self.versions.bring_to(version)
+        except (UpdateError, TransportError, ProtocolError) as e:
+            console.print(f"the run is finished at version {version}; this node stays at version "
+                          f"{self.versions.version} (the final update could not be fetched: {e})")
+            return
+        if moved is not None:
+            self.say(moved)
+        console.print(f"the run is finished at version {version}")
+
+    def _not_admitted(self) -> JoinRefused:
+        return JoinRefused(f"this run admits only listed node keys; ask its operator to add {self.session.fingerprint}")

@@ -1,0 +1,86 @@
+"""What a node's generation backend is (`Backend`), and what every backend shares.
+
+Both backends sample by verifiable Gumbel-max (`protocols.sampling`): token t is
+argmax(logits_t / T + g_t) with noise fixed by the lease's sample seed, so the trainer can check
+every token; the behaviour logprob is log-softmax(logits / T) of the row that produced it.
+The node holds a `Backend` and never asks which one it is.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Completion:
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+
+
+class Interrupted(Exception):
+    """The backend's `interrupt` was set while generating: the sample is dropped."""
+
+
+class Backend(Protocol):
+    name: str  # announced, display only
+    hardware: str  # announced: `hardware_summary`
+    eos: int  # end-of-turn token id
+    n_ctx: int  # context window, tokens
+    vocab_size: int
+
+    @property
+    def throughput(self) -> float:
+        """Tokens per second generated so far."""
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int | None,
+                 offset: int = 0) -> Completion:
+        """Up to `max_new_tokens` tokens after `prompt_ids` with the Gumbel noise of sample `seed`
+        (None: greedy); `offset` is the completion position of the first one (later turns of an episode)."""
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of text written into a transcript; special-token text becomes the special token."""
+
+    def detokenize(self, ids: tuple[int, ...]) -> str:
+        """Text of token ids, special tokens written out, exactly as the trainer's tokenizer decodes them."""
+
+    def base_weights(self) -> tuple[object, dict[str, np.ndarray]]:
+        """Full mode: (HF config, float32 master weights) of the base model, which updates apply to."""
+
+    def set_adapter(self, path: Path | None) -> None:
+        """LoRA mode: serve with this GGUF adapter (None: the base alone); a bad file changes nothing."""
+
+    def load_weights(self, master: dict[str, np.ndarray], version: int, workdir: Path) -> None:
+        """Full mode: serve `version`'s master weights from now on (`workdir`: room for its files)."""
+
+
+class Meter:
+    """Tokens generated and the time it took, for `throughput`."""
+
+    def __init__(self):
+        self.tokens = 0
+        self.seconds = 0.0
+
+    def add(self, tokens: int, started: float) -> None:
+        self.tokens += tokens
+        self.seconds += time.perf_counter() - started
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def hardware_summary(gpu: str | None, threads: int) -> str:
+    """What a node runs on, for its announcement: `x86_64, 2 cores, 23 GiB RAM, CPU only`;
+    `gpu`: where its layers run when not on the CPU."""
+    import psutil
+
+    cores = threads or os.cpu_count() or 1
+    memory = psutil.virtual_memory().total / 2**30
+    return f"{platform.machine()}, {cores} cores, {memory:.0f} GiB RAM, {gpu or 'CPU only'}"

@@ -1,0 +1,212 @@
+"""Writing GGUF files llama.cpp can load: LoRA adapters (every LoRA update), whole models
+(the coordinator converts HF checkpoints; full-parameter mode re-exports master weights; tests
+build tiny ones), and requantizing them with llama.cpp's own quantizer.
+
+Three dense architectures: Llama, Qwen2 (q/k/v biases) and Qwen3 (q/k RMS norms, explicit head
+size). HF names map to GGUF names through the `gguf` package's table for each architecture.
+The one subtle part is RoPE layout: HF Llama checkpoints use the rotate-half layout, llama.cpp's
+`llama` architecture the interleaved one, so convert_hf_to_gguf.py permutes the rows of q_proj and
+k_proj, and a LoRA update B @ A of those matrices must be permuted the same way (a row
+permutation of B). Qwen2 and Qwen3 run rotate-half (NEOX) RoPE in llama.cpp: nothing to permute.
+Measured on tiny models: llama.cpp with the written adapter matches the HF peft model's logits to
+4e-5 (fp32).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+
+from engines.hf import is_tied_head
+
+
+@dataclass(frozen=True)
+class Arch:
+    name: str  # HF `model_type` and GGUF `general.architecture`
+    hf_class: str  # HF `architectures[0]`
+    gguf_arch: gguf.MODEL_ARCH
+    permute_qk: bool  # HF rotate-half rows -> llama.cpp interleaved rows (Llama only)
+
+
+ARCHS = {
+    "llama": Arch("llama", "LlamaForCausalLM", gguf.MODEL_ARCH.LLAMA, permute_qk=True),
+    "qwen2": Arch("qwen2", "Qwen2ForCausalLM", gguf.MODEL_ARCH.QWEN2, permute_qk=False),
+    "qwen3": Arch("qwen3", "Qwen3ForCausalLM", gguf.MODEL_ARCH.QWEN3, permute_qk=False),
+}
+SUPPORTED = ", ".join(f"{a.hf_class} ({a.name})" for a in ARCHS.values())
+
+# llama.cpp file types (`general.file_type`, the quantizer's target): the node quants a run offers.
+FILE_TYPES = {"f32": 0, "f16": 1, "q4_1": 3, "q8_0": 7, "q4_k_m": 15}
+
+
+class UnsupportedModel(ValueError):
+    """A model this project cannot convert or serve; the message lists what is supported."""
+
+
+def arch_of(name: str) -> Arch:
+    if name not in ARCHS:
+        raise UnsupportedModel(f"architecture {name!r} is not supported; supported: {SUPPORTED}")
+    return ARCHS[name]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What an adapter writer needs to know of the model it adapts (read from its GGUF)."""
+
+    arch: str
+    n_layers: int
+    n_head: int
+    n_head_kv: int
+
+    @classmethod
+    def of_metadata(cls, meta: dict[str, str]) -> Layout:
+        arch = arch_of(meta.get("general.architecture", "")).name
+        n_head = int(meta[f"{arch}.attention.head_count"])
+        return cls(arch, int(meta[f"{arch}.block_count"]), n_head,
+                   int(meta.get(f"{arch}.attention.head_count_kv", n_head)))
+
+
+def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """HF rotate-half rows -> GGML interleaved rows (convert_hf_to_gguf.py `LlamaModel.permute`)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _rope_heads(arch: Arch, hf_name: str, n_head: int, n_head_kv: int) -> int | None:
+    """Heads to permute `hf_name`'s rows by, or None to leave it as it is."""
+    if not arch.permute_qk:
+        return None
+    if hf_name.endswith("q_proj.weight"):
+        return n_head
+    if hf_name.endswith("k_proj.weight"):
+        return n_head_kv
+    return None
+
+
+def _gguf_name(tmap: gguf.TensorNameMap, hf_name: str) -> str:
+    name = tmap.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+    if name is None:
+        raise UnsupportedModel(f"no GGUF name for tensor {hf_name!r}")
+    return name
+
+
+def lora_pairs(adapter: dict[str, np.ndarray]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """peft names (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`) ->
+    {`model.layers.0.self_attn.q_proj.weight`: (A (r, in), B (out, r))}."""
+    parts: dict[str, dict[str, np.ndarray]] = {}
+    for name, value in adapter.items():
+        base = name.removeprefix("base_model.model.")
+        for tag in ("A", "B"):
+            marker = f".lora_{tag}.weight"
+            if base.endswith(marker):
+                parts.setdefault(base[: -len(marker)] + ".weight", {})[tag] = value
+                break
+        else:
+            raise ValueError(f"not a LoRA tensor name: {name!r}")
+    missing = [k for k, v in parts.items() if set(v) != {"A", "B"}]
+    if missing:
+        raise ValueError(f"LoRA tensors without their A/B partner: {missing[:3]}")
+    return {k: (v["A"], v["B"]) for k, v in parts.items()}
+
+
+def write_lora_adapter(adapter: dict[str, np.ndarray], alpha: float, path: Path, layout: Layout) -> None:
+    """Write a llama.cpp LoRA adapter (as convert_lora_to_gguf.py does): `blk.N.attn_q.weight.lora_a`
+    holds A as (r, in), `.lora_b` holds B as (out, r); llama.cpp scales by alpha / r. llama.cpp
+    refuses an adapter whose architecture is not its model's."""
+    arch = arch_of(layout.arch)
+    tmap = gguf.get_tensor_name_map(arch.gguf_arch, layout.n_layers)
+    writer = gguf.GGUFWriter(str(path), arch=arch.name)
+    writer.add_type(gguf.GGUFType.ADAPTER)
+    writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(alpha))
+    for hf_name, (a, b) in sorted(lora_pairs(adapter).items()):
+        heads = _rope_heads(arch, hf_name, layout.n_head, layout.n_head_kv)
+        if heads is not None:
+            b = permute_qk(b, heads)
+        name = _gguf_name(tmap, hf_name)
+        writer.add_tensor(name + ".lora_a", np.ascontiguousarray(a, dtype=np.float32))
+        writer.add_tensor(name + ".lora_b", np.ascontiguousarray(b, dtype=np.float32))
+    _finish(writer)
+
+
+def copy_tokenizer(writer: gguf.GGUFWriter, source: Path) -> None:
+    """Copy every `tokenizer.*` field (vocab, merges, special ids, chat template) from a GGUF."""
+    reader = gguf.GGUFReader(str(source))
+    for name, field in reader.fields.items():
+        if not name.startswith("tokenizer."):
+            continue
+        kind = field.types[0]
+        if kind == gguf.GGUFValueType.ARRAY:
+            writer.add_key_value(name, field.contents(), kind, sub_type=field.types[-1])
+        else:
+            writer.add_key_value(name, field.contents(), kind)
+
+
+def add_hparams(writer: gguf.GGUFWriter, config: Any) -> None:
+    """The `{arch}.*` hyperparameters llama.cpp reads, from an HF config."""
+    n_head = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_head
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if (rope.get("rope_type") or "default") != "default":
+        raise UnsupportedModel(f"RoPE scaling {rope['rope_type']!r} is not supported yet")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))))
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_vocab_size(config.vocab_size)
+
+
+def write_model(config: Any, tensors: dict[str, np.ndarray], path: Path, tokenizer: Path | Any,
+                name: str = "echo-model") -> None:
+    """Write an fp32 GGUF from an HF config and its state dict as numpy arrays. `tokenizer`: a GGUF
+    to copy the vocabulary from, or a function that adds it to the writer (an HF tokenizer)."""
+    arch = arch_of(config.model_type)
+    writer = gguf.GGUFWriter(str(path), arch=arch.name)
+    writer.add_type(gguf.GGUFType.MODEL)
+    writer.add_name(name)
+    add_hparams(writer, config)
+    writer.add_file_type(FILE_TYPES["f32"])
+    if isinstance(tokenizer, Path):
+        copy_tokenizer(writer, tokenizer)
+    else:
+        tokenizer(writer)
+    tmap = gguf.get_tensor_name_map(arch.gguf_arch, config.num_hidden_layers)
+    for hf_name, value in tensors.items():
+        if is_tied_head(config, hf_name):
+            continue  # llama.cpp reuses token_embd when output.weight is absent
+        heads = _rope_heads(arch, hf_name, config.num_attention_heads, config.num_key_value_heads)
+        if heads is not None:
+            value = permute_qk(value, heads)
+        writer.add_tensor(_gguf_name(tmap, hf_name), np.ascontiguousarray(value, dtype=np.float32))
+    _finish(writer)
+
+
+def quantize(source: Path, out: Path, quant: str) -> Path:
+    """llama.cpp's quantizer: `source` (an fp32 GGUF) as `quant` (a FILE_TYPES name or number)."""
+    import llama_cpp
+
+    ftype = FILE_TYPES[quant] if isinstance(quant, str) else int(quant)
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    rc = llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), ctypes.byref(params))
+    if rc != 0:
+        raise ValueError(f"llama.cpp could not quantize {source.name} to {quant} (rc={rc})")
+    return out
+
+
+def _finish(writer: gguf.GGUFWriter) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

@@ -1,0 +1,91 @@
+"""transformers' side of a model: loading an HF checkpoint or a GGUF file (dequantized), the
+distinct weights of a loaded model, and the chat template's prompts and turn format.
+
+One rule for tied embeddings: when `tie_word_embeddings` is set, `lm_head.weight` is
+`embed_tokens` and travels, is stored and is compared under that name only (`distinct_weights`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from protocols.messages import TurnFormat
+from tasks.base import Message
+
+TIED_HEAD = "lm_head.weight"  # with tie_word_embeddings, embed_tokens under another name
+
+
+def load_model(source: Path, **kwargs):
+    """The transformers causal LM of an HF checkpoint directory or of a GGUF file, dequantized.
+    transformers' GGUF reader ignores an explicit head size (`{arch}.attention.key_length`:
+    Qwen3's differs from hidden / heads), so the config gets it here."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    source = Path(source)
+    if source.is_dir():
+        return AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    config = AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
+    fields = gguf.GGUFReader(str(source)).fields
+    key_length = fields.get(f"{fields['general.architecture'].contents()}.attention.key_length")
+    if key_length is not None:
+        config.head_dim = int(key_length.contents())
+    return AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, config=config, **kwargs)
+
+
+def load_tokenizer(source: Path):
+    """The transformers tokenizer of an HF checkpoint directory or of a GGUF file."""
+    from transformers import AutoTokenizer
+
+    source = Path(source)
+    if source.is_dir():
+        return AutoTokenizer.from_pretrained(source)
+    return AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+
+
+def decode(tokenizer, ids) -> str:
+    """Text of token ids as a transcript holds it: special tokens written out, spacing untouched
+    (what llama.cpp's detokenizer gives too; replay compares the two)."""
+    return tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def is_tied_head(config, name: str) -> bool:
+    """True for a tied lm_head: not a weight of its own."""
+    return bool(config.tie_word_embeddings) and name == TIED_HEAD
+
+
+def distinct_weights(model) -> dict[str, np.ndarray]:
+    """Every weight once, as float32 arrays (a tied lm_head is left out: see `is_tied_head`)."""
+    return {k: v.detach().cpu().float().numpy().copy() for k, v in model.state_dict().items()
+            if not is_tied_head(model.config, k)}
+
+
+def load_master(model_path: Path):
+    """(HF config, {name: float32 array}) of a base model, as the trainer loads it."""
+    import torch
+
+    model = load_model(model_path, dtype=torch.float32)
+    return model.config, distinct_weights(model)
+
+
+def prompt_ids(tokenizer, messages: tuple[Message, ...]) -> tuple[int, ...]:
+    """The prompt tokens for an episode's opening messages: the chat template, ready for the assistant."""
+    return tuple(tokenizer(_render(tokenizer, messages), add_special_tokens=False).input_ids)
+
+
+def _render(tokenizer, messages) -> str:
+    chat = [{"role": role, "content": content} for role, content in messages]
+    return tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+
+
+def turn_format(tokenizer) -> TurnFormat:
+    """Where the chat template puts an environment's reply after a model turn, found by rendering
+    a conversation with marker texts and reading what the template wrote around them."""
+    reply, observation = "ECHO_MODEL_TURN", "ECHO_ENV_TURN"
+    text = _render(tokenizer, (("user", "hi"), ("assistant", reply), ("user", observation)))
+    after_reply = text.index(reply) + len(reply)
+    at_observation = text.index(observation, after_reply)
+    end = tokenizer.decode([tokenizer.eos_token_id]) if tokenizer.eos_token_id is not None else ""
+    return TurnFormat(open=text[after_reply:at_observation], close=text[at_observation + len(observation):], end=end)

@@ -1,0 +1,94 @@
+"""transformers generation with behaviour logprobs (`engines.backend`), for GPU volunteers (CUDA
+when present, CPU otherwise); full-parameter updates are applied to the weights in place.
+
+Sampling runs in a plain KV-cached decoding loop; each token's logprob is log-softmax(logits / T)
+of the raw logits that produced it: the distribution sampled from.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engines.backend import Completion, Meter, hardware_summary
+from engines.hf import decode, distinct_weights, load_model, load_tokenizer
+from protocols import sampling
+
+
+class TransformersBackend:
+    name = "transformers"
+
+    def __init__(self, model_path: Path, threads: int = 0):
+        if threads:
+            torch.set_num_threads(threads)
+        model = load_model(model_path, dtype=torch.float32)
+        self._use(model, load_tokenizer(model_path))
+        # Master copy on the CPU: updates apply here bit-exactly, then copy into the model.
+        self.master = distinct_weights(self.model)
+
+    @classmethod
+    def of_model(cls, model, tokenizer) -> TransformersBackend:
+        """Generate with a model already in memory (the trainer's, for `echo-coordinator eval`)."""
+        backend = cls.__new__(cls)
+        backend._use(model, tokenizer)
+        return backend
+
+    def _use(self, model, tokenizer) -> None:
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.model = model.to(self.device).eval()
+        gpu = f"CUDA {torch.cuda.get_device_name()}" if self.device == "cuda" else None
+        self.hardware = hardware_summary(gpu, torch.get_num_threads())
+        self.config = model.config
+        self.vocab_size = model.config.vocab_size
+        self.eos = model.config.eos_token_id
+        self.n_ctx = model.config.max_position_embeddings
+        self.tokenizer = tokenizer
+        self.meter = Meter()
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int | None,
+                 offset: int = 0) -> Completion:
+        started = time.perf_counter()
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        step = torch.tensor([prompt_ids], device=self.device)
+        cache = None
+        while len(tokens) < max_new_tokens:
+            out = self.model(input_ids=step, past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            row = out.logits[0, -1].double().cpu().numpy() / temperature  # (V,)
+            token = sampling.choose(row, sampling.noise(seed, [offset + len(tokens)], len(row))[0])
+            tokens.append(token)
+            logprobs.append(float(sampling.log_softmax(row)[token]))
+            if token == self.eos:
+                break
+            step = torch.tensor([[token]], device=self.device)
+        self.meter.add(len(tokens), started)
+        return Completion(tuple(tokens), tuple(logprobs))
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def detokenize(self, ids: tuple[int, ...]) -> str:
+        return decode(self.tokenizer, ids)
+
+    @property
+    def throughput(self) -> float:
+        return self.meter.rate
+
+    def base_weights(self):
+        return self.config, self.master
+
+    def set_adapter(self, path: Path | None) -> None:
+        raise ValueError("the transformers backend takes full-parameter runs only")
+
+    @torch.no_grad()
+    def load_weights(self, master: dict[str, np.ndarray], version: int = 0, workdir: Path | None = None) -> None:
+        """Copy master tensors into the model in place (a tied lm_head follows embed_tokens)."""
+        params = self.model.state_dict()
+        for name, value in master.items():
+            params[name].copy_(torch.from_numpy(value))
+            self.master[name] = value

@@ -1,0 +1,48 @@
+"""Peer accounting rules: rate limit, bans that grow, spot checks, the allow-list."""
+
+import pytest
+
+from echo_coordinator.service.policing import BanRule, RateLimit, SpotCheck, read_allow_list, relay_holders
+from tests.unit.protocols import factories
+
+
+def test_rate_limit_allows_bursts_then_the_rate():
+    limit = RateLimit(rate=2.0, burst=4.0)
+    assert [limit.allow("a", 0.0) for _ in range(5)] == [True] * 4 + [False]
+    assert limit.allow("b", 0.0)  # per peer
+    assert limit.allow("a", 0.5) and not limit.allow("a", 0.5)  # 2 a second refill one token in 0.5 s
+    limit.forget_idle(100.0)
+    assert limit._buckets == {}
+
+
+def test_bans_double_with_each_strike_up_to_a_cap():
+    rule = BanRule(first=60, longest=1000)
+    assert [rule.seconds(k) for k in range(6)] == [0, 60, 120, 240, 480, 960]
+    assert rule.seconds(7) == 1000
+
+
+def test_spot_check_always_checks_new_and_failed_keys():
+    spot = SpotCheck(fraction=0.1, trust_after=3)
+    assert spot.should_check(verified=0, failed=0, draw=0.99)
+    assert spot.should_check(verified=100, failed=1, draw=0.99)
+    assert not spot.should_check(verified=3, failed=0, draw=0.5)
+    assert spot.should_check(verified=3, failed=0, draw=0.05)
+    with pytest.raises(ValueError):
+        SpotCheck(fraction=0)
+
+
+def test_allow_list(tmp_path):
+    path = tmp_path / "keys.txt"
+    path.write_text("# volunteers we know\n" + "a" * 26 + "  # alice\n\n" + "B2" * 13 + "\n")
+    assert read_allow_list(path) == {"a" * 26, "b2" * 13}
+    path.write_text("not-a-key\n")
+    with pytest.raises(ValueError, match="keys.txt:1"):
+        read_allow_list(path)
+
+
+def test_only_announcements_of_nodes_that_talked_count_as_relays():
+    live = factories.announcement(peer_id="QmLive", version=3, public_key=bytes(range(32)))
+    claim = factories.announcement(peer_id="QmFake", version=99, throughput=1e9, public_key=bytes(range(1, 33)))
+    moved = factories.announcement(peer_id="QmElsewhere", version=5, public_key=bytes(range(2, 34)))
+    talked = {live.node_id: "QmLive", moved.node_id: "QmOther"}  # moved: another peer spoke for that key
+    assert relay_holders([live, claim, moved], talked) == {"QmLive": 3}

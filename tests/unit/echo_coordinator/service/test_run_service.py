@@ -1,0 +1,451 @@
+"""The coordinator's handlers against good and bad input, with a real SQLite ledger."""
+
+import dataclasses
+import threading
+
+import pytest
+
+from echo_coordinator.ledger import Ledger
+from engines.episodes import Transcripts
+from echo_coordinator.publish import Publisher
+from echo_coordinator.service import LeaseSettings, Policing, Refused, RunService, Work
+from echo_coordinator.service.policing import BanRule, SpotCheck
+from echo_coordinator.verify import Verifier
+from protocols.errors import InvalidValue, LeaseError, PeerRefused, SignatureError, TranscriptError, VerificationError
+from protocols.sampling import SampleEvidence, SamplingRule, choose, gumbel, log_softmax, sample_seed
+from protocols.messages import LeaseRequest, NoWork, RolloutBatch, RolloutSample, TaskLease, TurnFormat, UpdateInfo
+from protocols.signing import fingerprint, generate_key, public_bytes, sign_message
+from tasks import make_task
+from tests.unit.protocols import factories
+
+import numpy as np
+
+NOW = 1000.0
+GROUP = 2
+# Token ids "decode" to their numbers, so a completion (7,) reads "7".
+TRANSCRIPTS = Transcripts(decode=lambda ids: " ".join(str(i) for i in ids), eos=999, turns=TurnFormat(), max_new_tokens=8)
+
+
+def make_service(ledger: Ledger, settings: LeaseSettings, policing: Policing = Policing(None), **manifest) -> RunService:
+    """A started service of the arithmetic task, whose prompts are (1, 2, 3 + seed % 50)."""
+    run_key = generate_key()
+    manifest = factories.manifest(run_key=public_bytes(run_key), group_size=GROUP, max_new_tokens=8, vocab_size=1000,
+                                  **manifest)
+    work = Work(make_task("arithmetic"), render_prompt=lambda seed: (1, 2, 3 + seed % 50), transcripts=TRANSCRIPTS)
+    svc = RunService(manifest, run_key, ledger, work, settings, policing)
+    svc.begin()
+    return svc
+
+
+@pytest.fixture
+def service(tmp_path):
+    svc = make_service(Ledger(tmp_path / "ledger.sqlite"), LeaseSettings(lease_seconds=60, seeds_per_lease=2))
+    yield svc
+    svc.ledger.close()
+
+
+def push(service, batch: RolloutBatch, peer: str, now: float = NOW):
+    return service.handle_push(batch.to_wire(), peer, now=now)
+
+
+def lease_request(key, **kw) -> LeaseRequest:
+    fields = dict(run_id="run-1", node_key=public_bytes(key), peer_id="QmNode", name="alice", version=0, max_seeds=8,
+                  time=NOW)
+    return sign_message(LeaseRequest(**{**fields, **kw}), key)
+
+
+def answer_batch(service, key, lease: TaskLease, right: bool = True, **kw) -> RolloutBatch:
+    """Completions whose decoded text ends in the right (or a wrong) answer."""
+    samples = []
+    for seed, prompt in zip(lease.seeds, lease.prompts):
+        answer = int(service.work.task.generate(seed).answer) + (0 if right else 1)
+        for _ in range(GROUP):
+            samples.append(RolloutSample(seed, prompt, (answer,), (-0.5,)))
+    fields = dict(run_id="run-1", lease_id=lease.lease_id, version=lease.version, node_key=public_bytes(key),
+                  samples=tuple(samples))
+    return sign_message(RolloutBatch(**{**fields, **kw}), key)
+
+
+def test_lease_push_and_rewards_recomputed(service):
+    node = generate_key()
+    service.open_step([10, 11, 12])
+    lease = service.handle_lease(lease_request(node), now=NOW)
+    assert isinstance(lease, TaskLease) and lease.seeds == (10, 11) and lease.prompts == ((1, 2, 13), (1, 2, 14))
+    receipt = push(service, answer_batch(service, node, lease), "QmNode", now=NOW)
+    assert receipt.accepted == 4 and service.ledger.peers() == []  # credit comes when trained on
+    batch = service.take_batch()
+    assert batch.rewards == [1.0] * 4 and batch.staleness == [0] * 4 and batch.dropped == 0
+    assert [s.group for s in batch.samples] == [10, 10, 11, 11]
+    assert service.ledger.peers() == []  # ... and the step that trained on it is saved
+    service.commit_step(0)
+    peer = service.ledger.peers()[0]
+    assert (peer["name"], peer["accepted"], peer["tokens"], peer["rejected"]) == ("alice", 4, 4, 0)
+    assert not service.step_done(NOW)  # seed 12 still pending
+    second = service.handle_lease(lease_request(node), now=NOW)
+    push(service, answer_batch(service, node, second, right=False), "QmNode", now=NOW)
+    assert service.take_batch().rewards == [0.0, 0.0] and service.step_done(NOW)
+    assert isinstance(service.handle_lease(lease_request(node), now=NOW), NoWork)
+
+
+def test_bad_lease_requests(service):
+    node, other = generate_key(), generate_key()
+    service.open_step([1])
+    with pytest.raises(SignatureError):
+        service.handle_lease(dataclasses.replace(lease_request(node), node_key=public_bytes(other)), now=NOW)
+    with pytest.raises(InvalidValue, match="run"):
+        service.handle_lease(lease_request(node, run_id="other"), now=NOW)
+    with pytest.raises(InvalidValue, match="clock"):
+        service.handle_lease(lease_request(node, time=NOW - 3600), now=NOW)
+    service.finish()
+    assert service.handle_lease(lease_request(node), now=NOW).finished
+
+
+def test_the_run_ends_once_every_asking_and_every_announced_node_has_heard(service):
+    asked, waiting_out_a_retry = generate_key(), generate_key()
+    service.open_step([1])
+    service.handle_lease(lease_request(asked), now=NOW)
+    service.finish()
+    service.note_peers({}, frozenset({fingerprint(public_bytes(waiting_out_a_retry))}))
+    assert not service.all_told_finished()
+    service.handle_lease(lease_request(asked), now=NOW + 1)
+    assert not service.all_told_finished()  # the announced node has not asked since this start
+    assert service.handle_lease(lease_request(waiting_out_a_retry), now=NOW + 2).finished
+    assert service.all_told_finished()
+
+
+@pytest.mark.parametrize("tamper, error, match", [
+    (lambda b, s, k: dataclasses.replace(b, version=b.version), None, None),  # control: untouched batch passes
+    (lambda b, s, k: dataclasses.replace(b, samples=b.samples[:-1]), SignatureError, "signature"),
+    (lambda b, s, k: sign_message(dataclasses.replace(b, samples=b.samples[:-1]), k), InvalidValue, "samples for each"),
+    (lambda b, s, k: sign_message(dataclasses.replace(b, samples=tuple(
+        dataclasses.replace(x, prompt_ids=(9, 9)) for x in b.samples)), k), InvalidValue, "leased prompt"),
+    (lambda b, s, k: sign_message(dataclasses.replace(b, samples=tuple(
+        dataclasses.replace(x, completion_ids=(1,) * 9, logprobs=(-1.0,) * 9) for x in b.samples)), k), TranscriptError, "exceeds 8"),
+    (lambda b, s, k: sign_message(dataclasses.replace(b, samples=tuple(
+        dataclasses.replace(x, completion_ids=(5000,)) for x in b.samples)), k), InvalidValue, "outside vocab"),
+    (lambda b, s, k: sign_message(dataclasses.replace(b, lease_id="L999"), k), LeaseError, "L999"),
+    (lambda b, s, k: sign_message(dataclasses.replace(b, version=1), k), Refused, "future"),
+    (lambda b, s, k: sign_message(dataclasses.replace(b, run_id="other"), k), InvalidValue, "run"),
+])
+def test_bad_pushes_are_refused_counted_and_lose_nothing(service, tamper, error, match):
+    node = generate_key()
+    service.open_step([1, 2])
+    lease = service.handle_lease(lease_request(node), now=NOW)
+    good = answer_batch(service, node, lease)
+    bad = tamper(good, service, node)
+    if error is None:
+        assert push(service, bad, "QmNode", now=NOW).accepted == 4
+        return
+    with pytest.raises(error, match=match):
+        push(service, bad, "QmNode", now=NOW)
+    if error is SignatureError:
+        assert service.ledger.peers() == []  # a forged batch changes no row, not even the claimed key's
+    else:
+        peer = service.ledger.peers()[0]
+        assert peer["accepted"] == 0 and peer["rejected"] == len(bad.samples)
+    assert sum(service.rejection_counts().values()) > 0 and service.buffered_groups() == 0
+    if error is SignatureError or match in ("L999", "run"):
+        # Not the lease holder's signed attempt at this lease: the lease is untouched.
+        assert push(service, good, "QmNode", now=NOW).accepted == 4 and service.buffered_groups() == 2
+    else:
+        # The holder's attempt failed: its seeds go straight back out, nothing waits for expiry.
+        with pytest.raises(LeaseError, match="released"):
+            push(service, good, "QmNode", now=NOW)
+        assert service.handle_lease(lease_request(node), now=NOW).seeds == lease.seeds
+
+
+def test_lease_of_another_node_double_push_and_expiry(service):
+    node, thief = generate_key(), generate_key()
+    service.open_step([1, 2, 3, 4])
+    lease = service.handle_lease(lease_request(node), now=NOW)
+    with pytest.raises(LeaseError, match="another node"):
+        stolen = answer_batch(service, thief, lease)
+        push(service, stolen, "QmThief", now=NOW)
+    push(service, answer_batch(service, node, lease), "QmNode", now=NOW)
+    with pytest.raises(LeaseError):
+        push(service, answer_batch(service, node, lease), "QmNode", now=NOW)
+    late = service.handle_lease(lease_request(node), now=NOW)
+    with pytest.raises(LeaseError):
+        push(service, answer_batch(service, node, late), "QmNode", now=NOW + 61)
+    again = service.handle_lease(lease_request(thief, time=NOW + 61), now=NOW + 61)
+    assert again.seeds == late.seeds  # the expired lease's seeds were reassigned
+
+
+def lora_snapshot(version, adapter, key):
+    """A LoRA update 0 -> version (a fresh publisher's first update is the adapter itself)."""
+    return Publisher("run-1", key, "lora", None, "topk-int8", 0.05, 10, {"alpha": 8.0}).publish(version, adapter)
+
+
+def test_published_versions_are_served_by_the_relay(service):
+    relay = service.relay
+    assert relay.manifest(0, 1) is None and relay.index().updates == ()
+    adapter = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": np.ones((2, 4), np.float32)}
+    [(update, chunks)] = lora_snapshot(1, adapter, service.run_key)
+    service.publish([(update, chunks)])
+    assert service.version == 1 and relay.manifest(0, 1) == update
+    assert relay.index().updates == (UpdateInfo(0, 1, 16, True),)  # 8 values in bf16
+    assert all(relay.chunk(d) == data for d, data in chunks.items())
+    assert relay.chunk("0" * 64) is None
+
+
+@pytest.fixture
+def async_services(tmp_path):
+    """Makes the async service of a test (`max_ahead`: its cap on buffered groups)."""
+    def make(max_ahead: int | None = None) -> RunService:
+        svc = make_service(Ledger(tmp_path / "ledger.sqlite"),
+                           LeaseSettings(lease_seconds=60, seeds_per_lease=1, first_seed=100, max_ahead=max_ahead),
+                           mode="async", staleness=1)
+        made.append(svc)
+        return svc
+
+    made: list[RunService] = []
+    yield make
+    for svc in made:
+        svc.ledger.close()
+
+
+@pytest.fixture
+def async_service(async_services):
+    return async_services()
+
+
+def advance(service, version):
+    adapter = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": np.zeros((2, 4), np.float32)}
+    service.publish(lora_snapshot(version, adapter, service.run_key))
+
+
+def test_async_leases_never_run_dry_and_stale_groups_are_dropped_not_credited(async_service):
+    svc, fast, slow = async_service, generate_key(), generate_key()
+    leases = [svc.handle_lease(lease_request(fast, name="fast"), now=NOW) for _ in range(2)]
+    push(svc, answer_batch(svc, fast, leases[0]), "QmFast", now=NOW)  # version 0, buffered
+    leases.append(svc.handle_lease(lease_request(fast, name="fast"), now=NOW))
+    advance(svc, 1)
+    slow_lease = svc.handle_lease(lease_request(slow, name="slow"), now=NOW)  # at version 1
+    assert [x.seeds for x in [*leases, slow_lease]] == [(100,), (101,), (102,), (103,)]  # fresh seeds on demand
+    push(svc, answer_batch(svc, slow, slow_lease), "QmSlow", now=NOW)  # generated with v1
+    advance(svc, 2)
+    # Both buffered groups are now 2 and 1 versions old: the version-0 one is dropped, not credited.
+    assert svc.buffered_groups() == 1
+    batch = svc.take_batch(4)
+    svc.commit_step(2)
+    assert batch.staleness == [1, 1] and all(s.staleness == 1 for s in batch.samples)
+    by_name = {p["name"]: p for p in svc.ledger.peers()}
+    assert by_name["fast"]["accepted"] == 0 and by_name["fast"]["rejected_by_reason"] == {"stale": 2}
+    assert by_name["slow"]["accepted"] == 2
+
+    late = answer_batch(svc, fast, leases[1])  # still tagged version 0, pushed at version 2
+    with pytest.raises(Refused) as e:
+        push(svc, late, "QmFast", now=NOW)
+    assert e.value.code == "stale" and svc.gate.counts(late.node_id)["dropped_stale"] == 1
+    by_name = {p["name"]: p for p in svc.ledger.peers()}
+    assert by_name["fast"]["rejected_by_reason"] == {"stale": 4}  # 2 dropped in the buffer + 2 refused
+
+
+def test_async_leases_wait_while_the_buffer_holds_a_step(async_services):
+    svc, node, other = async_services(max_ahead=2), generate_key(), generate_key()
+    for _ in range(2):
+        lease = svc.handle_lease(lease_request(node), now=NOW)
+        push(svc, answer_batch(svc, node, lease), "QmNode", now=NOW)
+    assert svc.buffered_groups() == 2
+    assert isinstance(svc.handle_lease(lease_request(other), now=NOW), NoWork)  # full: wait for the trainer
+    svc.take_batch(1)
+    assert isinstance(svc.handle_lease(lease_request(other), now=NOW), TaskLease)
+    assert isinstance(svc.handle_lease(lease_request(node), now=NOW), TaskLease)  # leases out do not count
+
+
+def restart(svc, version: int, ledger_path) -> RunService:
+    """What a coordinator does on a restart at `version`: the same ledger file (journal and all)."""
+    state = svc.state()  # (state.json; the service itself is gone, as after a SIGKILL)
+    again = RunService(svc.manifest, svc.run_key, Ledger(ledger_path), svc.work,
+                       LeaseSettings(lease_seconds=60, seeds_per_lease=svc.settings.seeds_per_lease), Policing(None))
+    again.restore(state, version)
+    again.begin()
+    return again
+
+
+def test_a_restart_keeps_the_gate_the_buffer_and_the_leases(async_service, tmp_path):
+    svc, node = async_service, generate_key()
+    advance(svc, 1)
+    advance(svc, 2)
+    leases = [svc.handle_lease(lease_request(node), now=NOW) for _ in range(2)]
+    first = answer_batch(svc, node, leases[0])
+    push(svc, first, "QmNode", now=NOW)  # acknowledged, buffered: never trained on before the crash
+    svc.ledger.close()
+
+    again = restart(svc, 2, tmp_path / "ledger.sqlite")
+    assert again.version == 2 and again.leasing.next_seed == svc.leasing.next_seed
+    assert again.gate.is_accepted(first.lease_id)  # the same batch cannot be counted twice ...
+    with pytest.raises(LeaseError):
+        push(again, first, "QmNode", now=NOW + 1)
+    assert again.gate.offer(first.node_id, "new-lease", 0).value == "stale"  # ... and the bound holds
+    # The lease the node held at the crash is still its own: what it generated is accepted.
+    assert push(again, answer_batch(again, node, leases[1]), "QmNode", now=NOW + 1).accepted == GROUP
+    fresh = again.handle_lease(lease_request(node), now=NOW + 1)
+    assert fresh.lease_id not in {x.lease_id for x in leases} and fresh.seeds[0] not in leases[0].seeds + leases[1].seeds
+    batch = again.take_batch()
+    assert [s.group for s in batch.samples] == [leases[0].seeds[0]] * GROUP + [leases[1].seeds[0]] * GROUP
+    again.commit_step(2)
+    (peer,) = again.ledger.peers()
+    assert peer["accepted"] == 2 * GROUP and again.ledger.history(peer["node_id"])[0]["version"] == 3
+    again.ledger.close()
+
+
+def test_a_step_that_dies_before_its_checkpoint_is_trained_again_and_credited_once(async_service, tmp_path):
+    svc, node = async_service, generate_key()
+    for _ in range(2):
+        push(svc, answer_batch(svc, node, svc.handle_lease(lease_request(node), now=NOW)), "QmNode", now=NOW)
+    assert len(svc.take_batch(1).samples) == GROUP  # the step from version 0 took one group, then the crash
+    svc.ledger.close()
+    again = restart(svc, 0, tmp_path / "ledger.sqlite")  # state.json still names version 0
+    assert again.buffered_groups() == 2 and again.ledger.peers() == []
+    again.take_batch(2)
+    again.ledger.close()
+    # This time the step's checkpoint landed (version 1) but the process died before crediting.
+    third = restart(again, 1, tmp_path / "ledger.sqlite")
+    assert third.buffered_groups() == 0
+    (peer,) = third.ledger.peers()
+    assert peer["accepted"] == 2 * GROUP and [h["version"] for h in third.ledger.history(peer["node_id"])] == [1]
+    third.commit_step(0)  # a late commit of the same step credits nothing more
+    assert third.ledger.peers()[0]["accepted"] == 2 * GROUP
+    third.ledger.close()
+
+
+def test_sequential_restart_leases_only_what_the_step_still_needs(service, tmp_path):
+    node = generate_key()
+    service.open_step([10, 11, 12])
+    lease = service.handle_lease(lease_request(node), now=NOW)
+    push(service, answer_batch(service, node, lease), "QmNode", now=NOW)
+    held = service.handle_lease(lease_request(node), now=NOW)  # seed 12, outstanding at the crash
+    service.ledger.close()
+    again = restart(service, 0, tmp_path / "ledger.sqlite")
+    again.open_step([10, 11, 12])  # the step loop asks for the step's seeds again
+    assert isinstance(again.handle_lease(lease_request(node), now=NOW), NoWork) and not again.step_done(NOW)
+    push(again, answer_batch(again, node, held), "QmNode", now=NOW)
+    assert again.step_done(NOW) and sorted({s.group for s in again.take_batch().samples}) == [10, 11, 12]
+    again.ledger.close()
+
+
+# -- verification, bans, spot checks and the allow-list, with the real Verifier on a toy model ------
+
+LOGITS = np.random.default_rng(0).normal(size=1000) * 3  # a context-free "model" over the test vocabulary
+
+
+def toy_evidence(samples, seeds, weights):
+    return [SampleEvidence.of(np.tile(LOGITS, (len(s.completion_ids), 1)), seed, np.arange(len(s.completion_ids)),
+                              np.array(s.completion_ids), np.array(s.behaviour)) for s, seed in zip(samples, seeds)]
+
+
+def sampled_batch(key, lease: TaskLease, tokens: int = 6) -> RolloutBatch:
+    """What an honest node running the toy model sends: Gumbel-max with the lease's noise."""
+    samples = []
+    for seed, prompt in zip(lease.seeds, lease.prompts):
+        for j in range(GROUP):
+            noise = gumbel(sample_seed(lease.lease_id, seed, j), np.arange(tokens), len(LOGITS))
+            ids = tuple(choose(LOGITS, g) for g in noise)
+            samples.append(RolloutSample(seed, prompt, ids, tuple(float(log_softmax(LOGITS)[i]) for i in ids)))
+    return sign_message(RolloutBatch("run-1", lease.lease_id, lease.version, public_bytes(key), tuple(samples)), key)
+
+
+@pytest.fixture
+def policed(tmp_path):
+    def make(spot=SpotCheck(), allow=None):
+        verifier = Verifier(toy_evidence, SamplingRule(), keep_versions=0)
+        verifier.remember(0, {})
+        svc = make_service(Ledger(tmp_path / f"ledger{len(made)}.sqlite"),
+                           LeaseSettings(lease_seconds=600, seeds_per_lease=1),
+                           Policing(verifier, spot, BanRule(first=60), allow))
+        svc.open_step(list(range(100)))
+        made.append(svc)
+        return svc
+
+    made: list[RunService] = []
+    yield make
+    for svc in made:
+        svc.ledger.close()
+
+
+def test_written_tokens_are_refused_struck_and_banned_for_a_growing_time(policed):
+    svc, honest, cheat = policed(), generate_key(), generate_key()
+    lease = svc.handle_lease(lease_request(honest), now=NOW)
+    assert push(svc, sampled_batch(honest, lease), "QmHonest").accepted == GROUP
+    assert svc.ledger.trust(fingerprint(public_bytes(honest))).verified == 1
+
+    lease = svc.handle_lease(lease_request(cheat, name="mallory"), now=NOW)
+    with pytest.raises(VerificationError) as e:
+        push(svc, answer_batch(svc, cheat, lease), "QmCheat")  # the right answers, written, not sampled
+    assert e.value.code == "bad_sampling"
+    trust = svc.ledger.trust(fingerprint(public_bytes(cheat)))
+    assert trust.failed == 1 and trust.banned_until == NOW + 60
+    with pytest.raises(PeerRefused) as e:
+        svc.handle_lease(lease_request(cheat, time=NOW + 30), now=NOW + 30)
+    assert e.value.code == "banned"
+    lease = svc.handle_lease(lease_request(cheat, time=NOW + 61), now=NOW + 61)  # the ban ran out
+    with pytest.raises(VerificationError):
+        push(svc, answer_batch(svc, cheat, lease), "QmCheat", now=NOW + 61)
+    assert svc.ledger.trust(fingerprint(public_bytes(cheat))).banned_until == NOW + 61 + 120  # doubled
+    # The honest node is untouched, and a pushing banned key is refused before any checking.
+    assert svc.ledger.trust(fingerprint(public_bytes(honest))).failed == 0
+    lease = svc.handle_lease(lease_request(honest), now=NOW)
+    assert push(svc, sampled_batch(honest, lease), "QmHonest").accepted == GROUP
+
+
+def test_trusted_keys_are_spot_checked_new_ones_always(policed):
+    svc, node = policed(spot=SpotCheck(fraction=1e-9, trust_after=2)), generate_key()
+    for _ in range(2):
+        lease = svc.handle_lease(lease_request(node), now=NOW)
+        push(svc, sampled_batch(node, lease), "QmNode")
+    checked = svc.policing.verifier.checked_samples
+    lease = svc.handle_lease(lease_request(node), now=NOW)
+    push(svc, sampled_batch(node, lease), "QmNode")
+    assert svc.policing.verifier.checked_samples == checked  # trusted: not drawn this time
+    newcomer = generate_key()
+    lease = svc.handle_lease(lease_request(newcomer), now=NOW)
+    push(svc, sampled_batch(newcomer, lease), "QmNew")
+    assert svc.policing.verifier.checked_samples == checked + GROUP
+
+
+def test_allow_list_and_lease_limits(policed):
+    listed, stranger = generate_key(), generate_key()
+    svc = policed(allow=frozenset({fingerprint(public_bytes(listed))}))
+    with pytest.raises(PeerRefused) as e:
+        svc.handle_lease(lease_request(stranger), now=NOW)
+    assert e.value.code == "not_allowed"
+    svc.handle_lease(lease_request(listed), now=NOW)
+    svc.handle_lease(lease_request(listed), now=NOW)
+    with pytest.raises(PeerRefused) as e:
+        svc.handle_lease(lease_request(listed), now=NOW)
+    assert e.value.code == "lease_limit"
+    refused = []
+    for i in range(20):  # a burst of requests: past the bucket, refused before anything else
+        try:
+            svc.handle_lease(lease_request(listed), now=NOW)
+        except PeerRefused as e:
+            refused.append(e.code)
+    assert "rate_limited" in refused
+
+
+def test_a_lease_is_judged_once_at_a_time_and_only_its_signer_is_held_back(policed):
+    svc, node, thief = policed(), generate_key(), generate_key()
+    entered, release = threading.Event(), threading.Event()
+    verifier = svc.policing.verifier
+    real = verifier.evidence
+
+    def slow_evidence(*args):
+        entered.set()
+        release.wait(10)
+        return real(*args)
+
+    verifier.evidence = slow_evidence
+    lease = svc.handle_lease(lease_request(node), now=NOW)
+    batch = sampled_batch(node, lease)
+    receipts = []
+    judging = threading.Thread(target=lambda: receipts.append(push(svc, batch, "QmNode")))
+    judging.start()
+    assert entered.wait(10)
+    with pytest.raises(LeaseError, match="already being judged"):
+        push(svc, batch, "QmElsewhere")  # the same batch again, from another peer
+    with pytest.raises(LeaseError, match="another node"):
+        push(svc, sampled_batch(thief, lease), "QmThief")
+    release.set()
+    judging.join(10)
+    assert receipts[0].accepted == GROUP and verifier.checked_samples == GROUP  # verified once

@@ -1,0 +1,58 @@
+"""Fetching the base model's chunks: "busy" (the trainer sent its share) is asked again at once
+and never counts as a failure; other failures are retried ATTEMPTS times in all."""
+
+import asyncio
+import random
+
+import pytest
+
+from echo_node import base_download
+from echo_node.updates import UpdateError
+from protocols.errors import RemoteError, TransportError
+from protocols.messages import ModelFile
+from protocols.signing import sha256_hex
+from protocols.transport.relay import Relay
+from tests.unit.echo_node.conftest import RelayTrainer
+
+BUSY = RemoteError("busy", "sent its share of the base model", "QmTrainer", "echo.chunks")
+
+
+def served_base(tmp_path, *fail):
+    data = random.Random(0).randbytes(10_000)  # 3 chunks, all different
+    path = tmp_path / "base.gguf"
+    path.write_bytes(data)
+    size = 4096
+    listed = ModelFile(run_id="run-1", name="base.gguf", sha256=sha256_hex(data), size=len(data), chunk_size=size,
+                       chunks=tuple(sha256_hex(data[i : i + size]) for i in range(0, len(data), size)))
+    relay = Relay()
+    relay.serve_file(listed, path)
+    return RelayTrainer(relay, *fail), listed, data
+
+
+async def no_peers():
+    return []
+
+
+def fetch(tmp_path, endpoint, listed):
+    return asyncio.run(base_download.download(endpoint, "QmTrainer", no_peers, listed, tmp_path / "models",
+                                              lambda *a: None, 10.0))
+
+
+@pytest.fixture(autouse=True)
+def no_waiting(monkeypatch):
+    monkeypatch.setattr(base_download, "BUSY_RETRY", 0.0)
+    monkeypatch.setattr("protocols.supervise.Backoff.next", lambda self: 0.0)
+
+
+def test_busy_answers_do_not_count_as_failures(tmp_path):
+    failures = [BUSY] * (base_download.ATTEMPTS + 2) + [TransportError("stream broke")] * (base_download.ATTEMPTS - 1)
+    endpoint, listed, data = served_base(tmp_path, *failures)
+    path, sources = fetch(tmp_path, endpoint, listed)
+    assert path.read_bytes() == data and sources["QmTrainer"] == len(data)
+
+
+def test_a_download_gives_up_after_attempts_failures(tmp_path):
+    endpoint, listed, _ = served_base(tmp_path, *[TransportError("stream broke")] * base_download.ATTEMPTS)
+    with pytest.raises(UpdateError, match="chunks unavailable"):
+        fetch(tmp_path, endpoint, listed)
+    assert endpoint.calls.count("echo.chunks") == base_download.ATTEMPTS

@@ -1,0 +1,91 @@
+"""The node's announcement: signed, read back by peers as the version it holds, refreshed at once
+when that changes; what peers announced tells the node whom to fetch from."""
+
+import asyncio
+
+from echo_node import presence as presence_module
+from echo_node.presence import Presence
+from protocols.messages import verified_announcements
+from protocols.signing import fingerprint, generate_key, public_bytes, sign_message
+from tests.unit.echo_node.conftest import Backend
+from tests.unit.protocols import factories
+
+
+class Records:
+    """A DHT of subkeyed records, shared by every peer that puts into it."""
+
+    def __init__(self):
+        self.records: dict[str, dict[str, bytes]] = {}
+        self.puts = 0
+
+    async def put(self, key, value, ttl, subkey=None, timeout=15.0):
+        self.puts += 1
+        self.records.setdefault(key, {})[subkey] = value
+        return True
+
+    async def get(self, key, timeout=15.0):
+        return dict(self.records.get(key, {}))
+
+
+class Endpoint:
+    peer_id = "QmSelf"
+
+    def __init__(self):
+        self.relays = None
+
+    def learn_relays(self, announcements):
+        self.relays = {a.peer_id: a.relay_addrs for a in announcements if a.relay_addrs}
+
+
+def peer(dht: Records, key: str, **kw):
+    """Another peer's signed announcement, put into `dht`."""
+    private = generate_key()
+    announcement = sign_message(factories.announcement(public_key=public_bytes(private), **kw), private)
+    dht.records.setdefault(key, {})[fingerprint(announcement.public_key)] = announcement.to_wire()
+
+
+def announced(session, endpoint=None) -> tuple[Presence, Records]:
+    presence = Presence(session)
+    presence.dht, presence.endpoint = Records(), endpoint or Endpoint()
+    presence.advertise(Backend(), factories.SHA)
+    return presence, presence.dht
+
+
+def test_a_new_version_is_announced_at_once_and_peers_versions_learned(session, monkeypatch):
+    monkeypatch.setattr(presence_module, "PEER_REFRESH", 30.0)  # so only a change can explain a re-announce
+    presence, dht = announced(session)
+    peer(dht, presence.peers_key, peer_id="QmOther", version=5, relay_addrs=("/ip4/9.9.9.9/tcp/1/p2p/QmC/p2p-circuit",))
+
+    async def go():
+        announcing = asyncio.create_task(presence.announce())
+        await asyncio.sleep(0.1)
+        assert dht.puts == 1
+        presence.holding(3)
+        await asyncio.sleep(0.1)
+        announcing.cancel()
+
+    asyncio.run(go())
+    assert dht.puts == 2
+    ours = dht.records[presence.peers_key][session.fingerprint]  # under our own key's fingerprint
+    (mine,) = verified_announcements({session.fingerprint: ours})
+    assert (mine.peer_id, mine.version, mine.name, mine.model_sha256, mine.left) == \
+        ("QmSelf", 3, session.name, factories.SHA, False)
+    assert presence.peer_versions == {"QmOther": 5, "QmSelf": 3}
+    assert presence.endpoint.relays == {"QmOther": ("/ip4/9.9.9.9/tcp/1/p2p/QmC/p2p-circuit",)}
+    assert presence.peers_holding(4) == ["QmOther"] and presence.peers_holding(6) == []  # never ourselves
+
+
+def test_leaving_is_a_signed_withdrawal_readers_skip(session):
+    presence, dht = announced(session)
+    asyncio.run(presence.withdraw())
+    assert verified_announcements(dht.records[presence.peers_key]) == []
+
+
+def test_base_model_holders_come_newest_first_and_teach_the_endpoint_every_relay(session):
+    presence, dht = announced(session)
+    key = presence.peers_key
+    peer(dht, key, peer_id="QmOld", version=1)
+    peer(dht, key, peer_id="QmNew", version=4)
+    peer(dht, key, peer_id="QmOtherBase", version=9, model_sha256="0" * 64, relay_addrs=("/ip4/1.1.1.1/tcp/1/p2p-circuit",))
+    assert asyncio.run(presence.holders(factories.SHA)) == ["QmNew", "QmOld"]
+    assert set(presence.endpoint.relays) == {"QmOtherBase"}

@@ -1,0 +1,62 @@
+"""A lease's batch: G samples of each prompt in order, each with its own noise seed (greedy: none),
+stamped with the version held, signed by the node; a multi-turn run needs its environment here."""
+
+import threading
+
+import pytest
+
+from echo_node.config import JoinRefused, Stopped
+from echo_node.rollouts import Rollouts, load_task
+from engines.backend import Completion
+from protocols import sampling
+from protocols.messages import TaskSpec
+from protocols.signing import verify_message
+from tests.support.envs import MoreE
+from tests.unit.protocols import factories
+
+
+class Backend:
+    """Records what it was asked to sample; `stop_after`: sets the stop event after that many."""
+
+    def __init__(self, stop: threading.Event | None = None, stop_after: int = 0):
+        self.asked, self.stop, self.stop_after = [], stop, stop_after
+
+    def generate(self, prompt, max_new_tokens, temperature, sample_seed):
+        self.asked.append((tuple(prompt), sample_seed))
+        if self.stop is not None and len(self.asked) == self.stop_after:
+            self.stop.set()
+        return Completion(token_ids=(9, 10), logprobs=(-0.5, -0.25))
+
+
+def test_a_batch_is_g_samples_per_prompt_each_with_the_verifiers_seed(session):
+    manifest = factories.manifest(group_size=3)
+    backend = Backend()
+    lease = factories.lease(lease_id="L7", seeds=(5, 6), prompts=((1, 2), (3,)))
+    batch = Rollouts(session, manifest, backend).generate(lease, version=4)
+    assert [p for p, _ in backend.asked] == [(1, 2)] * 3 + [(3,)] * 3  # each prompt's group together
+    noise = [s for _, s in backend.asked]
+    assert noise == sampling.sample_seeds("L7", [5, 5, 5, 6, 6, 6]) and len(set(noise)) == 6
+    assert [s.seed for s in batch.samples] == [5, 5, 5, 6, 6, 6]
+    assert (batch.lease_id, batch.version, batch.run_id) == ("L7", 4, manifest.run_id)
+    verify_message(batch, session.node_key)  # signed by this node's key
+
+
+def test_an_evaluation_lease_names_its_own_count_and_greedy_needs_no_noise(session):
+    backend = Backend()
+    lease = factories.lease(seeds=(5,), prompts=((1,),), evaluation=True, samples=2, greedy=True)
+    batch = Rollouts(session, factories.manifest(group_size=8), backend).generate(lease, version=0)
+    assert len(batch.samples) == 2 and [s for _, s in backend.asked] == [None, None]
+
+
+def test_a_stop_ends_generation_between_samples(session):
+    backend = Backend(session.stop_requested, stop_after=2)
+    with pytest.raises(Stopped):
+        Rollouts(session, factories.manifest(group_size=4), backend).generate(factories.lease(), version=0)
+    assert len(backend.asked) == 2
+
+
+def test_multi_turn_runs_need_the_environment_here():
+    assert load_task(factories.manifest(task=TaskSpec("tests.support.envs:MoreE", {"max_turns": 2}, max_turns=2))) \
+        == MoreE(max_turns=2)
+    with pytest.raises(JoinRefused, match="install the package that provides 'their_pkg.envs:Maze'"):
+        load_task(factories.manifest(task=TaskSpec("their_pkg.envs:Maze", {}, max_turns=3)))

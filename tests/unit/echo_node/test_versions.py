@@ -1,0 +1,95 @@
+"""Which version a node serves: it moves to each lease's version through the real catch-up, and a
+failed move is fatal only where the staleness gate says so."""
+
+import asyncio
+import dataclasses
+
+import numpy as np
+import pytest
+
+from echo_node.presence import Presence
+from echo_node.updates import UpdateError
+from echo_node.versions import Versions
+from protocols.errors import RemoteError, TransportError
+from protocols.transport.relay import Relay
+from tests.unit.echo_node.conftest import Backend, RelayTrainer, full_run
+from tests.unit.protocols import factories
+
+
+def versions_for(session, relay, manifest, base, *fail):
+    presence = Presence(session)
+    presence.endpoint = RelayTrainer(relay, *fail)
+    ours = Versions(session, presence, "QmTrainer", manifest, Backend(), {k: v.copy() for k, v in base.items()},
+                    relay=Relay())
+    return ours, presence
+
+
+@pytest.mark.parametrize("mode", ["async", "sequential"])
+def test_a_node_moves_to_the_lease_version_and_loads_it_once(session, mode):
+    """Async too: the newest version whenever it can, not only when S behind."""
+    base, relay, manifest, view = full_run(versions=3)
+    versions, presence = versions_for(session, relay, dataclasses.replace(manifest, mode=mode), base)
+    said = asyncio.run(versions.prepare(factories.lease(version=3)))
+    assert versions.version == 3 and presence.version == 3  # held, and announced
+    assert said.startswith("updated to version 3 via delta 0->1 + delta 1->2 + delta 2->3")
+    assert all(versions.master[k].tobytes() == view[k].tobytes() for k in view)  # the trainer's view, bit for bit
+    # The backend is loaded once, after the whole chain, with the master weights of version 3.
+    assert [v for v, _ in versions.backend.loads] == [3] and versions.loaded == 3
+    assert np.array_equal(versions.backend.loads[0][1]["w"], view["w"])
+    assert versions.relay.latest_version == 3  # and it serves what it verified to its peers
+    assert asyncio.run(versions.prepare(factories.lease(version=3))) is None  # already there: nothing fetched
+
+
+@pytest.mark.parametrize("mode, held, latest, evaluation, fails", [
+    ("async", 3, 5, False, False),  # within the bound: sample with version 3 rather than lose the lease
+    ("async", 1, 5, False, True),  # 4 behind with S = 4: must update
+    ("sequential", 4, 5, False, True),  # sequential pull needs exactly the lease's version
+    ("async", 4, 5, True, True),  # so does every evaluation
+])
+def test_a_failed_update_is_fatal_only_outside_the_bound(session, mode, held, latest, evaluation, fails):
+    base, relay, manifest, _ = full_run(versions=0)  # the trainer has nothing: every update fails
+    manifest = dataclasses.replace(manifest, mode=mode, staleness=4)
+    versions, _ = versions_for(session, relay, manifest, base)
+    versions.version = versions.loaded = held
+    lease = factories.lease(version=latest, evaluation=evaluation, samples=2 if evaluation else 0)
+    if fails:
+        with pytest.raises(UpdateError, match=f"update to version {latest} stopped at version {held}"):
+            asyncio.run(versions.prepare(lease))
+    else:
+        assert asyncio.run(versions.prepare(lease)) is None
+    assert versions.version == held and versions.backend.loads == []
+
+
+def test_an_evaluation_of_a_version_the_node_is_past_is_refused(session):
+    base, relay, manifest, _ = full_run(versions=2)
+    versions, presence = versions_for(session, relay, manifest, base)
+    versions.version = 2
+    with pytest.raises(UpdateError, match="evaluation of version 1, but this node holds version 2"):
+        asyncio.run(versions.prepare(factories.lease(version=1, evaluation=True, samples=2)))
+    assert presence.endpoint.calls == []
+
+
+def test_a_busy_trainer_is_asked_again_soon_after_rereading_peers_and_other_failures_are_not(session):
+    base, relay, manifest, _ = full_run(versions=1)
+    busy = RemoteError("busy", "sent its share", "QmTrainer", "echo.chunks")
+    versions, presence = versions_for(session, relay, manifest, base, busy, busy)
+    refreshed = []
+    presence.refresh = lambda: refreshed.append(versions.version)
+    asyncio.run(versions.bring_to(1))
+    assert versions.version == 1 and refreshed == [0, 0]  # two busy answers, each followed by a re-read of peers
+    # A failure that is not "busy" ends the move at once (the work loop retries with backoff).
+    versions, presence = versions_for(session, relay, manifest, base, TransportError("stream broke"))
+    with pytest.raises(UpdateError, match="stream broke|chunks unavailable"):
+        asyncio.run(versions.bring_to(1))
+    assert presence.endpoint.calls.count("echo.chunks") == 1
+
+
+def test_a_chain_cut_short_keeps_and_loads_the_verified_prefix(session):
+    base, relay, manifest, view = full_run(versions=3)
+    last, _ = relay.updates[(2, 3)]
+    relay.updates[(2, 3)] = (last, {})  # the trainer offers 2->3 but lost its chunks
+    versions, presence = versions_for(session, relay, manifest, base)
+    with pytest.raises(UpdateError, match="update to version 3 stopped at version 2"):
+        asyncio.run(versions.bring_to(3))
+    assert versions.version == 2 and presence.version == 2
+    assert [v for v, _ in versions.backend.loads] == [2]  # still serving: the backend holds version 2

@@ -1,0 +1,171 @@
+"""The work loop: pushes overlap the next generation, a refusal is final, a broken stream is
+retried while the lease lasts, and a key the run does not admit ends the node."""
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from echo_node.config import JoinRefused
+from echo_node.join import Phases
+from echo_node.work import Work
+from protocols import rpc
+from protocols.errors import RemoteError, TransportError
+from protocols.messages import LeaseRequest, NoWork, PushReceipt, RolloutBatch
+from tests.unit.echo_node.conftest import Backend
+from tests.unit.protocols import factories
+
+
+class Held:
+    """Versions that already hold every lease's version (moving is test_versions' business)."""
+
+    version = 0
+
+    def __init__(self):
+        self.finished_at = []
+
+    async def prepare(self, lease):
+        return None
+
+    async def bring_to(self, version):
+        self.finished_at.append(version)
+
+
+class Recorder:
+    """Generation that records when it ran, into the trainer's event log."""
+
+    def __init__(self, events):
+        self.events = events
+
+    def generate(self, lease, version):
+        self.events.append(("generate", lease.lease_id))
+        time.sleep(0.2)
+        return factories.batch(lease_id=lease.lease_id, version=version)
+
+
+def work_for(session, endpoint, events=None) -> Work:
+    return Work(session, endpoint, "trainer", factories.manifest(mode="async"), Backend(), Held(),
+                Recorder(events if events is not None else []), Phases())
+
+
+class FlakyTrainer:
+    """An endpoint whose pushes fail with the given errors, then succeed."""
+
+    peer_id = "QmNode"
+
+    def __init__(self, *errors):
+        self.errors, self.calls = list(errors), 0
+
+    async def call_one(self, peer, handler, payload):
+        self.calls += 1
+        if self.errors:
+            raise self.errors.pop(0)
+        return PushReceipt(accepted=4, rejected=0, reasons={}, latest_version=2).to_wire()
+
+
+def test_a_push_is_retried_across_a_broken_stream_but_not_after_a_refusal(session, monkeypatch):
+    monkeypatch.setattr("protocols.supervise.Backoff.next", lambda self: 0.0)
+    batch, lasts = factories.batch(), time.time() + 60
+    work = work_for(session, FlakyTrainer(TransportError("stream broke"), TransportError("connection refused")))
+    assert asyncio.run(work._push(batch, lasts)).accepted == 4 and work.endpoint.calls == 3
+    # A refusal is the trainer's answer: pushing the same batch again is refused again (a node
+    # that kept at it held a dead lease until it expired, and missed the end of the run).
+    work = work_for(session, FlakyTrainer(RemoteError("stale", "batch of version 3 refused at version 6", "p", "echo.push")))
+    with pytest.raises(RemoteError, match="stale"):
+        asyncio.run(work._push(batch, lasts))
+    assert work.endpoint.calls == 1
+    # A broken stream past the lease's expiry is given up.
+    work = work_for(session, FlakyTrainer(TransportError("stream broke")))
+    with pytest.raises(TransportError, match="stream broke"):
+        asyncio.run(work._push(batch, time.time()))
+    assert work.endpoint.calls == 1
+
+
+class SlowTrainer:
+    """Hands out `leases` leases, then says the run is over; answers each push after `seconds`,
+    refusing the first as stale. Records what happened when, and the lease requests."""
+
+    peer_id = "QmNode"
+
+    def __init__(self, leases: int, seconds: float):
+        self.left, self.seconds, self.events, self.pushing, self.most_pushing = leases, seconds, [], 0, 0
+        self.requests: list[LeaseRequest] = []
+
+    async def call_one(self, peer, handler, payload):
+        if handler == rpc.LEASE:
+            self.requests.append(LeaseRequest.from_wire(payload))
+            if self.left == 0:
+                return NoWork(latest_version=7, retry_after=0.0, finished=True).to_wire()
+            self.left -= 1
+            return factories.lease(lease_id=f"L{self.left}", version=0, expires_at=time.time() + 60).to_wire()
+        lease_id = RolloutBatch.from_wire(payload).lease_id
+        self.pushing += 1
+        self.most_pushing = max(self.most_pushing, self.pushing)
+        await asyncio.sleep(self.seconds)
+        self.pushing -= 1
+        self.events.append(("answered", lease_id))
+        if lease_id == "L2":
+            raise RemoteError("stale", "batch of version 0 refused at version 4", "p", "echo.push")
+        return PushReceipt(accepted=2, rejected=0, reasons={}, latest_version=0).to_wire()
+
+
+def test_a_push_overlaps_the_next_generation_and_one_refusal_does_not_stop_the_node(session):
+    trainer = SlowTrainer(leases=3, seconds=0.3)
+    work = work_for(session, trainer, trainer.events)
+    asyncio.run(work.run())
+    # L1 is generated while L2's push is being answered, L0 while L1's; never two pushes at once.
+    assert trainer.events == [("generate", "L2"), ("generate", "L1"), ("answered", "L2"), ("generate", "L0"),
+                              ("answered", "L1"), ("answered", "L0")]
+    assert trainer.most_pushing == 1
+    assert work.accepted == 4  # L1 and L0; the refused L2 is only logged
+    assert work.versions.finished_at == [7]  # the run ends once the last push is answered, at the final version
+    # Until a rollout is accepted, a lease asks for one prompt's group (accepted sooner); then full leases.
+    assert [r.max_seeds for r in trainer.requests] == [1, 1, 1, 64]
+    assert all(r.node_key == session.node_key and r.backend == "llama_cpp" for r in trainer.requests)
+
+
+class Closed:
+    """A trainer that admits only listed keys, answering `times` transient failures first."""
+
+    peer_id = "QmNode"
+
+    def __init__(self, times: int = 0):
+        self.times, self.calls = times, 0
+
+    async def call_one(self, peer, handler, payload):
+        self.calls += 1
+        if self.calls <= self.times:
+            raise TransportError("connection refused")
+        raise RemoteError("not_allowed", "key not listed", "p", "echo.lease")
+
+
+def test_a_key_the_run_does_not_admit_ends_the_node_with_its_fingerprint(session, monkeypatch):
+    monkeypatch.setattr("protocols.supervise.Backoff.next", lambda self: 0.0)
+    work = work_for(session, Closed(times=2))
+    with pytest.raises(JoinRefused, match=f"ask its operator to add {session.fingerprint}"):
+        asyncio.run(work.run())
+    assert work.endpoint.calls == 3  # two transient failures retried, the refusal not
+
+
+def test_a_final_version_that_cannot_be_fetched_still_ends_the_run(session, capsys):
+    work = work_for(session, SlowTrainer(leases=0, seconds=0))
+
+    async def unreachable(version):
+        raise TransportError("trainer gone")
+
+    work.versions.bring_to = unreachable
+    asyncio.run(work.run())
+    assert "stays at version 0" in " ".join(capsys.readouterr().out.split())
+
+
+def test_the_live_line_shows_version_lag_accepted_and_throughput(tmp_path):
+    from echo_node.session import Session
+    from tests.unit.echo_node.conftest import config
+
+    shown = []
+    session = Session(config(tmp_path, name="carol"), status=SimpleNamespace(update=shown.append))
+    work = work_for(session, SlowTrainer(leases=0, seconds=0))
+    work.latest, work.accepted = 3, 16
+    work.say("waiting for work")
+    assert shown == ["carol: version 0 (lag 3) · 16 samples accepted · 12 tok/s · waiting for work"]
