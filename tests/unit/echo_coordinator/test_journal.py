@@ -1,0 +1,75 @@
+"""The journal on real SQLite: what a restart recovers. Every accepted group is trained once and
+credited once, whatever step a crash interrupts."""
+
+from __future__ import annotations
+
+from echo_coordinator.journal import Group, Journal
+from echo_coordinator.ledger import Ledger
+from echo_coordinator.trainer.samples import TrainSample
+
+
+def group(lease: str, seed: int, version: int = 0, node: str = "n1", samples: int = 2) -> Group:
+    made = tuple(TrainSample((1, 2), (3, 4, 5), (-0.5, -0.25, -1.0), (1, 1, 1), reward=float(i), group=seed)
+                 for i in range(samples))
+    return Group(lease, seed, version, made, node, f"peer-{node}", node.upper(), tokens=3 * samples)
+
+
+def test_accepted_groups_come_back_whole_after_a_restart(tmp_path):
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    journal = Journal(ledger)
+    first, second = group("L1", 10), group("L2", 11, version=1, node="n2")
+    journal.accept("L1", [first], {"next_seed": 12}).result()
+    journal.accept("L2", [second], {"next_seed": 13, "leases": {"x": 1}}).result()
+    ledger.close()
+
+    recovered = Journal(Ledger(tmp_path / "ledger.sqlite")).recover(version=0)
+    assert recovered.groups == [first, second]  # samples bit for bit, oldest first
+    assert recovered.accepted == {"L1", "L2"}
+    assert recovered.values == {"next_seed": 13, "leases": {"x": 1}}  # the last save wins
+
+
+def test_a_step_that_finished_is_credited_once_and_one_that_did_not_is_trained_again(tmp_path):
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    journal = Journal(ledger)
+    a, b, c = group("L1", 1), group("L1", 2), group("L2", 3, node="n2")
+    journal.accept("L1", [a, b], {}).result()
+    journal.accept("L2", [c], {}).result()
+    journal.take([a], step=0, dropped=[]).result()
+    journal.commit_step(0).result()  # step 0 saved: a credited, gone from the buffer
+    journal.take([b, c], step=1, dropped=[]).result()  # step 1 crashes before its state.json
+    ledger.close()
+
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    recovered = Journal(ledger).recover(version=1)
+    assert recovered.groups == [b, c]  # back in the buffer for the step to run again
+    credited = {p["node_id"]: p["accepted"] for p in ledger.peers()}
+    assert credited == {"n1": 2}  # a's two samples, once
+    assert [h["version"] for h in ledger.history("n1")] == [1]
+
+
+def test_a_crash_after_state_json_but_before_the_credits_is_finished_on_recovery(tmp_path):
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    journal = Journal(ledger)
+    a = group("L1", 1)
+    journal.accept("L1", [a], {}).result()
+    journal.take([a], step=0, dropped=[]).result()  # state.json names version 1; commit_step never ran
+    ledger.close()
+
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    recovered = Journal(ledger).recover(version=1)
+    assert recovered.groups == []
+    assert {p["node_id"]: p["accepted"] for p in ledger.peers()} == {"n1": 2}
+    assert Journal(ledger).recover(version=1).groups == []  # and never twice
+    assert {p["node_id"]: p["accepted"] for p in ledger.peers()} == {"n1": 2}
+
+
+def test_dropped_groups_leave_the_buffer_and_count_against_their_node(tmp_path):
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    journal = Journal(ledger)
+    old, fresh = group("L1", 1, samples=3), group("L2", 2)
+    journal.accept("L1", [old], {}).result()
+    journal.accept("L2", [fresh], {}).result()
+    journal.take([fresh], step=4, dropped=[old]).result()
+    assert ledger.rejection_totals() == {"stale": 3}
+    assert Journal(ledger).recover(version=4).groups == [fresh]  # taken by the unfinished step 4
+    ledger.close()

@@ -1,0 +1,87 @@
+"""The contribution ledger on real SQLite: credits, rejections, evaluation credit, bans, history,
+survival across a reopen, and metrics.jsonl rewound on a restart."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+from echo_coordinator.ledger import Ledger, MetricsLog
+
+
+def test_credits_rejections_and_evaluations_are_kept_apart_and_survive_a_reopen(tmp_path):
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    ledger.credit("a", "peer-a", "alice", samples=8, tokens=40, now=1.0, version=1)
+    ledger.credit("a", "peer-a2", "alice2", samples=4, tokens=20, now=2.0, version=1)  # same step: one history row
+    ledger.credit("a", "peer-a2", "alice2", samples=4, tokens=20, now=3.0, version=2)
+    ledger.reject("a", "peer-a2", "alice2", "stale", samples=3, now=4.0)
+    ledger.reject("b", "peer-b", "bob", "bad_signature", now=5.0)
+    ledger.credit_eval("b", "peer-b", "bob", samples=6, tokens=30, now=6.0)
+    ledger.set_run(version=2, mode="async")
+    ledger.close()
+
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    peers = {p["node_id"]: p for p in ledger.peers()}
+    a, b = peers["a"], peers["b"]
+    assert (a["accepted"], a["tokens"], a["rejected"], a["name"], a["peer_id"]) == (16, 80, 3, "alice2", "peer-a2")
+    assert a["first_seen"] == 1.0 and a["last_seen"] == 4.0 and a["rejected_by_reason"] == {"stale": 3}
+    assert (b["accepted"], b["eval_samples"], b["rejected_by_reason"]) == (0, 6, {"bad_signature": 1})
+    assert [(h["version"], h["samples"], h["tokens"]) for h in ledger.history("a")] == [(1, 12, 60), (2, 4, 20)]
+    assert ledger.rejection_totals() == {"stale": 3, "bad_signature": 1}
+    assert ledger.run() == {"version": 2, "mode": "async"}
+    ledger.close()
+
+
+def test_a_failed_check_bans_for_the_rule_s_time_and_passes_do_not_lift_it(tmp_path):
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    ban = lambda strikes: 100.0 * strikes  # noqa: E731
+    assert ledger.record_check("n", True, ban, now=10.0).banned_until == 0
+    first = ledger.record_check("n", False, ban, now=20.0)
+    assert (first.verified, first.failed, first.banned_until) == (1, 1, 120.0)
+    second = ledger.record_check("n", False, ban, now=30.0)
+    assert second.banned_until == 230.0  # two strikes: 200 s from now
+    assert ledger.record_check("n", True, ban, now=40.0).banned_until == 230.0
+    assert ledger.trust("n") == ledger.trust("n") and ledger.trust("n").failed == 2
+    assert ledger.trust("unknown").verified == 0
+    ledger.close()
+
+
+def test_a_transaction_that_fails_leaves_nothing_behind(tmp_path):
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+
+    def half_then_fail() -> None:
+        with ledger.transaction() as db:
+            db.execute("INSERT INTO run (key, value) VALUES ('x', '1')")
+            raise RuntimeError("crash mid-transaction")
+
+    try:
+        ledger.submit(half_then_fail).result()
+    except RuntimeError:
+        pass
+    assert ledger.run() == {}
+    ledger.close()
+
+
+def test_calls_from_many_threads_are_serialised_on_the_ledger_s_own_thread(tmp_path):
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    threads = [threading.Thread(target=lambda i=i: [ledger.credit(f"n{i % 3}", "p", "x", 1, 2, version=1)
+                                                    for _ in range(50)]) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(p["accepted"] for p in ledger.peers()) == 300
+    ledger.close()
+
+
+def test_metrics_rewind_drops_the_lines_of_steps_a_restart_will_redo(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    log = MetricsLog(path)
+    for v in range(4):
+        log.write({"version": v})
+        log.write({"eval_version": v, "eval_accuracy": 0.5})
+    log.close()
+    MetricsLog.rewind(path, 2)  # state.json names version 2: steps 2 and 3 are trained again
+    kept = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["version"] for r in kept if "version" in r] == [0, 1]
+    assert [r["eval_version"] for r in kept if "eval_version" in r] == [0, 1, 2, 3]  # evaluations stand
