@@ -43,7 +43,8 @@ def start(
     verbose: bool = typer.Option(False, "--verbose", help="A line per step and INFO logs instead of one live status line."),
 ) -> None:
     """Start the coordinator and trainer; prints the `echo-node join` command for volunteers."""
-    from echo_coordinator.config import ConfigError, load_config
+    from echo_coordinator.config import load_config
+    from protocols.errors import ConfigError
 
     try:
         run, trainer = load_config(

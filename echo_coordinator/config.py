@@ -13,12 +13,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from protocols.errors import EchoError
+from protocols.errors import ConfigError
 from protocols.messages import MODES, UPDATE_MODES
-
-
-class ConfigError(EchoError, ValueError):
-    """A config file or override is wrong; the message says which field and how to fix it."""
 
 
 @dataclass(frozen=True)

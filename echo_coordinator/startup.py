@@ -117,7 +117,7 @@ class Coordinator:
         cfg, tcfg = self.run_config, self.trainer_config
         ranks, workers = distributed.Ranks.from_env(), []
         if ranks is None and tcfg.procs > 1:
-            workers = distributed.start_workers(tcfg.procs, self.dir.root)  # their logs: RunDir.trainer_log
+            workers = distributed.start_workers(tcfg.procs, self.dir.trainer_log)
             ranks = distributed.Ranks.from_env()
         if ranks is not None:
             self.display.waiting(f"loading the trainer on {self.model.name}: rank 0 of {ranks.world} ...")

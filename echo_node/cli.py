@@ -36,7 +36,8 @@ def join(
                                                           "one live status line."),
 ) -> None:
     """Join a run: verify it, then generate rollouts until Ctrl-C."""
-    from echo_node.config import ConfigError, NodeConfig
+    from echo_node.config import NodeConfig
+    from protocols.errors import ConfigError
 
     try:
         config = NodeConfig(

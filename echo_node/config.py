@@ -5,14 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from protocols.errors import EchoError
+from protocols.errors import ConfigError, EchoError
 from protocols.signing import FINGERPRINT_CHARS
 
 BACKENDS = ("llama_cpp", "transformers")
-
-
-class ConfigError(EchoError, ValueError):
-    """A setting is wrong; the message names the option and how to fix it."""
 
 
 class JoinRefused(EchoError):

@@ -50,6 +50,7 @@ class LlamaBackend:
         self.vocab_size = self.llm.n_vocab()
         self.eos = self.llm.token_eos()
         self.model_path = Path(model_path)
+        self.hf_config = None  # full mode: the base's HF config, read with the master weights (`base_weights`)
         self._adapter = None
         self.meter = Meter()
 
@@ -69,8 +70,8 @@ class LlamaBackend:
         return self.hf_config, master
 
     def load_weights(self, master: dict[str, np.ndarray], version: int, workdir: Path) -> None:
-        """Re-export `master` to `workdir/v{version}.gguf`, requantized to the joined file's type,
-        and reload; older exports go."""
+        """Re-export `master` (of `base_weights`' model) to `workdir/v{version}.gguf`, requantized to
+        the joined file's type, and reload; older exports go."""
         workdir.mkdir(parents=True, exist_ok=True)
         out = workdir / f"v{version}.gguf"
         export_quantized(self.hf_config, master, self.model_path, out, self.file_type)

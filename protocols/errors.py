@@ -12,6 +12,10 @@ class EchoError(Exception):
     """Root of every error Echo swarm raises on purpose."""
 
 
+class ConfigError(EchoError, ValueError):
+    """A local setting (a config file, an option) is wrong; the message names it and how to fix it."""
+
+
 class ProtocolError(EchoError):
     """Remote input was refused. `code` is stable and safe to send back to the peer."""
 

@@ -23,6 +23,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -224,16 +225,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_workers(procs: int, log_dir: Path) -> list[subprocess.Popen]:
+def start_workers(procs: int, log_of: Callable[[int], Path]) -> list[subprocess.Popen]:
     """`--trainer-procs N` on one machine: this process becomes rank 0 of N, and N - 1 copies of
-    this command line become the other ranks (they read the same config). Loopback only."""
+    this command line become the other ranks (they read the same config), rank r's output in
+    `log_of(r)`. Loopback only."""
     port = free_port()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(procs), RANK="0",
                       LOCAL_RANK="0", GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
     workers = []
     for rank in range(1, procs):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-        out = open(log_dir / f"trainer-rank{rank}.log", "ab")  # noqa: SIM115 (the child owns it)
+        out = open(log_of(rank), "ab")  # noqa: SIM115 (the child owns it)
         workers.append(subprocess.Popen([sys.executable, "-m", "echo_coordinator.cli", *sys.argv[1:]], env=env,
                                         stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
         out.close()

@@ -6,7 +6,8 @@ import json
 import signal
 import sqlite3
 
-from tests.support.runs import async_config, free_port, metrics, start_coordinator, start_node, wait_for
+from echo_coordinator.trainer.distributed import free_port
+from tests.support.runs import async_config, metrics, start_coordinator, start_node, wait_for
 
 
 def test_slow_node_under_s1_is_dropped_and_counted(tmp_path, tiny_model, processes):

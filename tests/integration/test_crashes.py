@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from echo_coordinator.trainer.distributed import free_port
 from tests.support.runs import (
-    async_config, check_books, free_port, journal, metrics, spawn, start_coordinator, start_node, wait_for,
+    async_config, check_books, journal, metrics, spawn, start_coordinator, start_node, wait_for,
 )
 
 GROUP, PROMPTS = 4, 2  # async_config's group_size and prompts_per_step; a lease holds one seed

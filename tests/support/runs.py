@@ -1,13 +1,12 @@
 """Running real coordinators and nodes in tests: spawning our own processes, waiting for
 readiness (never for a fixed time), the run configurations the integration tests share, and
-reading back what a run wrote. The fixtures built on these are in tests/conftest.py."""
+reading back what a run wrote (free ports: `echo_coordinator.trainer.distributed.free_port`). The fixtures built on these are in tests/conftest.py."""
 
 from __future__ import annotations
 
 import json
 import os
 import shlex
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -39,12 +38,6 @@ def spawn(processes: list, args, log: Path, **extra_env: str) -> subprocess.Pope
     proc = subprocess.Popen(args, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, cwd=REPO)
     processes.append(proc)
     return proc
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def join_argv(run_dir: Path, coordinator: subprocess.Popen) -> list[str]:

@@ -3,7 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from echo_coordinator.config import ConfigError, RunConfig, TrainerConfig, from_tables, load_config, to_tables
+from echo_coordinator.config import RunConfig, TrainerConfig, from_tables, load_config, to_tables
+from protocols.errors import ConfigError
 from protocols.errors import EchoError
 
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from echo_coordinator.base_model import BaseModel
-from echo_coordinator.config import ConfigError, RunConfig, TrainerConfig
+from echo_coordinator.config import RunConfig, TrainerConfig
+from protocols.errors import ConfigError
 from echo_coordinator.run_dir import RunDir, RunDirError, RunState
 
 

@@ -5,7 +5,7 @@ import pytest
 from typer.testing import CliRunner
 
 from echo_node.cli import app
-from echo_node.config import ConfigError
+from protocols.errors import ConfigError
 from tests.unit.echo_node.conftest import ADDRESS, config
 
 

@@ -189,7 +189,16 @@ def test_published_versions_are_served_by_the_relay(service):
 
 
 @pytest.fixture
-def async_services(tmp_path):
+def made():
+    """The services a test makes; their ledgers are closed when it ends."""
+    services: list[RunService] = []
+    yield services
+    for svc in services:
+        svc.ledger.close()
+
+
+@pytest.fixture
+def async_services(tmp_path, made):
     """Makes the async service of a test (`max_ahead`: its cap on buffered groups)."""
     def make(max_ahead: int | None = None) -> RunService:
         svc = make_service(Ledger(tmp_path / "ledger.sqlite"),
@@ -198,10 +207,7 @@ def async_services(tmp_path):
         made.append(svc)
         return svc
 
-    made: list[RunService] = []
-    yield make
-    for svc in made:
-        svc.ledger.close()
+    return make
 
 
 @pytest.fixture
@@ -347,7 +353,7 @@ def sampled_batch(key, lease: TaskLease, tokens: int = 6) -> RolloutBatch:
 
 
 @pytest.fixture
-def policed(tmp_path):
+def policed(tmp_path, made):
     def make(spot=SpotCheck(), allow=None):
         verifier = Verifier(toy_evidence, SamplingRule(), keep_versions=0)
         verifier.remember(0, {})
@@ -358,10 +364,7 @@ def policed(tmp_path):
         made.append(svc)
         return svc
 
-    made: list[RunService] = []
-    yield make
-    for svc in made:
-        svc.ledger.close()
+    return make
 
 
 def test_written_tokens_are_refused_struck_and_banned_for_a_growing_time(policed):
