@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 ANNOUNCE_TTL = 60.0  # seconds
 PEER_REFRESH = 5.0  # seconds between re-announcing and re-reading peers' versions
 CALL_TIMEOUT = 60.0
-RELAY_CHECK = 15.0  # seconds between a node's checks that its relay reservation holds (behind NAT)
+RELAY_CHECK = 5.0  # seconds between a node's checks that its relay reservation holds (behind NAT)
 
 
 class Presence:
@@ -110,10 +110,10 @@ class Presence:
 
     async def confirm_relay(self) -> None:
         """Behind NAT: until the coordinator can dial us through its relay, ask again now and then;
-        then announce the circuit, so that peers can fetch from us. libp2p makes the reservation
-        within seconds when it knows 4 relays, else after its 3-minute boot delay; meanwhile the
-        node works as usual (everything it does, it dials out for). A periodic probe, not a retry:
-        "not yet" is an answer, not a failure."""
+        then announce the circuit, so that peers can fetch from us. libp2p reserves at the
+        coordinator, our one static relay, within seconds; meanwhile the node works as usual
+        (everything it does, it dials out for). A periodic probe, not a retry: "not yet" is an
+        answer, not a failure."""
         started = time.monotonic()
         while not self.session.stopping.is_set():
             if await self._reach(relayed=True):

@@ -29,6 +29,7 @@ os.environ.setdefault("GOLOG_LOG_LEVEL", "error")
 
 import hivemind  # noqa: E402
 from hivemind.dht.protocol import DHTProtocol  # noqa: E402
+from hivemind.p2p import P2P  # noqa: E402
 from hivemind.dht.routing import DHTID  # noqa: E402
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase  # noqa: E402
 from hivemind.utils import MSGPackSerializer, get_dht_time  # noqa: E402
@@ -53,6 +54,27 @@ async def _die_with_parent(_dht, _node) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if sys.platform == "linux":
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _static_relays_only(make_process_args):
+    """p2pd's relay discovery, which hivemind leaves on, turned off for a peer with trusted relays.
+
+    With discovery on, libp2p's autorelay takes candidates from the DHT as well, waits 3 minutes
+    (its boot delay) until it knows 4 of them, then reserves at 2 picked at random: a node behind
+    NAT may never hold a reservation at the coordinator, whose relay the reachability probe and the
+    announced circuit go through. With static relays only, libp2p makes the trusted relay its one
+    candidate and reserves there at once (go-libp2p 0.32 `autorelay.WithStaticRelays`). hivemind
+    1.1.12 has no parameter for it, so the flag is added to the daemon's command line."""
+
+    def make(*args, **kwargs):
+        if kwargs.get("trustedRelays"):
+            kwargs["relayDiscovery"] = False
+        return make_process_args(*args, **kwargs)
+
+    return make
+
+
+P2P._make_process_args = staticmethod(_static_relays_only(P2P._make_process_args))
 
 
 def record_key(run_fingerprint: str, name: str) -> str:
@@ -116,7 +138,7 @@ class SwarmDHT:
         if public:
             extra["force_reachability"] = "public"
         if relay is not None:
-            # As a trusted (static) relay it is used at once; found otherwise, after minutes.
+            # Our only relay, reserved at once (`_static_relays_only`).
             extra.update(client_mode=True, use_auto_relay=True, force_reachability="private", trusted_relays=[relay])
         validators = [RunRecords(run_fingerprint)] if run_fingerprint else []
         try:

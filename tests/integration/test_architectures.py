@@ -24,6 +24,7 @@ IDS = list(range(100, 140))  # a 40-token sequence of real vocabulary
 F32_TOLERANCE = 1e-3  # max |logprob difference|; measured 1.3e-5 .. 1.7e-5
 Q8_KL = 0.02  # mean KL(HF || llama.cpp) per token; measured 0.0014 .. 0.0032
 Q4_KL = 0.3  # measured 0.037 .. 0.081
+ADAPTER_TOLERANCE = 1e-3  # max |logprob difference| with an adapter, relative to the adapter's own effect
 
 
 def hf_logprobs(model, ids=IDS) -> np.ndarray:
@@ -74,9 +75,12 @@ def test_a_lora_adapter_written_for_the_arch_matches_peft(model):
     write_lora_adapter(trainer.weights(), trainer.config.lora_alpha, path, backend.layout)
     backend.set_adapter(path)
     adapted = hf_logprobs(trainer.model)
-    assert np.abs(llama_logprobs(backend) - adapted).max() < F32_TOLERANCE
     with trainer.model.disable_adapter():
-        assert np.abs(hf_logprobs(trainer.model) - adapted).max() > 0.01  # the adapter changes the model
+        effect = np.abs(hf_logprobs(trainer.model) - adapted).max()
+    assert effect > 0.01  # the adapter changes the model
+    # A random adapter moves logprobs by ~12 here; f32 rounding grows with it (measured: llama
+    # 1.1e-3, 9e-5 of the effect; qwen2/3 under 4e-5), so the bound is relative to the effect.
+    assert np.abs(llama_logprobs(backend) - adapted).max() < ADAPTER_TOLERANCE * effect
 
 
 def test_full_mode_reexport_of_changed_weights(model):
