@@ -90,6 +90,12 @@ class RunDir:
         """A demo's local node's own data directory."""
         return self.root / name
 
+    def write_join(self, line: str) -> None:
+        """The join line, whole or not at all: whoever sees `join.txt` can use it."""
+        tmp = self.join_file.with_name(self.join_file.name + ".tmp")
+        tmp.write_text(line + "\n")
+        tmp.replace(self.join_file)
+
     def load_state(self) -> RunState | None:
         """What `state.json` names; None before a run's first start."""
         if not self.state_file.exists():

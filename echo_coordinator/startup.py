@@ -273,8 +273,8 @@ class Coordinator:
         """The join line, on the console and in `join.txt`, and the dashboard's URL."""
         cfg = self.run_config
         line = join_command(address, self.fp)
-        self.dir.join_file.write_text(line + "\n")
         console.print(f"[bold]run {manifest.run_id}[/] ({cfg.mode}, {cfg.task}); volunteers join with:")
         print(f"  {line}", flush=True)  # never wrapped: people copy this line
+        self.dir.write_join(line)  # after the console: a script that waits for the file finds both
         if dashboard_url:
             console.print(f"dashboard: {dashboard_url}")

@@ -6,6 +6,7 @@ they use (spawn, wait_for, free ports, run configurations) are in tests/support/
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -28,7 +29,18 @@ def processes():
     stop(started)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session", autouse=True)
+def echo_cache(tmp_path_factory) -> Path:
+    """One cache of derived files (`engines.hf.cache_dir`) for the session and every process it
+    starts: a GGUF's checkpoint is converted once per session, not once per process, and the
+    user's own cache is left alone."""
+    path = tmp_path_factory.mktemp("echo-cache")
+    os.environ["ECHO_CACHE"] = str(path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
-    """A tiny random Llama GGUF with a real tokenizer, built once per test module."""
+    """A tiny random Llama GGUF with a real tokenizer, built once per session (read-only: runs
+    copy what they change)."""
     return build_tiny_gguf(tmp_path_factory.mktemp("model") / "tiny.gguf")
