@@ -24,7 +24,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from engines.gguf_io import ARCHS, SUPPORTED, UnsupportedModel, add_hparams, arch_of, quantize, write_model
+from engines.gguf_io import (
+    ARCHS, SUPPORTED, UnsupportedModel, add_hparams, arch_of, quantize, read_field, write_model,
+)
 from protocols.chunks import DEFAULT_CHUNK_SIZE
 from protocols.errors import EchoError
 from protocols.messages import ModelFile
@@ -114,13 +116,9 @@ def checkpoint_arch(directory: Path) -> str:
 
 
 def gguf_arch(path: Path) -> str:
-    import gguf
-
-    field = gguf.GGUFReader(str(path)).fields.get("general.architecture")
-    name = field.contents() if field is not None else ""
     try:
-        return arch_of(name).name
-    except UnsupportedModel as e:
+        return arch_of(read_field(path, "general.architecture") or "").name
+    except (UnsupportedModel, ValueError) as e:
         raise ModelError(f"{path.name}: {e}") from None
 
 

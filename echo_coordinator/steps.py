@@ -103,7 +103,7 @@ class StepLoop:
         service.finish()  # nothing left to train: serve every node its final fetch ourselves
         # Linger until every node has heard the run is over (and can fetch the final version).
         deadline = time.monotonic() + LINGER_SECONDS
-        while not service.all_told_finished() and time.monotonic() < deadline:
+        while not service.all_told_finished(time.time()) and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
         await asyncio.sleep(3.0)  # grace for their final update fetches
 

@@ -15,6 +15,8 @@ Measured on tiny models: llama.cpp with the written adapter matches the HF peft 
 from __future__ import annotations
 
 import ctypes
+import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -131,6 +133,61 @@ def write_lora_adapter(adapter: dict[str, np.ndarray], alpha: float, path: Path,
         writer.add_tensor(name + ".lora_a", np.ascontiguousarray(a, dtype=np.float32))
         writer.add_tensor(name + ".lora_b", np.ascontiguousarray(b, dtype=np.float32))
     _finish(writer)
+
+
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+def read_field(path: Path, key: str) -> Any:
+    """One scalar or string metadata field of a GGUF file, or None if it has none. Reads the
+    header up to that field only: `gguf.GGUFReader` maps the whole file and slices every entry of
+    the vocabulary (3 s for a 49k-token one) to answer the same question."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+
+        def unpack(fmt: str):
+            size = struct.calcsize(fmt)
+            data = f.read(size)
+            if len(data) != size:
+                raise ValueError(f"{path.name}: GGUF header cut short")
+            return struct.unpack(fmt, data)[0]
+
+        def string() -> str:
+            length = unpack("<Q")
+            if length > size - f.tell():
+                raise ValueError(f"{path.name}: GGUF header cut short")
+            return f.read(length).decode("utf-8", errors="replace")
+
+        def skip(kind: int) -> None:
+            if kind == _STRING:
+                f.seek(unpack("<Q"), 1)
+            elif kind == _ARRAY:
+                item, count = unpack("<I"), unpack("<Q")
+                if item in _SCALARS:
+                    f.seek(struct.calcsize(_SCALARS[item]) * count, 1)
+                else:
+                    for _ in range(count):
+                        skip(item)
+            elif kind in _SCALARS:
+                f.seek(struct.calcsize(_SCALARS[kind]), 1)
+            else:
+                raise ValueError(f"{path.name}: unknown GGUF value type {kind}")
+
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{path.name} is not a GGUF file")
+        unpack("<I"), unpack("<Q")  # version, tensor count
+        for _ in range(unpack("<Q")):
+            name, kind = string(), unpack("<I")
+            if name != key:
+                skip(kind)
+            elif kind == _STRING:
+                return string()
+            elif kind in _SCALARS:
+                return unpack(_SCALARS[kind])
+            else:
+                raise ValueError(f"{path.name}: {key} is not a scalar")
+    return None
 
 
 def copy_tokenizer(writer: gguf.GGUFWriter, source: Path) -> None:

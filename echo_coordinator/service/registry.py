@@ -14,6 +14,7 @@ from protocols.errors import PeerRefused
 from protocols.messages import LeaseRequest
 
 LEASE_RATE = RateLimit(rate=4.0, burst=8.0)  # lease requests per key; an honest node asks every 0.5 s at most
+LIVE_SECONDS = 15.0  # a node waiting for work asks every 0.5 s, and any live node re-announces every 5 s
 
 
 class Registry:
@@ -49,10 +50,13 @@ class Registry:
         """What the DHT's announcements say now; each replaces the last whole."""
         self.hardware, self.announced = dict(hardware), frozenset(announced)
 
-    def all_told_finished(self) -> bool:
-        """Every node that asked for work since this start, and every node announcing itself in the
-        run (one that has not asked since a restart may be waiting out a retry delay), has heard."""
-        return set(self.names) | self.announced <= self.told_finished
+    def all_told_finished(self, now: float) -> bool:
+        """Every node that asked for work lately, and every node announcing itself in the run (one
+        that has not asked since a restart may be waiting out a retry delay), has heard. A key
+        that has done neither for `LIVE_SECONDS` is gone (killed, or one of a flood of fresh
+        keys): the end of the run does not wait for it."""
+        asking = {n for n, at in self.last_seen.items() if now - at < LIVE_SECONDS}
+        return asking | self.announced <= self.told_finished
 
     def prune(self, now: float, idle: float) -> None:
         """Forget keys that have not asked for work in `idle` seconds (names, rate buckets)."""

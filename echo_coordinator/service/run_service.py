@@ -199,9 +199,9 @@ class RunService:
             if "leases" in recovered.values:
                 self.leasing.restore(recovered.values)
 
-    def all_told_finished(self) -> bool:
+    def all_told_finished(self, now: float) -> bool:
         with self.lock:
-            return self.nodes.all_told_finished()
+            return self.nodes.all_told_finished(now)
 
     def prune(self, now: float, idle: float = 600.0) -> None:
         """Forget keys that have not asked for work in `idle` seconds (names, rate buckets): keys

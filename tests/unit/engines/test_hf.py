@@ -4,21 +4,19 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from engines.hf import gguf_checkpoint, load_model, load_tokenizer, prompt_ids
-from tests.support.tiny_model import build_tiny_gguf
 
 TEXT = "What is 2 + 4? <|im_end|> Ünïcode\n\n  spaces"
 
 
-def test_a_gguf_loads_through_its_cache_as_transformers_loads_the_file(tmp_path, monkeypatch):
-    monkeypatch.setenv("ECHO_CACHE", str(tmp_path / "cache"))
-    path = build_tiny_gguf(tmp_path / "tiny.gguf")
-    config = AutoConfig.from_pretrained(tmp_path, gguf_file=path.name)
-    direct = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, config=config, dtype=torch.float32)
-    direct_tokenizer = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+def test_a_gguf_loads_through_its_cache_as_transformers_loads_the_file(tiny_model, echo_cache):
+    path = tiny_model
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    direct = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config, dtype=torch.float32)
+    direct_tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
 
     model, tokenizer = load_model(path, dtype=torch.float32), load_tokenizer(path)
     cached = gguf_checkpoint(path)
-    assert cached.parent == tmp_path / "cache" / "hf" and (cached / "model.safetensors").exists()
+    assert cached.parent == echo_cache / "hf" and (cached / "model.safetensors").exists()
     ours, theirs = model.state_dict(), direct.state_dict()
     assert ours.keys() == theirs.keys()
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)

@@ -10,6 +10,7 @@ from engines.episodes import Transcripts
 from echo_coordinator.publish import Publisher
 from echo_coordinator.service import LeaseSettings, Policing, Refused, RunService, Work
 from echo_coordinator.service.policing import BanRule, SpotCheck
+from echo_coordinator.service.registry import LIVE_SECONDS
 from echo_coordinator.verify import Verifier
 from protocols.errors import InvalidValue, LeaseError, PeerRefused, SignatureError, TranscriptError, VerificationError
 from protocols.sampling import SampleEvidence, SamplingRule, choose, gumbel, log_softmax, sample_seed
@@ -101,16 +102,17 @@ def test_bad_lease_requests(service):
 
 
 def test_the_run_ends_once_every_asking_and_every_announced_node_has_heard(service):
-    asked, waiting_out_a_retry = generate_key(), generate_key()
+    asked, waiting_out_a_retry, gone = generate_key(), generate_key(), generate_key()
     service.open_step([1])
+    service.handle_lease(lease_request(gone), now=NOW - LIVE_SECONDS - 1)  # asked once, then silence
     service.handle_lease(lease_request(asked), now=NOW)
     service.finish()
     service.note_peers({}, frozenset({fingerprint(public_bytes(waiting_out_a_retry))}))
-    assert not service.all_told_finished()
+    assert not service.all_told_finished(NOW)
     service.handle_lease(lease_request(asked), now=NOW + 1)
-    assert not service.all_told_finished()  # the announced node has not asked since this start
+    assert not service.all_told_finished(NOW + 1)  # the announced node has not asked since this start
     assert service.handle_lease(lease_request(waiting_out_a_retry), now=NOW + 2).finished
-    assert service.all_told_finished()
+    assert service.all_told_finished(NOW + 2)  # the key gone quiet, never told, does not hold the end
 
 
 @pytest.mark.parametrize("tamper, error, match", [
