@@ -15,6 +15,7 @@ Measured on tiny models: llama.cpp with the written adapter matches the HF peft 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import struct
 from dataclasses import dataclass
@@ -192,15 +193,22 @@ def read_field(path: Path, key: str) -> Any:
 
 def copy_tokenizer(writer: gguf.GGUFWriter, source: Path) -> None:
     """Copy every `tokenizer.*` field (vocab, merges, special ids, chat template) from a GGUF."""
-    reader = gguf.GGUFReader(str(source))
-    for name, field in reader.fields.items():
-        if not name.startswith("tokenizer."):
-            continue
-        kind = field.types[0]
-        if kind == gguf.GGUFValueType.ARRAY:
-            writer.add_key_value(name, field.contents(), kind, sub_type=field.types[-1])
-        else:
-            writer.add_key_value(name, field.contents(), kind)
+    stat = source.stat()
+    for name, value, kind, sub_type in _tokenizer_fields(str(source), stat.st_size, stat.st_mtime_ns):
+        writer.add_key_value(name, value, kind, sub_type=sub_type)
+
+
+@functools.lru_cache(maxsize=2)
+def _tokenizer_fields(source: str, size: int, mtime_ns: int) -> tuple:
+    """(name, value, type, item type) of a GGUF's `tokenizer.*` fields. A full-mode node
+    re-exports every version from the same base, and parsing a 49k vocabulary takes 3 s: read
+    once per file (size and mtime in the key, so a changed file is read again)."""
+    fields = []
+    for name, field in gguf.GGUFReader(source).fields.items():
+        if name.startswith("tokenizer."):
+            array = field.types[0] == gguf.GGUFValueType.ARRAY
+            fields.append((name, field.contents(), field.types[0], field.types[-1] if array else None))
+    return tuple(fields)
 
 
 def add_hparams(writer: gguf.GGUFWriter, config: Any) -> None:

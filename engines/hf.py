@@ -7,6 +7,7 @@ One rule for tied embeddings: when `tie_word_embeddings` is set, `lm_head.weight
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -68,21 +69,23 @@ def gguf_checkpoint(path: Path) -> Path:
     target = cache_dir() / "hf" / sha256_file(path)[:32]
     if (target / "config.json").exists():
         return target
-    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    fields = gguf.GGUFReader(str(path)).fields
-    key_length = fields.get(f"{fields['general.architecture'].contents()}.attention.key_length")
-    if key_length is not None:
-        config.head_dim = int(key_length.contents())
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config,
-                                                 dtype=torch.float32)
     target.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
+        with _one_gguf_parse():
+            config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+            fields = gguf.GGUFReader(str(path)).fields
+            key_length = fields.get(f"{fields['general.architecture'].contents()}.attention.key_length")
+            if key_length is not None:
+                config.head_dim = int(key_length.contents())
+            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config,
+                                                         dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         # save_pretrained refuses a model loaded from GGUF (transformers marks it quantized);
         # its weights are plain float32 tensors, so they are written as they are.
         save_model(model, str(scratch / "model.safetensors"), metadata={"format": "pt"})
         config.save_pretrained(scratch)
-        AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(scratch)
+        tokenizer.save_pretrained(scratch)
         os.rename(scratch, target)  # config.json appears with the rest: a checkpoint is whole or absent
     except OSError:
         if not (target / "config.json").exists():
@@ -90,6 +93,26 @@ def gguf_checkpoint(path: Path) -> Path:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return target
+
+
+@contextlib.contextmanager
+def _one_gguf_parse():
+    """transformers makes a new `gguf.GGUFReader` of the file for the config, the tokenizer and
+    the weights (each ~3 s on a 49k vocabulary): while converting, one reader per file serves
+    all of them (a reader is a read-only map of the file)."""
+    original, readers = gguf.GGUFReader, {}
+
+    def reader(path, *args, **kwargs):
+        key = (str(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = original(path, *args, **kwargs)
+        return readers[key]
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
 
 
 def decode(tokenizer, ids) -> str:
