@@ -92,9 +92,7 @@ class RunDir:
 
     def write_join(self, line: str) -> None:
         """The join line, whole or not at all: whoever sees `join.txt` can use it."""
-        tmp = self.join_file.with_name(self.join_file.name + ".tmp")
-        tmp.write_text(line + "\n")
-        tmp.replace(self.join_file)
+        _replace(self.join_file, line + "\n")
 
     def load_state(self) -> RunState | None:
         """What `state.json` names; None before a run's first start."""
@@ -111,9 +109,8 @@ class RunDir:
         """Name `version` (and its checkpoint) as the one to resume at: an atomic replace. Older
         checkpoints, and any a crash left half-written, go."""
         checkpoint = f"checkpoints/v{version}" if version else None
-        tmp = self.state_file.with_name(self.state_file.name + ".tmp")
-        tmp.write_text(json.dumps({"run_id": run_id, "version": version, "checkpoint": checkpoint, "service": service}))
-        tmp.replace(self.state_file)
+        _replace(self.state_file, json.dumps({"run_id": run_id, "version": version, "checkpoint": checkpoint,
+                                              "service": service}))
         for old in self.checkpoints.glob("v*"):
             if f"checkpoints/{old.name}" != checkpoint:
                 shutil.rmtree(old, ignore_errors=True)
@@ -164,3 +161,10 @@ class RunDir:
             return Path(json.loads(self.base_file.read_text())["source"])
         except (OSError, json.JSONDecodeError, KeyError) as e:
             raise RunDirError(f"{self.root} has no readable base.json (was a run started there?): {e}") from None
+
+
+def _replace(path: Path, text: str) -> None:
+    """Write `path` whole or not at all: a temporary file, then an atomic rename over it."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)

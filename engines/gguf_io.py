@@ -148,9 +148,9 @@ def read_field(path: Path, key: str) -> Any:
         size = os.fstat(f.fileno()).st_size
 
         def unpack(fmt: str):
-            size = struct.calcsize(fmt)
-            data = f.read(size)
-            if len(data) != size:
+            width = struct.calcsize(fmt)
+            data = f.read(width)
+            if len(data) != width:
                 raise ValueError(f"{path.name}: GGUF header cut short")
             return struct.unpack(fmt, data)[0]
 

@@ -29,9 +29,9 @@ os.environ.setdefault("GOLOG_LOG_LEVEL", "error")
 
 import hivemind  # noqa: E402
 from hivemind.dht.protocol import DHTProtocol  # noqa: E402
-from hivemind.p2p import P2P  # noqa: E402
 from hivemind.dht.routing import DHTID  # noqa: E402
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase  # noqa: E402
+from hivemind.p2p import P2P  # noqa: E402
 from hivemind.utils import MSGPackSerializer, get_dht_time  # noqa: E402
 
 from protocols.errors import ProtocolError, TransportError  # noqa: E402
