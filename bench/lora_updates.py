@@ -34,6 +34,7 @@ from echo_coordinator.main import demo_model_path  # noqa: E402
 from echo_coordinator.publish import Publisher  # noqa: E402
 from echo_coordinator.trainer.learner import Trainer  # noqa: E402
 from echo_coordinator.trainer.samples import TrainSample  # noqa: E402
+from engines.backend import generate_one  # noqa: E402
 from engines.hf import prompt_ids  # noqa: E402
 from engines.llama_backend import LlamaBackend  # noqa: E402
 from protocols.signing import generate_key  # noqa: E402
@@ -49,7 +50,7 @@ def node_batch(trainer: Trainer, prompts: int, group: int, tokens: int) -> list[
         problem = task.generate(seed)
         prompt = prompt_ids(trainer.tokenizer, task.episode(seed).messages)
         for j in range(group):
-            out = node.generate(list(prompt), tokens, 1.0, 1000 * seed + j)
+            out = generate_one(node, prompt, tokens, 1.0, 1000 * seed + j)
             text = trainer.tokenizer.decode(list(out.token_ids), skip_special_tokens=True)
             samples.append(TrainSample(prompt, out.token_ids, out.logprobs, (1,) * len(out.token_ids),
                                        task.reward(problem, text), seed))

@@ -8,7 +8,11 @@ sample is verified against the trainer's logits for its version; then the traine
 step on the Q4_1 samples, so later versions carry real trained adapters. Cheats are built from
 the same prompts at each version and verified the same way.
 
-    .venv/bin/python bench/verification.py [--versions 4] [--seeds q4_1=144,q8_0=144,q4_k_m=32,transformers=8]
+A llama.cpp kind may name the batch it decodes, `q4_1@32`: a node with `--parallel 32`, whose
+leases hold enough prompts to fill it (`--lease-seeds` or B / G, whichever is more); every kind
+decodes a lease's samples together, so `q4_1@1` is one sequence at a time.
+
+    .venv/bin/python bench/verification.py [--versions 4] [--seeds q4_1@8=144,q8_0@8=144,q4_k_m@8=32,transformers=8]
         [--group 8] [--cheat-seeds 4] [--temperature 1.0] [--evidence FILE.jsonl] [--from-version 0]
         [--model RUN.gguf --seeds file=144]   # another run file: the trainer trains it dequantized
     .venv/bin/python bench/verification.py --summarize FILE.jsonl   # re-judge recorded evidence
@@ -42,6 +46,7 @@ from echo_coordinator.config import TrainerConfig  # noqa: E402
 from echo_coordinator.main import demo_model_path  # noqa: E402
 from echo_coordinator.trainer.learner import Trainer  # noqa: E402
 from echo_coordinator.trainer.samples import TrainSample  # noqa: E402
+from engines.backend import Request  # noqa: E402
 from engines.hf import prompt_ids  # noqa: E402
 from echo_coordinator.verify import lora_base  # noqa: E402
 from protocols.sampling import sample_seeds  # noqa: E402
@@ -73,11 +78,14 @@ class Nodes:
         config, base = load_master(model)
         self.hf_config, self.base = config, base
         for kind in kinds:
-            if kind in ("q4_1", "file"):  # llama.cpp on the run's file (the shipped Q4_1 unless --model)
-                self.backends[kind] = LlamaBackend(model, threads=2, n_ctx=512)
-            elif kind in FTYPES:
-                path = export_quantized(config, base, model, work / f"{kind}.gguf", FTYPES[kind])
-                self.backends[kind] = LlamaBackend(path, threads=2, n_ctx=512)
+            quant, parallel = kind.split("@") if "@" in kind else (kind, "8")
+            if quant in ("q4_1", "file"):  # llama.cpp on the run's file (the shipped Q4_1 unless --model)
+                self.backends[kind] = LlamaBackend(model, threads=2, n_ctx=512, parallel=int(parallel))
+            elif quant in FTYPES:
+                path = work / f"{quant}.gguf"
+                if not path.exists():
+                    export_quantized(config, base, model, path, FTYPES[quant])
+                self.backends[kind] = LlamaBackend(path, threads=2, n_ctx=512, parallel=int(parallel))
             elif kind == "transformers":
                 from engines.transformers_backend import TransformersBackend
 
@@ -112,15 +120,12 @@ def merged(base: dict[str, np.ndarray], adapter: dict[str, np.ndarray], alpha: f
 
 def sample_lease(backend, lease: str, prompts: dict[int, tuple[int, ...]], group: int, temperature: float,
                  noise_lease: str | None = None) -> list[RolloutSample]:
-    """G samples per seed as an honest node makes them (noise of `noise_lease`, default the lease's)."""
-    samples: list[RolloutSample] = []
-    for seed, prompt in prompts.items():
-        for _ in range(group):
-            probe = [*samples, RolloutSample(seed, prompt, (0,), (0.0,))]
-            noise = sample_seeds(noise_lease or lease, [x.seed for x in probe])[-1]
-            out = backend.generate(list(prompt), MAX_NEW, temperature, noise)
-            samples.append(RolloutSample(seed, prompt, out.token_ids, out.logprobs))
-    return samples
+    """G samples per seed as an honest node makes them, decoded together (noise of `noise_lease`,
+    default the lease's)."""
+    order = [(seed, prompt) for seed, prompt in prompts.items() for _ in range(group)]
+    noise = sample_seeds(noise_lease or lease, [seed for seed, _ in order])
+    outs = backend.generate([Request(prompt, MAX_NEW, n) for (_, prompt), n in zip(order, noise)], temperature)
+    return [RolloutSample(seed, prompt, out.token_ids, out.logprobs) for (seed, prompt), out in zip(order, outs)]
 
 
 def evidence_of(trainer, lease: str, samples: list[RolloutSample], weights) -> list:
@@ -129,7 +134,7 @@ def evidence_of(trainer, lease: str, samples: list[RolloutSample], weights) -> l
 
 
 def cheats(trainer, node, lease: str, honest: list[RolloutSample], task, temperature: float, group: int,
-           tokenizer, eos: int) -> dict[str, list[RolloutSample]]:
+           tokenizer, eos: int, adapter: Path | None) -> dict[str, list[RolloutSample]]:
     """Each cheat as the batch a cheating node would push for this lease (same prompts and seeds)."""
     prompts = {s.seed: s.prompt_ids for s in honest}
     gold = {seed: tuple(tokenizer(f"The answer is {task.generate(seed).answer}.", add_special_tokens=False).input_ids)
@@ -156,23 +161,32 @@ def cheats(trainer, node, lease: str, honest: list[RolloutSample], task, tempera
                                        for s in honest]
     for factor in (0.5, 2.0):
         out[f"honest sampling at T x {factor}"] = sample_lease(node, lease, prompts, group, temperature * factor)
-    out["another sampler (top-k 40, top-p 0.95)"] = other_sampler(node, honest, temperature)
+    out["another sampler (top-k 40, top-p 0.95)"] = other_sampler(node, honest, temperature, adapter)
     return out
 
 
-def other_sampler(node, honest: list[RolloutSample], temperature: float) -> list[RolloutSample]:
-    """llama.cpp's own default sampler: what a node that ignores the lease's noise would send."""
+def other_sampler(node, honest: list[RolloutSample], temperature: float, adapter: Path | None) -> list[RolloutSample]:
+    """llama.cpp's own default sampler: what a node that ignores the lease's noise would send.
+    Its own `Llama` (the node's only tokenizes), with the version's adapter."""
+    import ctypes
+
+    import llama_cpp
+
+    llm = llama_cpp.Llama(str(node.model_path), n_ctx=512, verbose=False, n_threads=2,
+                          type_k=0, type_v=0)  # fp32 KV, as the node's
+    if adapter is not None:
+        lora = llama_cpp.llama_adapter_lora_init(llm.model, str(adapter).encode())
+        llama_cpp.llama_set_adapters_lora(llm.ctx, (llama_cpp.llama_adapter_lora_p_ctypes * 1)(lora), 1,
+                                          (ctypes.c_float * 1)(1.0))
     out = []
     for i, s in enumerate(honest):
-        node.llm.set_seed(1000 + i)
-        node.llm.reset()
+        llm.set_seed(1000 + i)
         ids: list[int] = []
-        for token in node.llm.generate(list(s.prompt_ids), temp=temperature, top_k=40, top_p=0.95, reset=True):
+        for token in llm.generate(list(s.prompt_ids), temp=temperature, top_k=40, top_p=0.95, reset=True):
             ids.append(token)
             if token == node.eos or len(ids) >= MAX_NEW:
                 break
         out.append(dataclasses.replace(s, completion_ids=tuple(ids), logprobs=(-1.0,) * len(ids)))
-    node.llm.reset()
     return out
 
 
@@ -183,6 +197,11 @@ def train(trainer, task, tokenizer, batch: list[RolloutSample]) -> list[float]:
     trainer.step([TrainSample(s.prompt_ids, s.completion_ids, s.logprobs, s.loss_mask, r, s.seed)
                   for s, r in zip(batch, rewards)])
     return rewards
+
+
+def lease_seeds(standard: int, backend, group: int) -> int:
+    """Prompts in one lease of this node: the standard lease, or enough to fill its batch."""
+    return max(standard, -(-getattr(backend, "parallel", 1) // group))
 
 
 def verdicts(evidence: list[SampleEvidence], lease_size: int, rule: SamplingRule) -> list[str | None]:
@@ -220,7 +239,8 @@ def summarize(records: list[dict], lease_size: int, rule: SamplingRule) -> dict:
             continue
         tokens = sum(e.tokens for e in evidence)
         flips = sum(e.flips for e in evidence)
-        false_rejections[kind] = sum(v is not None for v in verdicts(evidence, lease_size, rule))
+        size = rows[0].get("lease_size", lease_size)  # a node's lease fills its batch
+        false_rejections[kind] = sum(v is not None for v in verdicts(evidence, size, rule))
         print(f"{kind:<14}{len(rows):>8}{tokens:>8}{100 * flips / max(tokens, 1):>7.2f}%  "
               f"{quantiles([e.max_margin for e in evidence]):<34}"
               f"{quantiles([e.mean_logprob_error for e in evidence]):<38}{false_rejections[kind]}")
@@ -235,7 +255,7 @@ def summarize(records: list[dict], lease_size: int, rule: SamplingRule) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--versions", type=int, default=4)
-    parser.add_argument("--seeds", default="q4_1=144,q8_0=144,q4_k_m=32,transformers=8",
+    parser.add_argument("--seeds", default="q4_1@8=144,q8_0@8=144,q4_k_m@8=32,transformers=8",
                         help="node kinds and prompts per version for each")
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--lease-seeds", type=int, default=2, help="prompts per lease (the demo's)")
@@ -294,28 +314,31 @@ def main() -> None:
         for kind, backend in nodes.backends.items():
             prompts = {s: prompt_ids(tokenizer, task.generate(s).messages) for s in range(first, first + seeds[kind])}
             items = list(prompts.items())
+            per_lease = lease_seeds(args.lease_seeds, backend, args.group)
             generated, samples, found = 0.0, [], []
-            for a in range(0, len(items), args.lease_seeds):  # one lease at a time, as a node works
+            for a in range(0, len(items), per_lease):  # one lease at a time, as a node works
                 lease = f"cal-{kind}-v{version}-{a}"
                 started = time.perf_counter()
-                part = sample_lease(backend, lease, dict(items[a : a + args.lease_seeds]), args.group, args.temperature)
+                part = sample_lease(backend, lease, dict(items[a : a + per_lease]), args.group, args.temperature)
                 generated += time.perf_counter() - started
                 samples += part
                 found += evidence_of(trainer, lease, part, held)
-            record(kind, version, samples, found)
+            record(kind, version, samples, found, lease_size=per_lease * args.group)
             tokens = sum(len(s.completion_ids) for s in samples)
-            bad = sum(v is not None for v in verdicts(found, lease_size, rule))
+            bad = sum(v is not None for v in verdicts(found, per_lease * args.group, rule))
             print(f"v{version} {kind}: {len(samples)} samples, {tokens / generated:.0f} tok/s, "
                   f"{sum(e.flips for e in found)} flipped tokens of {tokens}, {bad} rejected", flush=True)
             if train_batch is None:
                 train_batch = samples[: args.train_seeds * args.group]
         # Cheats, from the first node kind's view of this version, one lease per cheat.
-        node = nodes.backends.get("q4_1") or nodes.backends.get("file") or next(iter(nodes.backends.values()))
+        node = next(b for k, b in nodes.backends.items() if k.split("@")[0] in ("q4_1", "file"))
         cheat_prompts = {s: prompt_ids(tokenizer, task.generate(s).messages)
                          for s in range(first + 5000, first + 5000 + args.cheat_seeds)}
         lease = f"cheat-v{version}"
         honest = sample_lease(node, lease, cheat_prompts, args.group, args.temperature)
-        built = cheats(trainer, node, lease, honest, task, args.temperature, args.group, tokenizer, eos)
+        node_kind = next(k for k, b in nodes.backends.items() if b is node)
+        adapter_file = work / f"{node_kind}-v{version}.gguf" if version else None
+        built = cheats(trainer, node, lease, honest, task, args.temperature, args.group, tokenizer, eos, adapter_file)
         if version > 0 and isinstance(node, LlamaBackend):
             node.set_adapter(None)
             built["base model's text claimed as this version"] = sample_lease(node, lease, cheat_prompts, args.group,

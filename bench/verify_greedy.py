@@ -35,6 +35,7 @@ from echo_coordinator.main import demo_model_path  # noqa: E402
 from echo_coordinator.evaluation import eval_seeds  # noqa: E402
 from echo_coordinator.trainer.learner import Trainer  # noqa: E402
 from echo_coordinator.trainer.samples import TrainSample  # noqa: E402
+from engines.backend import generate_one  # noqa: E402
 from engines.hf import prompt_ids  # noqa: E402
 from echo_coordinator.verify import lora_base  # noqa: E402
 from protocols.messages import RolloutSample  # noqa: E402
@@ -45,7 +46,7 @@ from tasks import make_task  # noqa: E402
 def answer(backend, prompts: dict[int, tuple[int, ...]], noise: bool = False) -> list[RolloutSample]:
     out = []
     for seed, prompt in prompts.items():
-        g = backend.generate(list(prompt), MAX_NEW, 1.0, sample_seed("cheat", seed, 0) if noise else None)
+        g = generate_one(backend, prompt, MAX_NEW, 1.0, sample_seed("cheat", seed, 0) if noise else None)
         out.append(RolloutSample(seed, prompt, g.token_ids, g.logprobs))
     return out
 

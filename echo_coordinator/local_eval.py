@@ -16,7 +16,7 @@ import numpy as np
 from echo_coordinator.config import RunConfig
 from echo_coordinator.evaluation import SAMPLINGS, eval_seeds
 from echo_coordinator.run_dir import RunDir
-from engines.episodes import Transcripts, rollout, score
+from engines.episodes import Transcripts, rollouts, score
 from protocols.errors import EchoError
 from protocols.sampling import sample_seed
 
@@ -75,9 +75,9 @@ def _run(trainer, task, run: RunConfig, version: int, prompts: int | None, progr
         per_prompt = 1 if sampling == "greedy" else run.eval_samples
         for i, seed in enumerate(seeds):
             prompt = prompt_ids(tokenizer, task.episode(seed).messages)
-            for j in range(per_prompt):
-                noise = None if sampling == "greedy" else sample_seed(f"eval-v{version}", seed, j)
-                sample = rollout(backend, task, seed, prompt, rules.turns, run.max_new_tokens, run.temperature, noise)
+            items = [(seed, prompt, None if sampling == "greedy" else sample_seed(f"eval-v{version}", seed, j))
+                     for j in range(per_prompt)]
+            for sample in rollouts(backend, task, items, rules.turns, run.max_new_tokens, run.temperature):
                 scores.append(score(task, sample, rules))
                 tokens += sum(sample.loss_mask)
             if progress:

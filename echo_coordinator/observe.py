@@ -102,7 +102,8 @@ class RunView:
             rate = node.get("samples_per_second")
             per_sample = p["tokens"] / p["accepted"] if p["accepted"] else 0
             out.append(dict(
-                p, backend=node.get("backend", ""), hardware=node.get("hardware", ""), share=p["accepted"] / total,
+                p, backend=node.get("backend", ""), hardware=node.get("hardware", ""), parallel=node.get("parallel"),
+                share=p["accepted"] / total,
                 samples_per_second=rate, tokens_per_second=rate * per_sample if rate is not None else None,
                 version_lag=version - node["holds"] if node.get("holds") is not None else None,
                 last_seen=max(p["last_seen"], node.get("last_request", 0)),

@@ -78,11 +78,11 @@ def render(report: dict[str, Any]) -> None:
     if run["rejections_by_reason"]:
         console.print("refused: " + ", ".join(f"{r} {n}" for r, n in sorted(run["rejections_by_reason"].items())))
     table = Table()
-    for column in ("name", "node_id", "backend", "share", "accepted", "eval", "rejected", "tokens", "tokens/s", "lag",
+    for column in ("name", "node_id", "backend", "batch", "share", "accepted", "eval", "rejected", "tokens", "tokens/s", "lag",
                    "verified", "trust", "last_seen"):
         table.add_column(column)
     for p in report["peers"]:
-        table.add_row(p["name"], p["node_id"][:12], p["backend"] or "-", _pct(p["share"]), str(p["accepted"]),
+        table.add_row(p["name"], p["node_id"][:12], p["backend"] or "-", str(p.get("parallel") or "-"), _pct(p["share"]), str(p["accepted"]),
                       str(p["eval_samples"]), str(p["rejected"]), str(p["tokens"]), _num(p["tokens_per_second"], 1),
                       "-" if p["version_lag"] is None else str(p["version_lag"]),
                       f"{p['verified_batches']} ok / {p['failed_batches']} failed", p["trust"],

@@ -241,7 +241,9 @@ class Coordinator:
         work = Work(self.task, render_prompt=lambda seed: prompt_ids(tokenizer, self.task.episode(seed).messages),
                     transcripts=Transcripts.of(tokenizer, manifest.turns, cfg.max_new_tokens),
                     evaluation=evaluation, eval_task=self.eval_task)
+        # A lease is a quarter of a step's prompts, or up to half a step to fill a proven node's batch.
         settings = LeaseSettings(lease_seconds=cfg.lease_seconds, seeds_per_lease=max(1, cfg.prompts_per_step // 4),
+                                 largest_lease=max(1, cfg.prompts_per_step // 2),
                                  first_seed=cfg.seed * 1_000_003 + 500_000,
                                  max_ahead=cfg.lead_steps * cfg.prompts_per_step)
         return RunService(manifest, self.key, ledger, work, settings,

@@ -30,6 +30,9 @@ def join(
                                                   "CUDA when present)."),
     gpu_layers: Optional[int] = typer.Option(None, help="llama.cpp layers to offload to the GPU (default: all when "
                                                         "llama.cpp was built with CUDA, Metal or Vulkan; 0 = CPU only)."),
+    parallel: Optional[int] = typer.Option(None, help="Sequences to decode at once (default: 8 with llama.cpp, "
+                                                      "1.9x one at a time on a 2-core CPU; GPUs do well at 32-64). "
+                                                      "The KV cache holds this many context windows."),
     host: Optional[str] = typer.Option(None, help="Listen address for peers (default: 127.0.0.1 when the "
                                                   "coordinator is on 127.0.0.1, else 0.0.0.0)."),
     verbose: bool = typer.Option(False, "--verbose", help="A line per lease and update, and INFO logs, instead of "
@@ -42,7 +45,7 @@ def join(
     try:
         config = NodeConfig(
             address=address, run_key=run_key, model=model, name=name, data_dir=data_dir.expanduser(), threads=threads,
-            backend=backend, gpu_layers=gpu_layers, host=host, verbose=verbose,
+            backend=backend, gpu_layers=gpu_layers, parallel=parallel, host=host, verbose=verbose,
         )
     except ConfigError as e:
         raise typer.BadParameter(str(e)) from None

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from protocols.errors import ConfigError, EchoError
+from protocols.messages.work import MAX_PARALLEL
 from protocols.signing import FINGERPRINT_CHARS
 
 BACKENDS = ("llama_cpp", "transformers")
@@ -30,6 +31,7 @@ class NodeConfig:
     threads: int = 0  # generation threads; 0 = all cores
     backend: str = "llama_cpp"  # "llama_cpp" (GGUF, any machine) or "transformers" (full mode, CUDA if present)
     gpu_layers: int | None = None  # llama.cpp layers to offload; None: all when llama.cpp has a GPU backend
+    parallel: int | None = None  # sequences decoded at once; None: the backend's default (llama.cpp: 8)
     host: str | None = None  # listen address; None: loopback for a coordinator on loopback, else every interface
     verbose: bool = False  # a line per lease and update, and INFO logs, instead of one live status line
 
@@ -40,5 +42,7 @@ class NodeConfig:
         if len(self.run_key) != FINGERPRINT_CHARS or not self.run_key.isalnum():
             raise ConfigError(f"--run-key must be the {FINGERPRINT_CHARS}-character fingerprint the coordinator "
                               f"printed; got {self.run_key!r}")
+        if self.parallel is not None and not 1 <= self.parallel <= MAX_PARALLEL:
+            raise ConfigError(f"--parallel must be between 1 and {MAX_PARALLEL}, got {self.parallel}")
         if self.backend not in BACKENDS:
             raise ConfigError(f"--backend must be llama_cpp or transformers, got {self.backend!r}")

@@ -110,6 +110,8 @@ def _load_backend(session: Session, manifest: RunManifest, model: Path):
 
         if manifest.update != "full":
             raise JoinRefused("the transformers backend takes full-parameter runs (update = \"full\") only")
+        if config.parallel not in (None, 1):
+            raise JoinRefused("the transformers backend decodes one sequence at a time: leave --parallel out")
         backend = TransformersBackend(model, config.threads)
     else:
         from engines.llama_backend import LlamaBackend
@@ -117,6 +119,6 @@ def _load_backend(session: Session, manifest: RunManifest, model: Path):
         multi_turn = manifest.task.max_turns > 1
         n_ctx = 4096 if manifest.max_new_tokens > 2048 or multi_turn else 2048
         backend = LlamaBackend(model, config.threads, n_ctx, interrupt=session.stop_requested,
-                               gpu_layers=config.gpu_layers)
+                               gpu_layers=config.gpu_layers, **({"parallel": config.parallel} if config.parallel else {}))
     master = backend.base_weights()[1] if manifest.update == "full" else {}
     return backend, master

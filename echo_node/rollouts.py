@@ -7,7 +7,8 @@ import time
 
 from echo_node.config import JoinRefused, Stopped
 from echo_node.session import Session
-from engines.episodes import rollout
+from engines.backend import Interrupted
+from engines.episodes import rollouts
 from protocols import sampling
 from protocols.messages import RolloutBatch, RolloutSample, RunManifest, TaskLease
 from protocols.signing import sign_message
@@ -26,7 +27,7 @@ def load_task(manifest: RunManifest):
 
 class Rollouts:
     """Runs in the generation thread: reads the backend, the run and the environment, never
-    writes shared state; `stop_requested` ends it between samples (llama.cpp: between tokens)."""
+    writes shared state; `stop_requested` ends it (llama.cpp: at the next decoding step)."""
 
     def __init__(self, session: Session, manifest: RunManifest, backend, task=None):
         self.session, self.manifest, self.backend = session, manifest, backend
@@ -34,20 +35,20 @@ class Rollouts:
 
     def generate(self, lease: TaskLease, version: int) -> RolloutBatch:
         """The lease's batch, generated with the weights of `version` (the one the node holds)."""
+        if self.session.stop_requested.is_set():
+            raise Stopped("stopping")
         group = lease.samples if lease.evaluation else self.manifest.group_size
         order = [(seed, prompt) for seed, prompt in zip(lease.seeds, lease.prompts) for _ in range(group)]
         noise = sampling.sample_seeds(lease.lease_id, [seed for seed, _ in order])
-        samples = []
-        for (seed, prompt), sample_seed in zip(order, noise):
-            if self.session.stop_requested.is_set():
-                raise Stopped("stopping")
-            samples.append(self._sample(seed, prompt, None if lease.greedy else sample_seed))  # None: greedy
+        items = [(seed, prompt, None if lease.greedy else sample_seed)  # None: greedy
+                 for (seed, prompt), sample_seed in zip(order, noise)]
+        m = self.manifest
+        try:
+            samples = rollouts(self.backend, self.task, items, m.turns, m.max_new_tokens, m.temperature)
+        except Interrupted:
+            raise Stopped("stopping") from None
         batch = RolloutBatch(
             run_id=self.manifest.run_id, lease_id=lease.lease_id, version=version, node_key=self.session.node_key,
             samples=tuple(samples), created=time.time(),
         )
         return sign_message(batch, self.session.key)
-
-    def _sample(self, seed: int, prompt: tuple[int, ...], sample_seed: int | None) -> RolloutSample:
-        m = self.manifest
-        return rollout(self.backend, self.task, seed, prompt, m.turns, m.max_new_tokens, m.temperature, sample_seed)

@@ -24,7 +24,9 @@ from protocols.wire import decode_one_of
 
 log = logging.getLogger(__name__)
 
-FIRST_LEASE_SEEDS = 1  # a node's first lease is one prompt's group: its first rollout is accepted sooner
+# A node's first lease is one prompt's group: its first rollout is accepted sooner. Later it asks
+# for as many as the trainer gives; the trainer sizes leases to its batch (`parallel`).
+FIRST_LEASE_SEEDS = 1
 ROUND_FAILURES = (TransportError, ProtocolError, UpdateError)  # a round that failed so is tried again
 
 
@@ -43,7 +45,8 @@ class Work:
     def say(self, event: str) -> None:
         version = self.versions.version
         self.session.say(event, f"{self.session.name}: version {version} (lag {max(0, self.latest - version)}) · "
-                                f"{self.accepted} samples accepted · {self.backend.throughput:.0f} tok/s")
+                                f"{self.accepted} samples accepted · batch {self.backend.parallel} · "
+                                f"{self.backend.throughput:.0f} tok/s")
 
     async def run(self) -> None:
         """Until the trainer says the run is finished."""
@@ -100,7 +103,7 @@ class Work:
         request = sign_message(LeaseRequest(
             run_id=self.manifest.run_id, node_key=s.node_key, peer_id=self.endpoint.peer_id, name=s.name,
             version=self.versions.version, max_seeds=64 if self.accepted else FIRST_LEASE_SEEDS, time=time.time(),
-            backend=self.backend.name,
+            backend=self.backend.name, parallel=self.backend.parallel,
         ), s.key)
         raw = await self.endpoint.call_one(self.trainer, rpc.LEASE, request.to_wire())
         return decode_one_of(raw, (TaskLease, NoWork))

@@ -1,10 +1,13 @@
 """What both peers need of models, below both: nothing here imports `echo_node` or
 `echo_coordinator`; it stands on `protocols` and `tasks` only.
 
-- `backend`               the `Backend` protocol a node generates through, `Completion`, throughput, hardware
-- `llama_backend`         llama-cpp-python: Gumbel-max sampling with exact behaviour logprobs, LoRA hot-swap
+- `backend`               the `Backend` protocol a node generates through (`Request`s in, `Completion`s out)
+- `sampler`               verifiable Gumbel-max at compiled speed: the node's sampling, the CPU verifier's margins
+- `device_sampler`        the verifier's margins on a torch device (a GPU trainer's)
+- `llama_backend`         llama-cpp-python: the model, LoRA hot-swap, full-mode reloads
+- `llama_batch`           llama.cpp batched decoding: a lease's sequences in one context, shared prompts
 - `transformers_backend`  the same on transformers (CUDA when present), full-mode updates in place
-- `episodes`              the turn rules: `rollout`/`play` (node) and `score` (trainer's replay)
+- `episodes`              the turn rules: `rollouts`/`Game` (node) and `score` (trainer's replay)
 - `gguf_io`               GGUF files: architectures table, file types, LoRA adapters, whole models, quantize
 - `hf`                    transformers loading (checkpoint or GGUF), distinct weights, chat template prompts
 - `full_weights`          full mode on llama.cpp: master weights re-exported as GGUF and requantized

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -24,6 +25,23 @@ class Completion:
     logprobs: tuple[float, ...]
 
 
+@dataclass(frozen=True)
+class Request:
+    """One sequence to sample: after `prompt_ids`, up to `max_new_tokens` tokens with the Gumbel
+    noise of sample `seed` (None: greedy), the first at completion position `offset` (a later
+    turn of an episode counts the turns before it)."""
+
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    seed: int | None
+    offset: int = 0
+
+
+# Called as a sequence's turn ends, with the index of the request it began as: its next request
+# (a prompt that extends the last one with the completion) or None when it is done.
+Follow = Callable[[int, Completion], "Request | None"]
+
+
 class Interrupted(Exception):
     """The backend's `interrupt` was set while generating: the sample is dropped."""
 
@@ -34,15 +52,15 @@ class Backend(Protocol):
     eos: int  # end-of-turn token id
     n_ctx: int  # context window, tokens
     vocab_size: int
+    parallel: int  # sequences it decodes at once: announced, and leases are sized to fill it
 
     @property
     def throughput(self) -> float:
         """Tokens per second generated so far."""
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int | None,
-                 offset: int = 0) -> Completion:
-        """Up to `max_new_tokens` tokens after `prompt_ids` with the Gumbel noise of sample `seed`
-        (None: greedy); `offset` is the completion position of the first one (later turns of an episode)."""
+    def generate(self, requests: list[Request], temperature: float, follow: Follow | None = None) -> list[Completion]:
+        """Each request's completion (its last turn's when `follow` continued it), as many decoded
+        at once as the backend can."""
 
     def tokenize(self, text: str) -> list[int]:
         """Token ids of text written into a transcript; special-token text becomes the special token."""
@@ -58,6 +76,11 @@ class Backend(Protocol):
 
     def load_weights(self, master: dict[str, np.ndarray], version: int, workdir: Path) -> None:
         """Full mode: serve `version`'s master weights from now on (`workdir`: room for its files)."""
+
+
+def generate_one(backend: Backend, prompt_ids, max_new_tokens: int, temperature: float, seed: int | None) -> Completion:
+    """One sequence alone (checks and benches that compare single samples)."""
+    return backend.generate([Request(tuple(prompt_ids), max_new_tokens, seed)], temperature)[0]
 
 
 class Meter:

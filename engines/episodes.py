@@ -4,7 +4,7 @@ After the trainer-rendered prompt the transcript alternates model turns (sampled
 logprobs; trained: loss mask 1) and environment turns (the observation written in the run's chat
 `TurnFormat`; logprob 0, loss mask 0). The trainer replays every episode from its seed and the
 model's turns (`score`) and refuses a transcript whose environment turns differ from what the
-environment replies, so `play` and `score` share these rules:
+environment replies, so `Game` and `score` share these rules:
 
 - a model turn is at most `max_new_tokens` tokens; its text, without a final end-of-turn token and
   with any other special token written out, is the action (`action_text`);
@@ -13,7 +13,9 @@ environment replies, so `play` and `score` share these rules:
 - otherwise the environment's turn follows, unless the context window is full (the transcript then
   ends early and is scored as it stands).
 
-A single-turn sample is one model turn (`rollout` picks the path; nobody else branches on it).
+A single-turn sample is one model turn (`rollouts` picks the path; nobody else branches on it).
+A lease's samples are generated together: the backend decodes as many at once as it can, and
+multi-turn episodes (`Game`) step their environments as each turn ends, while others decode.
 Nothing a node says about rewards or observations is trusted: `score` recomputes them.
 """
 
@@ -22,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from engines.backend import Backend
+from engines.backend import Backend, Completion, Request
 from engines.hf import decode
 from protocols.errors import TranscriptError
 from protocols.messages import RolloutSample, Segment, TurnFormat
@@ -37,41 +39,61 @@ def action_text(decode: Callable[[Sequence[int]], str], ids: Sequence[int], eos:
     return decode(ids[:-1] if stopped else ids), stopped
 
 
-def rollout(backend: Backend, task: Task | None, seed: int, prompt: tuple[int, ...], turns: TurnFormat,
-            max_new_tokens: int, temperature: float, sample_seed: int | None) -> RolloutSample:
-    """One sample of episode `seed`: the whole episode of a multi-turn `task`, else one model turn
-    (None: a single-turn run, which a node needs no environment for: the trainer renders prompts)."""
-    if task is not None and task.max_turns > 1:
-        return play(backend, task.episode(seed), seed, prompt, turns, task.max_turns, max_new_tokens, temperature,
-                    sample_seed)
-    out = backend.generate(list(prompt), max_new_tokens, temperature, sample_seed)
-    return RolloutSample(seed=seed, prompt_ids=prompt, completion_ids=out.token_ids, logprobs=out.logprobs)
+def rollouts(backend: Backend, task: Task | None, items: Sequence[tuple[int, tuple[int, ...], int | None]],
+             turns: TurnFormat, max_new_tokens: int, temperature: float) -> list[RolloutSample]:
+    """A sample of each (episode seed, prompt, sample seed (None: greedy)), generated together:
+    whole episodes of a multi-turn `task`, else one model turn each (None: a single-turn run,
+    which a node needs no environment for: the trainer renders prompts)."""
+    if task is None or task.max_turns <= 1:
+        requests = [Request(prompt, max_new_tokens, sample_seed) for _, prompt, sample_seed in items]
+        outs = backend.generate(requests, temperature)
+        return [RolloutSample(seed=seed, prompt_ids=prompt, completion_ids=out.token_ids, logprobs=out.logprobs)
+                for (seed, prompt, _), out in zip(items, outs)]
+    games = [Game(backend, task.episode(seed), seed, prompt, turns, task.max_turns, max_new_tokens, sample_seed)
+             for seed, prompt, sample_seed in items]
+    backend.generate([g.request() for g in games], temperature, lambda index, out: games[index].after(out))
+    return [g.sample() for g in games]
 
 
-def play(backend: Backend, episode: Episode, seed: int, prompt: tuple[int, ...], turns: TurnFormat, max_turns: int,
-         max_new_tokens: int, temperature: float, sample_seed: int | None) -> RolloutSample:
-    ids: list[int] = []
-    logprobs: list[float] = []
-    segments: list[Segment] = []
-    for turn in range(max_turns):
-        room = backend.n_ctx - len(prompt) - len(ids)
+class Game:
+    """One multi-turn episode as the backend plays it: `request` is the next model turn, `after`
+    takes its completion, steps the environment and returns the turn after (None: the episode is over)."""
+
+    def __init__(self, backend: Backend, episode: Episode, seed: int, prompt: tuple[int, ...], turns: TurnFormat,
+                 max_turns: int, max_new_tokens: int, sample_seed: int | None):
+        self.backend, self.episode, self.seed, self.prompt, self.turns = backend, episode, seed, prompt, turns
+        self.max_turns, self.max_new_tokens, self.sample_seed = max_turns, max_new_tokens, sample_seed
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.segments: list[Segment] = []
+        self.turn = 0
+
+    def request(self) -> Request:
+        room = self.backend.n_ctx - len(self.prompt) - len(self.ids)
         # Noise is keyed by completion position, env tokens included, as the trainer re-derives it.
-        out = backend.generate(list(prompt) + ids, min(max_new_tokens, room), temperature, sample_seed, offset=len(ids))
-        ids += out.token_ids
-        logprobs += out.logprobs
-        segments.append(Segment("model", len(out.token_ids)))
-        action, stopped = action_text(backend.detokenize, out.token_ids, backend.eos)
-        step = episode.step(action)
-        if step.done or turn == max_turns - 1:
-            break
-        reply = backend.tokenize(turns.env_text(step.observation, stopped))
-        if len(prompt) + len(ids) + len(reply) + MIN_TURN_ROOM > backend.n_ctx:
-            break
-        ids += reply
-        logprobs += [0.0] * len(reply)
-        segments.append(Segment("env", len(reply)))
-    return RolloutSample(seed=seed, prompt_ids=prompt, completion_ids=tuple(ids), logprobs=tuple(logprobs),
-                         segments=tuple(segments))
+        return Request(self.prompt + tuple(self.ids), min(self.max_new_tokens, room), self.sample_seed,
+                       offset=len(self.ids))
+
+    def after(self, out: Completion) -> Request | None:
+        self.ids += out.token_ids
+        self.logprobs += out.logprobs
+        self.segments.append(Segment("model", len(out.token_ids)))
+        action, stopped = action_text(self.backend.detokenize, out.token_ids, self.backend.eos)
+        step = self.episode.step(action)
+        self.turn += 1
+        if step.done or self.turn == self.max_turns:
+            return None
+        reply = self.backend.tokenize(self.turns.env_text(step.observation, stopped))
+        if len(self.prompt) + len(self.ids) + len(reply) + MIN_TURN_ROOM > self.backend.n_ctx:
+            return None
+        self.ids += reply
+        self.logprobs += [0.0] * len(reply)
+        self.segments.append(Segment("env", len(reply)))
+        return self.request()
+
+    def sample(self) -> RolloutSample:
+        return RolloutSample(seed=self.seed, prompt_ids=self.prompt, completion_ids=tuple(self.ids),
+                             logprobs=tuple(self.logprobs), segments=tuple(self.segments))
 
 
 @dataclass(frozen=True)

@@ -13,13 +13,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engines.backend import Completion, Meter, hardware_summary
+from engines.backend import Completion, Follow, Meter, Request, hardware_summary
 from engines.hf import decode, distinct_weights, load_model, load_tokenizer
-from protocols import sampling
+from engines.sampler import sample_rows
 
 
 class TransformersBackend:
     name = "transformers"
+    parallel = 1  # decodes one sequence at a time
 
     def __init__(self, model_path: Path, threads: int = 0):
         if threads:
@@ -48,24 +49,33 @@ class TransformersBackend:
         self.tokenizer = tokenizer
         self.meter = Meter()
 
+    def generate(self, requests: list[Request], temperature: float, follow: Follow | None = None) -> list[Completion]:
+        """`engines.backend.Backend.generate`, one sequence at a time."""
+        out = []
+        for index, request in enumerate(requests):
+            while request is not None:
+                done = self._one(request, temperature)
+                request = follow(index, done) if follow is not None else None
+            out.append(done)
+        return out
+
     @torch.no_grad()
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int | None,
-                 offset: int = 0) -> Completion:
+    def _one(self, request: Request, temperature: float) -> Completion:
         started = time.perf_counter()
         tokens: list[int] = []
         logprobs: list[float] = []
-        step = torch.tensor([prompt_ids], device=self.device)
+        step = torch.tensor([request.prompt_ids], device=self.device)
         cache = None
-        while len(tokens) < max_new_tokens:
+        while len(tokens) < request.max_new_tokens:
             out = self.model(input_ids=step, past_key_values=cache, use_cache=True)
             cache = out.past_key_values
-            row = out.logits[0, -1].double().cpu().numpy() / temperature  # (V,)
-            token = sampling.choose(row, sampling.noise(seed, [offset + len(tokens)], len(row))[0])
-            tokens.append(token)
-            logprobs.append(float(sampling.log_softmax(row)[token]))
-            if token == self.eos:
+            row = out.logits[:, -1].float().cpu().numpy()  # (1, V)
+            token, logprob = sample_rows(row, temperature, [request.seed], [request.offset + len(tokens)])
+            tokens.append(int(token[0]))
+            logprobs.append(float(logprob[0]))
+            if tokens[-1] == self.eos:
                 break
-            step = torch.tensor([[token]], device=self.device)
+            step = torch.tensor([[tokens[-1]]], device=self.device)
         self.meter.add(len(tokens), started)
         return Completion(tuple(tokens), tuple(logprobs))
 

@@ -58,13 +58,25 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> _S31)
 
 
-def gumbel(seed: int, positions: np.ndarray | list[int], vocab: int) -> np.ndarray:
-    """(len(positions), vocab) float64 Gumbel(0, 1) noise for completion positions of one sample."""
+def row_keys(seeds: Sequence[int], positions: Sequence[int]) -> np.ndarray:
+    """(R,) uint64 key of each row: the noise stream of sample `seeds[r]` at completion position `positions[r]`."""
     positions = np.asarray(positions, dtype=np.uint64)
-    keys = _mix(np.uint64(seed % 2**64) ^ _mix(positions * GOLDEN + GOLDEN))  # (P,)
+    seeds = np.array([s % 2**64 for s in seeds], dtype=np.uint64)
+    return _mix(seeds ^ _mix(positions * GOLDEN + GOLDEN))
+
+
+def uniforms(seed: int, positions: np.ndarray | list[int], vocab: int) -> np.ndarray:
+    """(len(positions), vocab) float64 uniforms in (0, 1) of one sample's completion positions,
+    never 0 or 1: SplitMix64 of the row's key plus (token id + 1) x the golden gamma, top 53 bits."""
+    keys = row_keys([seed] * len(positions), positions)  # (P,)
     bits = _mix(keys[:, None] + np.arange(1, vocab + 1, dtype=np.uint64)[None, :] * GOLDEN)  # (P, V)
-    u = ((bits >> _S11).astype(np.float64) + 0.5) * 2.0**-53  # uniform in (0, 1), never 0 or 1
-    return -np.log(-np.log(u))
+    return ((bits >> _S11).astype(np.float64) + 0.5) * 2.0**-53
+
+
+def gumbel(seed: int, positions: np.ndarray | list[int], vocab: int) -> np.ndarray:
+    """(len(positions), vocab) float64 Gumbel(0, 1) noise of one sample's completion positions.
+    The definition, written plainly: `engines.sampler` computes the same at compiled speed."""
+    return -np.log(-np.log(uniforms(seed, positions, vocab)))
 
 
 def noise(seed: int | None, positions: np.ndarray | list[int], vocab: int) -> np.ndarray:
@@ -129,21 +141,14 @@ class SampleEvidence:
     mean_logprob_error: float
 
     @classmethod
-    def of(cls, scaled_logits: np.ndarray, seed: int | None, positions: np.ndarray, tokens: np.ndarray,
-           behaviour: np.ndarray, rows_at_once: int = 64) -> SampleEvidence:
-        """From the trainer's (P, V) logits / T at the model tokens' completion `positions`, the
-        sample's seed (None: greedy), the node's `tokens` and behaviour logprobs. Noise is drawn `rows_at_once`
-        positions at a time: a (1000, 49152) float64 block would be 400 MB."""
-        token_margins, trainer = [np.zeros(0)], [np.zeros(0)]
-        for a in range(0, len(tokens), rows_at_once):
-            rows, ids = scaled_logits[a : a + rows_at_once], tokens[a : a + rows_at_once]
-            token_margins.append(margins(rows, noise(seed, positions[a : a + rows_at_once], rows.shape[1]), ids))
-            trainer.append(log_softmax(rows)[np.arange(len(ids)), ids])
-        m = np.concatenate(token_margins)
-        error = np.abs(np.asarray(behaviour, np.float64) - np.concatenate(trainer))
-        return cls(tokens=len(tokens), max_margin=float(m.max(initial=0.0)), flips=int((m > 0).sum()),
+    def of(cls, margins: np.ndarray, trainer_logprobs: np.ndarray, behaviour: np.ndarray) -> SampleEvidence:
+        """From each model token's margin and the trainer's logprob of it (`engines.sampler.score_rows`)
+        and the node's behaviour logprobs."""
+        m = np.asarray(margins, np.float64)
+        error = np.abs(np.asarray(behaviour, np.float64) - np.asarray(trainer_logprobs, np.float64))
+        return cls(tokens=len(m), max_margin=float(m.max(initial=0.0)), flips=int((m > 0).sum()),
                    max_logprob_error=float(error.max(initial=0.0)),
-                   mean_logprob_error=float(error.mean()) if len(tokens) else 0.0)
+                   mean_logprob_error=float(error.mean()) if len(m) else 0.0)
 
 
 def judge(batch: list[SampleEvidence], rule: SamplingRule) -> str | None:

@@ -52,14 +52,16 @@ class EvalRounds:
         """Is a round of `version` still waiting for seeds to be leased?"""
         return any(r.version == version and r.book.pending_count for r in self.open)
 
-    def lease(self, node_id: str, request: LeaseRequest, now: float) -> TaskLease | None:
+    def lease(self, node_id: str, request: LeaseRequest, now: float, proven: bool = False) -> TaskLease | None:
         """Seeds of the oldest open evaluation round this node can answer: it must hold the
-        round's version or an older one (nodes move forward, never back)."""
+        round's version or an older one (nodes move forward, never back). About a training
+        lease's worth of completions, or for a `proven` key (`leasing.training_seeds`) enough
+        to fill its batch."""
         for r in self.open:
             if request.version > r.version:
                 continue
-            # About a training lease's worth of completions.
-            count = min(request.max_seeds, max(1, self.completions_per_lease // r.samples))
+            completions = max(self.completions_per_lease, request.parallel if proven else 0)
+            count = min(request.max_seeds, max(1, completions // r.samples))
             lease = r.book.issue(node_id, count, r.version, now)
             if lease is not None:
                 return TaskLease(

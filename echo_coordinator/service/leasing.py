@@ -18,13 +18,23 @@ from protocols.sync import LeaseBook, Mode
 MAX_LEASES_PER_KEY = 2  # outstanding at once: one in generation, one whose push is being retried
 
 
+def training_seeds(request: LeaseRequest, settings: LeaseSettings, group_size: int, proven: bool) -> int:
+    """Prompts in a training lease: the run's standard lease, or, for a key that has had a batch
+    accepted lately (`proven`: keys are free, so a claim alone earns nothing), enough to fill the
+    batch it says it decodes (`parallel` sequences, G a prompt), up to the settings' largest lease.
+    Never more than the node asked for."""
+    fill = -(-request.parallel // group_size)
+    cap = min(max(settings.seeds_per_lease, fill), settings.largest_lease) if proven else settings.seeds_per_lease
+    return max(1, min(request.max_seeds, cap))
+
+
 class Leasing:
     """The training lease book and the run's phase (started, training, finished). No lock of its
     own: the service's lock guards it."""
 
     def __init__(self, manifest: RunManifest, render_prompt: Callable[[int], tuple[int, ...]],
                  settings: LeaseSettings, id_prefix: str):
-        self.run_id, self.mode = manifest.run_id, Mode(manifest.mode)
+        self.run_id, self.mode, self.group_size = manifest.run_id, Mode(manifest.mode), manifest.group_size
         self.render_prompt, self.settings = render_prompt, settings
         self.book = LeaseBook(ttl=settings.lease_seconds, id_prefix=id_prefix)
         self.next_seed = settings.first_seed  # async mode draws fresh seeds from here as leases drain them
@@ -59,9 +69,10 @@ class Leasing:
         self.prompts.pop(seed, None)  # never leased again
 
     def lease(self, request: LeaseRequest, now: float, version: int, buffered: int,
-              rounds: EvalRounds) -> TaskLease | None:
+              rounds: EvalRounds, proven: bool = False) -> TaskLease | None:
         """The work for `request` at trainer `version` with `buffered` groups waiting to be trained
-        on; None: none now. A key already holding its share of leases is refused."""
+        on; None: none now. A key already holding its share of leases is refused; `proven`: the key
+        has had a batch accepted lately, so its leases may fill its batch (`training_seeds`)."""
         node_id = request.node_id
         books = [self.book] + rounds.books()
         for book in books:
@@ -71,14 +82,14 @@ class Leasing:
             raise PeerRefused("lease_limit", f"this key already holds {held} leases; push or let them expire")
         if not self.started:
             return None
-        count = min(request.max_seeds, self.settings.seeds_per_lease)
+        count = training_seeds(request, self.settings, self.group_size, proven)
         # Async nodes are never idle, so evaluation goes first; sequential nodes are idle
         # while the trainer steps, and evaluate then. Either way a node that holds an open
         # round's version answers it before training work moves it on: then it no longer can.
         holds_round = rounds.pending_at(request.version)
         if self.mode is Mode.ASYNC or (holds_round and request.version < version):
-            return rounds.lease(node_id, request, now) or self._train_lease(node_id, count, version, buffered, now)
-        return self._train_lease(node_id, count, version, buffered, now) or rounds.lease(node_id, request, now)
+            return rounds.lease(node_id, request, now, proven) or self._train_lease(node_id, count, version, buffered, now)
+        return self._train_lease(node_id, count, version, buffered, now) or rounds.lease(node_id, request, now, proven)
 
     def _train_lease(self, node_id: str, count: int, version: int, buffered: int, now: float) -> TaskLease | None:
         if not self.training:

@@ -1,7 +1,7 @@
 """What the service knows per node key (a node's signing key fingerprint, its id).
 
-Learnt from its signed lease requests (name, backend, held version, the libp2p peer it spoke
-from) and from the DHT's announcements (hardware, liveness). Keys are free, so everything here
+Learnt from its signed lease requests (name, backend, batch size, held version, the libp2p peer
+it spoke from) and from the DHT's announcements (hardware, liveness). Keys are free, so everything here
 is forgotten once a key has been quiet for a while (`prune`): it must not grow with every key
 ever seen.
 """
@@ -24,6 +24,7 @@ class Registry:
         self.names: dict[str, str] = {}  # node id -> display name from its (signed) lease requests
         self.last_seen: dict[str, float] = {}  # node id -> time of its last signed lease request
         self.backends: dict[str, str] = {}  # node id -> backend it says it samples with (display only)
+        self.parallel: dict[str, int] = {}  # node id -> sequences it says it decodes at once
         self.hardware: dict[str, str] = {}  # node id -> its announcement's hardware summary (display only)
         self.announced: frozenset[str] = frozenset()  # node ids with a live announcement in the DHT
         self.talked: dict[str, str] = {}  # node id -> libp2p peer its last lease request came from
@@ -38,7 +39,7 @@ class Registry:
         if not self.lease_rate.allow(node_id, now):
             raise PeerRefused("rate_limited", f"more than {LEASE_RATE.rate:g} lease requests a second")
         self.names[node_id], self.last_seen[node_id] = request.name, now
-        self.backends[node_id] = request.backend
+        self.backends[node_id], self.parallel[node_id] = request.backend, request.parallel
         self.throughput.holds(node_id, request.version, now)
         if peer_id:
             self.talked[node_id] = peer_id
@@ -64,6 +65,7 @@ class Registry:
             del self.last_seen[node_id]
             self.names.pop(node_id, None)
             self.backends.pop(node_id, None)
+            self.parallel.pop(node_id, None)
             self.throughput.forget(node_id)
             self.talked.pop(node_id, None)
             self.told_finished.discard(node_id)
@@ -72,7 +74,7 @@ class Registry:
     def nodes(self, now: float) -> dict[str, dict]:
         """Per node seen in the last `prune` window: its backend, held version and measured throughput."""
         rates = self.throughput.rates(now)
-        return {n: dict(name=self.name(n), backend=self.backends.get(n, ""),
+        return {n: dict(name=self.name(n), backend=self.backends.get(n, ""), parallel=self.parallel.get(n, 1),
                         hardware=self.hardware.get(n, ""), holds=self.throughput.held.get(n),
                         samples_per_second=rates.get(n), last_request=at)
                 for n, at in self.last_seen.items()}

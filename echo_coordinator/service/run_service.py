@@ -254,7 +254,8 @@ class RunService:
             if self.leasing.finished:
                 self.nodes.told_finished.add(request.node_id)
                 return NoWork(self.buffer.version, RETRY_AFTER, finished=True)
-            work = self.leasing.lease(request, now, self.buffer.version, len(self.buffer.replay), self.rounds)
+            proven = self.nodes.throughput.rate(request.node_id, now) is not None
+            work = self.leasing.lease(request, now, self.buffer.version, len(self.buffer.replay), self.rounds, proven)
             if work is None:
                 return NoWork(self.buffer.version, RETRY_AFTER)
             saved = None if work.evaluation else self.journal.save(self.leasing.book_state())

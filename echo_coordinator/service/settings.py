@@ -31,6 +31,7 @@ class LeaseSettings:
 
     lease_seconds: float  # how long a lease is held before its seeds go to the next node that asks
     seeds_per_lease: int  # training seeds per lease (an evaluation lease: about as many completions)
+    largest_lease: int = 64  # training seeds: a lease may grow to fill a node's batch up to this
     first_seed: int = 0  # async mode draws fresh seeds from here as leases drain them
     # Async: buffered groups at which no lease is issued until the trainer takes some (None =
     # no cap). Over-producing nodes would otherwise fill the buffer, and the trainer, taking

@@ -27,6 +27,7 @@ from echo_coordinator.trainer import distributed
 from echo_coordinator.trainer.grpo import grpo_loss, group_advantages
 from echo_coordinator.trainer.samples import TrainSample, encode
 from echo_coordinator.trainer.tensors import micro_batches, release_freed_memory, save_tensors
+from engines.device_sampler import score_rows
 from engines.hf import is_tied_head, load_model, load_tokenizer
 from protocols.sampling import SampleEvidence
 
@@ -255,15 +256,17 @@ class Trainer:
                 part = [samples[i] for i in indices]
                 ids, mask, _ = self._pack(part)
                 # Model tokens only (env tokens are not sampled), each row's in order.
-                logits = self._scaled_logits(ids, mask > 0).double().cpu().numpy()  # (N, V)
+                scaled = self._scaled_logits(ids, mask > 0)  # (N, V) float32, where the model is
+                positions = [np.flatnonzero(s.loss_mask) for s in part]
+                row_seeds = [seeds[i] for i, p in zip(indices, positions) for _ in p]
+                tokens = np.concatenate([np.asarray(s.completion_ids)[p] for s, p in zip(part, positions)])
+                margins, trainer = score_rows(scaled, row_seeds, np.concatenate(positions), tokens)
+                del scaled
                 start = 0
-                for i, s in zip(indices, part):
-                    positions = np.flatnonzero(s.loss_mask)
-                    rows = logits[start : start + len(positions)]  # (P, V)
-                    start += len(positions)
-                    out[i] = SampleEvidence.of(rows, seeds[i], positions, np.asarray(s.completion_ids)[positions],
-                                               np.asarray(s.behaviour)[positions])
-                del logits
+                for i, s, p in zip(indices, part, positions):
+                    rows = slice(start, start + len(p))
+                    start += len(p)
+                    out[i] = SampleEvidence.of(margins[rows], trainer[rows], np.asarray(s.behaviour)[p])
         release_freed_memory()
         return out
 

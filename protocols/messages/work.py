@@ -17,6 +17,7 @@ MAX_SAMPLES = 4096  # per RolloutBatch
 MAX_BATCH_TOKENS = 2**22  # all samples of one batch
 MAX_SEEDS = 4096  # per TaskLease
 MAX_EVAL_SAMPLES = 256  # completions per prompt an evaluation lease may ask for
+MAX_PARALLEL = 1024  # sequences a node may say it decodes at once
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class LeaseRequest(WireMessage):
     time: float  # node clock; bounds replay of an old request
     signature: bytes = b""
     backend: str = ""  # what the node samples with, e.g. "llama.cpp Q4_1": shown on the dashboard, never trusted
+    parallel: int = 1  # sequences the node decodes at once; leases are sized to fill them (`Leasing`)
 
     @property
     def node_id(self) -> str:
@@ -45,6 +47,7 @@ class LeaseRequest(WireMessage):
             "run_id": self.run_id, "node_key": self.node_key, "peer_id": self.peer_id, "name": self.name,
             "version": self.version, "max_seeds": self.max_seeds, "time": self.time, "signature": self.signature,
             **({"backend": self.backend} if self.backend else {}),  # optional: older nodes signed without it
+            **({"parallel": self.parallel} if self.parallel != 1 else {}),  # the same
         }
 
     @classmethod
@@ -55,6 +58,7 @@ class LeaseRequest(WireMessage):
             peer_id=f.text("peer_id"), name=f.text("name", 64), version=f.integer("version"),
             max_seeds=f.integer("max_seeds", 1, MAX_SEEDS), time=f.number("time", 0.0), signature=f.signature(),
             backend=f.text("backend", 64) if f.has("backend") else "",
+            parallel=f.integer("parallel", 1, MAX_PARALLEL) if f.has("parallel") else 1,
         )
 
 

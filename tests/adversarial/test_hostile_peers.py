@@ -22,6 +22,7 @@ import pytest
 from hivemind.p2p import PeerID
 from safetensors.numpy import load_file
 
+from engines.backend import generate_one
 from engines.gguf_io import write_lora_adapter
 from engines.llama_backend import LlamaBackend
 from protocols import rpc, sampling
@@ -114,15 +115,14 @@ class Attacker:
         for seed, prompt in zip(lease.seeds, lease.prompts):
             for j in range(self.manifest.group_size):
                 noise = sampling.sample_seed(lease.lease_id, seed, j)
-                out = (backend or self.backend).generate(list(prompt), self.manifest.max_new_tokens, temperature, noise)
+                out = generate_one(backend or self.backend, prompt, self.manifest.max_new_tokens, temperature, noise)
                 samples.append(RolloutSample(seed, prompt, out.token_ids, out.logprobs))
         return samples
 
     def teacher_forced(self, prompt, ids) -> tuple[float, ...]:
         """The model's own logprobs of tokens it did not choose (a forger's best cover)."""
-        llm = self.backend.llm
-        self.backend._prefill(list(prompt) + list(ids))
-        rows = llm.scores[len(prompt) - 1 : len(prompt) - 1 + len(ids)].astype(np.float64) / T
+        logits = self.backend.batch.logits_of(list(prompt) + list(ids)[:-1])
+        rows = logits[len(prompt) - 1 :].astype(np.float64) / T
         return tuple(float(x) for x in sampling.log_softmax(rows)[np.arange(len(ids)), ids])
 
     def gold(self, seed: int) -> tuple[int, ...]:

@@ -33,9 +33,7 @@ def hf_logprobs(model, ids=IDS) -> np.ndarray:
 
 
 def llama_logprobs(backend: LlamaBackend, ids=IDS) -> np.ndarray:
-    backend.llm.reset()
-    backend.llm.eval(ids)
-    scores = np.array(backend.llm.scores[: len(ids)], dtype=np.float64)
+    scores = backend.batch.logits_of(list(ids)).astype(np.float64)
     return torch.log_softmax(torch.from_numpy(scores), -1).numpy()
 
 

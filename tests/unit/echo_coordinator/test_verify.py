@@ -12,6 +12,7 @@ from echo_coordinator.trainer.samples import TrainSample
 from engines.hf import prompt_ids
 from echo_coordinator.verify import Verifier, lora_base
 from protocols.sampling import sample_seeds
+from engines.backend import generate_one
 from engines.gguf_io import write_lora_adapter
 from engines.llama_backend import LlamaBackend
 from protocols.errors import VerificationError
@@ -46,7 +47,7 @@ def generate(backend, prompts, group=3, temperature=T, tokens=12) -> list[Rollou
         for j in range(group):
             s = RolloutSample(seed, prompt, (0,), (0.0,))
             noise_seed = sample_seeds(LEASE, [x.seed for x in [*samples, s]])[-1]
-            out = backend.generate(list(prompt), tokens, temperature, noise_seed)
+            out = generate_one(backend, prompt, tokens, temperature, noise_seed)
             samples.append(RolloutSample(seed, prompt, out.token_ids, out.logprobs))
     return samples
 

@@ -82,7 +82,7 @@ class Backend(SimpleNamespace):
     """What the node asks of a backend besides generation: its name, throughput, weights."""
 
     def __init__(self):
-        super().__init__(name="llama_cpp", throughput=12.0, hardware="cpu", loads=[])
+        super().__init__(name="llama_cpp", throughput=12.0, hardware="cpu", parallel=8, loads=[])
 
     def load_weights(self, master, version, workdir):
         self.loads.append((version, {k: v.copy() for k, v in master.items()}))

@@ -7,7 +7,7 @@ import pytest
 
 from echo_node.config import JoinRefused, Stopped
 from echo_node.rollouts import Rollouts, load_task
-from engines.backend import Completion
+from engines.backend import Completion, Interrupted
 from protocols import sampling
 from protocols.messages import TaskSpec
 from protocols.signing import verify_message
@@ -16,16 +16,17 @@ from tests.unit.protocols import factories
 
 
 class Backend:
-    """Records what it was asked to sample; `stop_after`: sets the stop event after that many."""
+    """Records what it was asked to sample; `stop`: interrupted, as llama.cpp's backend is when
+    the node's stop event is set."""
 
-    def __init__(self, stop: threading.Event | None = None, stop_after: int = 0):
-        self.asked, self.stop, self.stop_after = [], stop, stop_after
+    def __init__(self, stop: threading.Event | None = None):
+        self.asked, self.stop = [], stop
 
-    def generate(self, prompt, max_new_tokens, temperature, sample_seed):
-        self.asked.append((tuple(prompt), sample_seed))
-        if self.stop is not None and len(self.asked) == self.stop_after:
-            self.stop.set()
-        return Completion(token_ids=(9, 10), logprobs=(-0.5, -0.25))
+    def generate(self, requests, temperature, follow=None):
+        if self.stop is not None and self.stop.is_set():
+            raise Interrupted("generation interrupted")
+        self.asked += [(r.prompt_ids, r.seed) for r in requests]
+        return [Completion(token_ids=(9, 10), logprobs=(-0.5, -0.25)) for _ in requests]
 
 
 def test_a_batch_is_g_samples_per_prompt_each_with_the_verifiers_seed(session):
@@ -48,11 +49,12 @@ def test_an_evaluation_lease_names_its_own_count_and_greedy_needs_no_noise(sessi
     assert len(batch.samples) == 2 and [s for _, s in backend.asked] == [None, None]
 
 
-def test_a_stop_ends_generation_between_samples(session):
-    backend = Backend(session.stop_requested, stop_after=2)
+def test_a_stop_ends_generation(session):
+    backend = Backend(session.stop_requested)
+    session.stop_requested.set()
     with pytest.raises(Stopped):
         Rollouts(session, factories.manifest(group_size=4), backend).generate(factories.lease(), version=0)
-    assert len(backend.asked) == 2
+    assert backend.asked == []
 
 
 def test_multi_turn_runs_need_the_environment_here():

@@ -122,6 +122,7 @@ def test_a_push_overlaps_the_next_generation_and_one_refusal_does_not_stop_the_n
     assert work.versions.finished_at == [7]  # the run ends once the last push is answered, at the final version
     # Until a rollout is accepted, a lease asks for one prompt's group (accepted sooner); then full leases.
     assert [r.max_seeds for r in trainer.requests] == [1, 1, 1, 64]
+    assert {r.parallel for r in trainer.requests} == {8}  # the batch it decodes, for the lease size
     assert all(r.node_key == session.node_key and r.backend == "llama_cpp" for r in trainer.requests)
 
 
@@ -159,7 +160,7 @@ def test_a_final_version_that_cannot_be_fetched_still_ends_the_run(session, caps
     assert "stays at version 0" in " ".join(capsys.readouterr().out.split())
 
 
-def test_the_live_line_shows_version_lag_accepted_and_throughput(tmp_path):
+def test_the_live_line_shows_version_lag_accepted_batch_and_throughput(tmp_path):
     from echo_node.session import Session
     from tests.unit.echo_node.conftest import config
 
@@ -168,4 +169,4 @@ def test_the_live_line_shows_version_lag_accepted_and_throughput(tmp_path):
     work = work_for(session, SlowTrainer(leases=0, seconds=0))
     work.latest, work.accepted = 3, 16
     work.say("waiting for work")
-    assert shown == ["carol: version 0 (lag 3) · 16 samples accepted · 12 tok/s · waiting for work"]
+    assert shown == ["carol: version 0 (lag 3) · 16 samples accepted · batch 8 · 12 tok/s · waiting for work"]

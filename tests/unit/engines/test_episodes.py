@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from echo_coordinator.steps import turns
-from engines.episodes import Transcripts, play, score
+from engines.episodes import Game, Transcripts, rollouts, score
 from engines.hf import decode, load_tokenizer, prompt_ids, turn_format
 from engines.llama_backend import LlamaBackend
 from protocols.errors import TranscriptError
@@ -33,7 +33,9 @@ def played(setup, task, seed, sample_seed=7):
     backend, tokenizer, rules = setup
     episode = task.episode(seed)
     prompt = prompt_ids(tokenizer, episode.messages)
-    sample = play(backend, episode, seed, prompt, rules.turns, task.max_turns, MAX_NEW, 1.0, sample_seed)
+    game = Game(backend, episode, seed, prompt, rules.turns, task.max_turns, MAX_NEW, sample_seed)
+    backend.generate([game.request()], 1.0, lambda _, out: game.after(out))
+    sample = game.sample()
     return sample, episode
 
 
@@ -107,3 +109,16 @@ def test_forged_or_misordered_transcripts_are_refused(setup):
     refused(ids + ids[m1.length:], (m1, env, m2, env, m2), "after the episode ended")  # a third turn of two
     long_turn = (5,) * (MAX_NEW + 1)
     refused(long_turn, (), f"exceeds {MAX_NEW}")
+
+
+def test_a_leases_episodes_play_together_as_they_play_alone(setup):
+    """Episodes batched in one context, at different turns at any step, play as each does alone."""
+    backend, tokenizer, rules = setup
+    task = MoreE(max_turns=3)
+    items = [(seed, prompt_ids(tokenizer, task.episode(seed).messages), 50 + seed) for seed in range(5)]
+    together = rollouts(backend, task, items, rules.turns, MAX_NEW, 1.0)
+    for sample, (seed, _, sample_seed) in zip(together, items):
+        alone, _ = played(setup, task, seed, sample_seed)
+        assert sample.completion_ids == alone.completion_ids and sample.segments == alone.segments
+        assert score(task, sample, rules) == score(task, alone, rules)
+

@@ -18,6 +18,7 @@ from tests.unit.protocols import factories
 EXAMPLES = [
     factories.manifest(), factories.batch(), factories.update(), factories.announcement(), factories.lease(),
     factories.chunk(), factories.model_file(), ErrorReply("bad_lease", "lease L1 expired"), factories.lease_request(),
+    factories.lease_request(parallel=32, backend="llama_cpp"),
     NoWork(latest_version=4, retry_after=1.5, finished=False), PushReceipt(3, 1, {"stale": 1}, 5),
     UpdateRequest(6, 7), ChunkRequest((factories.SHA,)),
     UpdateIndex(9, (UpdateInfo(8, 9, 1000, False), UpdateInfo(0, 8, 50_000, True))),
@@ -51,8 +52,8 @@ def test_unknown_fields_are_ignored(message):
 @pytest.mark.parametrize("message", EXAMPLES, ids=lambda m: m.KIND)
 def test_every_required_field_is_required(message):
     # "left", "hardware", "relay_addrs": announcements of peers from before these fields existed;
-    # "relayed": a plain reachability check
-    optional = {"signature", "left", "hardware", "relay_addrs", "relayed"}
+    # "relayed": a plain reachability check; "backend", "parallel": lease requests of older nodes
+    optional = {"signature", "left", "hardware", "relay_addrs", "relayed", "backend", "parallel"}
     for name in message.to_dict():
         if name in optional:
             continue
@@ -181,6 +182,14 @@ def test_model_file_values_are_checked():
         ModelFile.from_wire(factories.model_file(size=0, chunks=()).to_wire())
     spans = [factories.model_file().span(i) for i in range(3)]
     assert spans == [(0, 4096), (4096, 4096), (8192, 1808)]  # the last chunk holds the rest
+
+
+def test_a_lease_requests_batch_is_bounded_and_defaults_to_one():
+    request = factories.lease_request(parallel=32)
+    assert LeaseRequest.from_wire(without(request, "parallel")).parallel == 1
+    for bad in (0, -3, 1025):
+        with pytest.raises(InvalidValue, match="parallel"):
+            LeaseRequest.from_wire(envelope(request, parallel=bad))
 
 
 def test_lease_prompts_must_match_seeds():

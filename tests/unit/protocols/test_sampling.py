@@ -68,16 +68,16 @@ def test_judge(batch, verdict):
     assert judge(batch, SamplingRule()) == verdict
 
 
-def test_evidence_from_logits_matches_a_direct_computation():
+def test_evidence_pools_a_samples_margins_and_logprob_errors():
     rng = np.random.default_rng(1)
-    logits = rng.normal(size=(150, 40)) * 3  # more rows than one noise block
+    logits = rng.normal(size=(150, 40)) * 3
     positions = np.arange(150) * 2  # e.g. model tokens between env tokens
     noise = gumbel(9, positions, 40)
     tokens = np.array([choose(r, g) for r, g in zip(logits, noise)])
     tokens[[3, 77]] = (tokens[[3, 77]] + 1) % 40
-    behaviour = log_softmax(logits)[np.arange(150), tokens] - 0.01
-    e = SampleEvidence.of(logits, 9, positions, tokens, behaviour)
+    trainer = log_softmax(logits)[np.arange(150), tokens]
     m = margins(logits, noise, tokens)
+    e = SampleEvidence.of(m, trainer, trainer - 0.01)
     assert (e.tokens, e.flips) == (150, 2) and e.max_margin == pytest.approx(m.max())
     assert e.max_logprob_error == pytest.approx(0.01) and e.mean_logprob_error == pytest.approx(0.01)
 

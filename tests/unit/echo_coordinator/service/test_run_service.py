@@ -6,12 +6,13 @@ import threading
 import pytest
 
 from echo_coordinator.ledger import Ledger
-from engines.episodes import Transcripts
 from echo_coordinator.publish import Publisher
 from echo_coordinator.service import LeaseSettings, Policing, Refused, RunService, Work
 from echo_coordinator.service.policing import BanRule, SpotCheck
 from echo_coordinator.service.registry import LIVE_SECONDS
 from echo_coordinator.verify import Verifier
+from engines.episodes import Transcripts
+from engines.sampler import score_rows
 from protocols.errors import InvalidValue, LeaseError, PeerRefused, SignatureError, TranscriptError, VerificationError
 from protocols.sampling import SampleEvidence, SamplingRule, choose, gumbel, log_softmax, sample_seed
 from protocols.messages import LeaseRequest, NoWork, RolloutBatch, RolloutSample, TaskLease, TurnFormat, UpdateInfo
@@ -86,6 +87,26 @@ def test_lease_push_and_rewards_recomputed(service):
     push(service, answer_batch(service, node, second, right=False), "QmNode", now=NOW)
     assert service.take_batch().rewards == [0.0, 0.0] and service.step_done(NOW)
     assert isinstance(service.handle_lease(lease_request(node), now=NOW), NoWork)
+
+
+def test_leases_fill_a_proven_nodes_batch_and_a_claim_alone_earns_nothing(tmp_path):
+    """A node that decodes 8 sequences at once (G = 2: 4 prompts) gets leases of 4 once a batch of
+    its was accepted; before, and for a key that only claims a batch of 1024, the standard 2;
+    never more than the largest lease, nor than the node asked for."""
+    svc = make_service(Ledger(tmp_path / "ledger.sqlite"), LeaseSettings(lease_seconds=60, seeds_per_lease=2,
+                                                                           largest_lease=6))
+    big, claims = generate_key(), generate_key()
+    svc.open_step(list(range(100, 140)))
+    first = svc.handle_lease(lease_request(big, parallel=8), now=NOW)
+    assert len(first.seeds) == 2 and len(svc.handle_lease(lease_request(claims, parallel=1024), now=NOW).seeds) == 2
+    assert push(svc, answer_batch(svc, big, first), "QmNode").accepted == 4
+    assert len(svc.handle_lease(lease_request(big, parallel=8), now=NOW + 1).seeds) == 4
+    assert svc.nodes.nodes(NOW + 1)[fingerprint(public_bytes(big))]["parallel"] == 8
+    # (leases expire after 60 s; the accepted batch counts for 300 s)
+    assert len(svc.handle_lease(lease_request(big, parallel=1024, time=NOW + 100), now=NOW + 100).seeds) == 6
+    asked_less = lease_request(big, parallel=1024, max_seeds=3, time=NOW + 200)
+    assert len(svc.handle_lease(asked_less, now=NOW + 200).seeds) == 3
+    svc.ledger.close()
 
 
 def test_bad_lease_requests(service):
@@ -339,8 +360,13 @@ LOGITS = np.random.default_rng(0).normal(size=1000) * 3  # a context-free "model
 
 
 def toy_evidence(samples, seeds, weights):
-    return [SampleEvidence.of(np.tile(LOGITS, (len(s.completion_ids), 1)), seed, np.arange(len(s.completion_ids)),
-                              np.array(s.completion_ids), np.array(s.behaviour)) for s, seed in zip(samples, seeds)]
+    out = []
+    for s, seed in zip(samples, seeds):
+        n = len(s.completion_ids)
+        rows = np.tile(LOGITS, (n, 1)).astype(np.float32)
+        m, trainer = score_rows(rows, [seed] * n, np.arange(n), np.array(s.completion_ids))
+        out.append(SampleEvidence.of(m, trainer, np.array(s.behaviour)))
+    return out
 
 
 def sampled_batch(key, lease: TaskLease, tokens: int = 6) -> RolloutBatch:

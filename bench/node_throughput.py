@@ -1,0 +1,339 @@
+"""What a node makes of its machine: rollout tokens/s of batched generation, side by side in one run.
+
+For each model (the demo's SmolLM2-135M-Instruct Q4_1, 49k vocabulary; a tiny random Llama with
+Qwen's 152k vocabulary, where the sampler's share is largest) and each batch B (8, 32):
+- sequential (before): the node's path before batching, kept here as it was: one sequence at a
+  time, `eval()` per token, every logits row kept, numpy noise (protocols.sampling's definition);
+- raw single: llama-cpp-python's `Llama.generate`, llama.cpp's own sampler, one sequence at a time;
+- raw batched: llama.cpp's batched decode of B sequences (one `llama_decode` a step, prompt shared),
+  greedy by numpy argmax, every sequence to the full length: the decode's ceiling;
+- backend: the node's `LlamaBackend.generate` at `parallel` B (batched decode, lease noise,
+  behaviour logprobs);
+- stack (demo model): a real `echo-node join --parallel B` against a real coordinator: lease,
+  generate, sign, push, accept; tokens of accepted leases over the wall time between the first
+  and the last.
+G = 8 samples of at most 32 tokens a prompt, T = 1. raw/backend run here on CPU 1 with `--threads`
+threads, as the stack's node does; the coordinator runs on CPU 0 (it verifies).
+
+Also: the sampler's cost per row at 152k (compiled, and the numpy definition), and verification
+against a training step on the demo batch (`bench/trainer_step.py`'s batch, at full checking).
+
+    .venv/bin/python bench/node_throughput.py [--rounds 3] [--threads 1] [--leases 6]
+
+Ends with one JSON line: `stack_over_raw_batched` and `stack_over_sequential` at batch 8 (goals
+>= 0.9 and >= 1.8), the same at 32, `sampler_ms_152k` (goal <= 0.25) and `verify_over_train`
+(goal <= 0.2); medians over rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+if __name__ == "__main__":
+    os.sched_setaffinity(0, {1})  # before anything heavy is imported (see bench/node_overhead.py's history)
+
+import numpy as np  # noqa: E402
+
+from echo_coordinator.main import demo_model_path  # noqa: E402
+
+BIN = Path(sys.executable).parent
+FIRST_SEED = 500_000  # where an async run with seed 0 starts leasing
+GROUP, MAX_NEW, WIDE_VOCAB = 8, 32, 152064
+LEASE_LINE = re.compile(r"lease \S+: (\d+) samples \((\d+) tokens\) accepted")
+
+
+def prompts(count: int) -> list[tuple[int, ...]]:
+    from engines.hf import load_tokenizer, prompt_ids
+    from tasks import make_task
+
+    tokenizer, task = load_tokenizer(demo_model_path()), make_task("arithmetic")
+    return [tuple(prompt_ids(tokenizer, task.episode(FIRST_SEED + i).messages)) for i in range(count)]
+
+
+def wide_model(directory: Path) -> Path:
+    """A tiny random Llama (2 layers, width 64) with a 152,064-entry vocabulary: SmolLM2's tokens
+    padded with unused ones, so the prompts tokenize the same."""
+    import gguf
+
+    from engines.gguf_io import _tokenizer_fields, write_model
+    from tests.support.tiny_model import smollm2_gguf, tiny_model
+
+    source = smollm2_gguf()
+    stat = source.stat()
+
+    def tokenizer(writer) -> None:
+        for name, value, kind, sub in _tokenizer_fields(str(source), stat.st_size, stat.st_mtime_ns):
+            if isinstance(value, list) and name in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
+                                                    "tokenizer.ggml.scores"):
+                pad = WIDE_VOCAB - len(value)
+                value = value + {"tokenizer.ggml.tokens": [f"<unused_{i}>" for i in range(pad)],
+                                 "tokenizer.ggml.token_type": [int(gguf.TokenType.UNUSED)] * pad,
+                                 "tokenizer.ggml.scores": [0.0] * pad}[name]
+            writer.add_key_value(name, value, kind, sub_type=sub)
+
+    model = tiny_model("llama", seed=0, init_std=0.3, vocab_size=WIDE_VOCAB)
+    path = directory / "wide.gguf"
+    write_model(model.config, {k: v.detach().float().numpy() for k, v in model.state_dict().items()}, path, tokenizer)
+    return path
+
+
+def requests_of(batch: list[tuple[int, ...]]):
+    from engines.backend import Request
+
+    return [Request(p, MAX_NEW, 1000 * i + j) for i, p in enumerate(batch) for j in range(GROUP)]
+
+
+def sequential_before(model: Path, batch, threads: int) -> float:
+    """The node's generation before batching, as it was (LlamaBackend.generate of 2026-12-01)."""
+    import llama_cpp
+
+    from protocols import sampling
+
+    llm = llama_cpp.Llama(str(model), logits_all=True, n_ctx=2048, verbose=False, n_threads=threads,
+                          type_k=0, type_v=0)  # fp32 KV
+    eos, made, started = llm.token_eos(), 0, time.perf_counter()
+    for r in requests_of(batch):
+        cached = 0
+        for a, b in zip(llm.input_ids[: llm.n_tokens], r.prompt_ids[:-1]):
+            if a != b:
+                break
+            cached += 1
+        if cached == 0:
+            llm.reset()
+        llm.n_tokens = cached
+        llm.eval(list(r.prompt_ids[cached:]))
+        tokens = []
+        while len(tokens) < MAX_NEW:
+            row = llm.scores[llm.n_tokens - 1].astype(np.float64)
+            token = sampling.choose(row, sampling.noise(r.seed, [len(tokens)], len(row))[0])
+            tokens.append(token)
+            float(sampling.log_softmax(row)[token])
+            if token == eos or len(tokens) == MAX_NEW:
+                break
+            llm.eval([token])
+        made += len(tokens)
+    return made / (time.perf_counter() - started)
+
+
+def raw_single(model: Path, batch, threads: int) -> float:
+    import llama_cpp
+
+    llm = llama_cpp.Llama(str(model), n_ctx=2048, verbose=False, n_threads=threads, n_threads_batch=threads)
+    eos, made, started = llm.token_eos(), 0, time.perf_counter()
+    for r in requests_of(batch):
+        llm.set_seed(r.seed)
+        for n, token in enumerate(llm.generate(list(r.prompt_ids), temp=1.0, top_k=0, top_p=1.0, min_p=0.0,
+                                               reset=True), 1):
+            if token == eos or n == MAX_NEW:
+                break
+        made += n
+    return made / (time.perf_counter() - started)
+
+
+def raw_batched(model: Path, batch, parallel: int, threads: int) -> float:
+    """B sequences a wave, each prompt's G sequences sharing it; greedy, every sequence MAX_NEW long."""
+    import llama_cpp
+
+    from engines.llama_batch import BatchContext
+
+    llm = llama_cpp.Llama(str(model), n_ctx=32, verbose=False)
+    context = BatchContext(llm.model, parallel, 512, threads)
+    requests = requests_of(batch)
+    made, started = 0, time.perf_counter()
+    for wave in range(0, len(requests), parallel):
+        live = requests[wave : wave + parallel]
+        context.clear()
+        entries, rows, seen = [], [], {}
+        for slot, r in enumerate(live):
+            if r.prompt_ids in seen:
+                for i in range(seen[r.prompt_ids] - len(r.prompt_ids) + 1, seen[r.prompt_ids] + 1):
+                    entries[i][2].append(slot)
+            else:
+                entries += [(t, k, [slot], k == len(r.prompt_ids) - 1) for k, t in enumerate(r.prompt_ids)]
+                seen[r.prompt_ids] = len(entries) - 1
+            rows.append(seen[r.prompt_ids])
+        for step in range(MAX_NEW):
+            context.decode(entries)
+            tokens = [int(np.argmax(context.logits(i))) for i in rows]
+            made += len(tokens)
+            entries = [(t, len(r.prompt_ids) + step, [slot], True) for slot, (t, r) in enumerate(zip(tokens, live))]
+            rows = list(range(len(live)))
+    context.close()
+    return made / (time.perf_counter() - started)
+
+
+def backend_rate(model: Path, batch, parallel: int, threads: int) -> float:
+    from engines.llama_backend import LlamaBackend
+
+    backend = LlamaBackend(model, threads=threads, n_ctx=512, parallel=parallel)
+    started = time.perf_counter()
+    made = sum(len(c.token_ids) for c in backend.generate(requests_of(batch), 1.0))
+    return made / (time.perf_counter() - started)
+
+
+def stack_rate(parallel: int, leases: int, threads: int, work: Path) -> float:
+    """Tokens/s of accepted leases 2..N of one node of a real async run (lease 1 pays the start)."""
+    (work / "run.toml").write_text(f"""
+[run]
+mode = "async"
+steps = 1000
+prompts_per_step = 8
+lead_steps = 100
+group_size = {GROUP}
+max_new_tokens = {MAX_NEW}
+min_nodes = 1
+port = 0
+data_dir = "{work / 'run'}"
+dashboard = false
+
+[trainer]
+threads = 1
+""")
+    log = open(work / "coordinator.log", "w")
+    coordinator = subprocess.Popen(["taskset", "-c", "0", str(BIN / "echo-coordinator"), "start", "--demo",
+                                    "--config", str(work / "run.toml"), "--verbose"], stdout=log, stderr=subprocess.STDOUT)
+    node = None
+    try:
+        while not (work / "run" / "join.txt").exists():
+            if coordinator.poll() is not None:
+                raise SystemExit(f"coordinator failed: {(work / 'coordinator.log').read_text()[-2000:]}")
+            time.sleep(0.2)
+        argv = shlex.split((work / "run" / "join.txt").read_text())
+        node = subprocess.Popen(["taskset", "-c", "1", str(BIN / argv[0]), *argv[1:], "--model", str(demo_model_path()),
+                                 "--data-dir", str(work / "node"), "--threads", str(threads), "--parallel", str(parallel),
+                                 "--verbose"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        seen: list[tuple[float, int]] = []
+        for text in node.stdout:
+            if found := LEASE_LINE.search(text):
+                seen.append((time.monotonic(), int(found[2])))
+                if len(seen) == leases:
+                    break
+        if len(seen) < leases:
+            raise SystemExit(f"the node stopped after {len(seen)} leases (code {node.wait()})")
+        return sum(t for _, t in seen[1:]) / (seen[-1][0] - seen[0][0])
+    finally:
+        for proc in (node, coordinator):
+            if proc is not None:
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+        log.close()
+
+
+def sampler_ms(vocab: int, rows: int = 32, repeats: int = 5) -> dict[str, float]:
+    """Per row, ms: the compiled sampler over a batch of rows, and the numpy definition one row at a time."""
+    from engines.sampler import sample_rows
+    from protocols import sampling
+
+    logits = (np.random.default_rng(0).standard_normal((rows, vocab)) * 4).astype(np.float32)
+    seeds, positions = list(range(rows)), [3] * rows
+    sample_rows(logits, 1.0, seeds, positions)  # compile
+    compiled = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        sample_rows(logits, 1.0, seeds, positions)
+        compiled.append((time.perf_counter() - started) * 1000 / rows)
+    started = time.perf_counter()
+    for r in range(8):
+        row = logits[r].astype(np.float64)
+        sampling.choose(row, sampling.noise(r, [3], vocab)[0])
+        sampling.log_softmax(row)
+    return dict(compiled=statistics.median(compiled), numpy=(time.perf_counter() - started) * 1000 / 8)
+
+
+def verify_over_train(threads: int) -> float:
+    """Verifying the demo batch at full checking over a training step on it (bench/trainer_step.py)."""
+    import torch
+
+    from bench.trainer_step import demo_batch
+    from echo_coordinator.config import TrainerConfig
+    from echo_coordinator.trainer.learner import Trainer
+
+    torch.set_num_threads(threads)
+    trainer = Trainer(demo_model_path(), TrainerConfig(learning_rate=3e-4, threads=threads), temperature=1.0)
+    samples = demo_batch(trainer)
+    seeds = list(range(len(samples)))
+    trainer.evidence(samples, seeds)  # warm-up: compile, allocator
+    started = time.perf_counter()
+    trainer.evidence(samples, seeds)
+    verify = time.perf_counter() - started
+    trainer.step(samples)
+    started = time.perf_counter()
+    trainer.step(samples)
+    return verify / (time.perf_counter() - started)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--leases", type=int, default=6, help="accepted leases per stack measurement")
+    parser.add_argument("--batches", default="8,32")
+    args = parser.parse_args()
+    from engines.sampler import use_threads
+
+    use_threads(args.threads)
+    batches = [int(b) for b in args.batches.split(",")]
+    texts = prompts(4)
+    rows: list[dict[str, float]] = []
+    with tempfile.TemporaryDirectory(prefix="echo-throughput-") as tmp:
+        models = {"demo": demo_model_path(), "152k": wide_model(Path(tmp))}
+        for r in range(args.rounds):
+            row: dict[str, float] = {}
+            for name, model in models.items():
+                row[f"{name} sequential"] = sequential_before(model, texts[:2], args.threads)
+                row[f"{name} raw single"] = raw_single(model, texts[:2], args.threads)
+                for b in batches:
+                    batch = texts[: max(2, b // GROUP)]
+                    row[f"{name} raw batched@{b}"] = raw_batched(model, batch, b, args.threads)
+                    row[f"{name} backend@{b}"] = backend_rate(model, batch, b, args.threads)
+            for b in batches:
+                with tempfile.TemporaryDirectory(prefix="echo-stack-") as work:
+                    row[f"demo stack@{b}"] = stack_rate(b, args.leases, args.threads, Path(work))
+            rows.append(row)
+            print(f"round {r}: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()), flush=True)
+    sampler = sampler_ms(WIDE_VOCAB)
+    verify = verify_over_train(args.threads)
+
+    def median(key: str) -> float:
+        return statistics.median(row[key] for row in rows)
+
+    def ratio(a: str, b: str) -> float:
+        return round(statistics.median(row[a] / row[b] for row in rows), 3)
+
+    print(f"\n{'tok/s, median of ' + str(args.rounds):<28}" + "".join(f"{m:>10}" for m in models))
+    for label in ["sequential", "raw single"] + [f"{k}@{b}" for b in batches for k in ("raw batched", "backend")]:
+        print(f"{label:<28}" + "".join(f"{median(f'{m} {label}'):>10.1f}" for m in models))
+    for b in batches:
+        print(f"{'stack@' + str(b):<28}{median(f'demo stack@{b}'):>10.1f}{'-':>10}")
+    print(f"sampler per row at 152k: {sampler['compiled']:.3f} ms compiled, {sampler['numpy']:.3f} ms numpy definition")
+    print(f"verification / training step (demo batch, full checking): {verify:.3f}")
+    out = dict(stack_over_raw_batched=ratio("demo stack@8", "demo raw batched@8"),
+               stack_over_sequential=ratio("demo stack@8", "demo sequential"),
+               sampler_ms_152k=round(sampler["compiled"], 3), verify_over_train=round(verify, 3))
+    for b in batches[1:]:
+        out[f"stack_over_raw_batched@{b}"] = ratio(f"demo stack@{b}", f"demo raw batched@{b}")
+        out[f"stack_over_sequential@{b}"] = ratio(f"demo stack@{b}", "demo sequential")
+    out["backend_over_sequential_152k@8"] = ratio("152k backend@8", "152k sequential")
+    out["tokens_per_second"] = {k: round(median(k), 1) for k in rows[0]}
+    out.update(rounds=args.rounds, threads=args.threads, sampler_ms_152k_numpy=round(sampler["numpy"], 3))
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,207 @@
+"""Batched decoding on llama.cpp: every sequence of a lease in one context, one `llama_decode` a step.
+
+- One context holds up to `parallel` sequences (`n_seq_max`) in a unified KV cache of
+  `parallel x window` cells, so every sequence fits its whole window whatever the others hold.
+- A prompt shared by several requests (the G samples of a group) is evaluated once: its tokens
+  enter the batch once, tagged with every sequence id of the group, and its last row of logits
+  serves all of them (each with its own noise).
+- A step feeds each live sequence its pending tokens (a prompt, a prompt's tail after a turn, or
+  the token just sampled) and asks llama.cpp for logits only at each sequence's last one; the
+  rows are sampled together (`engines.sampler`). A sequence that ends its turn is handed to
+  `follow`, which may continue it (a multi-turn episode's next turn, whose prompt extends what the
+  cache holds, so only the environment's reply is evaluated) or let it go, freeing its slot and
+  cells for a request still queued. Sequences at different turns share steps.
+- The KV cache is kept in fp32, as the single-stream path did. Batched kernels still round
+  differently from single-stream ones (docs/verification.md measures what that changes).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import llama_cpp
+import numpy as np
+
+from engines.backend import Completion, Follow, Interrupted, Meter, Request
+from engines.sampler import sample_rows
+
+GGML_TYPE_F32 = 0
+MAX_STEP_TOKENS = 512  # tokens one llama_decode call takes: prompts longer than this go in parts
+
+
+class DecodeError(RuntimeError):
+    """llama.cpp refused a batch (out of KV cells, or a backend failure)."""
+
+
+@dataclass
+class _Sequence:
+    """One live sequence: the request it serves now and what the cache holds of it."""
+
+    index: int  # of the request it began as: `follow` and the results use it
+    slot: int  # llama.cpp sequence id
+    request: Request
+    cached: int = 0  # tokens the KV cache holds of it: the prompt, then the sampled tokens but the last
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+    @property
+    def limit(self) -> int:
+        return self.request.max_new_tokens
+
+    def pending(self) -> list[int]:
+        """Tokens to evaluate before this sequence can sample: the prompt's uncached part, or the
+        token it sampled last."""
+        return list(self.request.prompt_ids[self.cached:]) if not self.tokens else [self.tokens[-1]]
+
+
+class BatchContext:
+    """A llama.cpp context for `parallel` sequences of up to `window` tokens each, and its batch."""
+
+    def __init__(self, model, parallel: int, window: int, threads: int):
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = parallel * window
+        params.n_batch = params.n_ubatch = MAX_STEP_TOKENS
+        params.n_seq_max = parallel
+        params.kv_unified = True  # a shared prompt's cells belong to every sequence of its group
+        params.type_k = params.type_v = GGML_TYPE_F32
+        # llama.cpp's CPU flash attention rounds to fp16 on the way (~2e-4 nat against the trainer)
+        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        params.n_threads = params.n_threads_batch = threads or os.cpu_count() or 1
+        params.embeddings = False
+        self.ctx = llama_cpp.llama_init_from_model(model, params)
+        if not self.ctx:
+            raise DecodeError(f"llama.cpp could not make a context for {parallel} sequences of {window} tokens")
+        self.batch = llama_cpp.llama_batch_init(MAX_STEP_TOKENS, 0, parallel)
+        self.memory = llama_cpp.llama_get_memory(self.ctx)
+        self.parallel, self.window = parallel, window
+        self.vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+
+    def close(self) -> None:
+        if self.ctx:
+            llama_cpp.llama_batch_free(self.batch)
+            llama_cpp.llama_free(self.ctx)
+            self.ctx = None
+
+    def clear(self) -> None:
+        llama_cpp.llama_memory_clear(self.memory, True)
+
+    def forget(self, slot: int) -> None:
+        llama_cpp.llama_memory_seq_rm(self.memory, slot, -1, -1)
+
+    def decode(self, entries: list[tuple[int, int, list[int], bool]]) -> None:
+        """One llama_decode over (token, position, sequence ids, wants logits) entries."""
+        b = self.batch
+        for i, (token, position, slots, logits) in enumerate(entries):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = token, position, len(slots), logits
+            for j, slot in enumerate(slots):
+                b.seq_id[i][j] = slot
+        b.n_tokens = len(entries)
+        rc = llama_cpp.llama_decode(self.ctx, b)
+        if rc != 0:
+            raise DecodeError(f"llama_decode failed (rc={rc}) on a batch of {len(entries)} tokens")
+
+    def logits_of(self, tokens: list[int]) -> np.ndarray:
+        """(len(tokens), V) float32 logits after each of `tokens`, one sequence alone: what checks
+        and benches compare with a trainer's. The cache is cleared before and after."""
+        self.clear()
+        rows = []
+        for a in range(0, len(tokens), MAX_STEP_TOKENS):
+            part = tokens[a : a + MAX_STEP_TOKENS]
+            self.decode([(t, a + k, [0], True) for k, t in enumerate(part)])
+            rows += [self.logits(i).copy() for i in range(len(part))]
+        self.clear()
+        return np.stack(rows)
+
+    def logits(self, i: int) -> np.ndarray:
+        """(V,) float32 logits of batch entry i (a view: copy before the next decode)."""
+        pointer = llama_cpp.llama_get_logits_ith(self.ctx, i)
+        return np.ctypeslib.as_array(ctypes.cast(pointer, ctypes.POINTER(ctypes.c_float)), shape=(self.vocab,))
+
+
+def generate(context: BatchContext, requests: list[Request], temperature: float, eos: int, meter: Meter,
+             interrupt: threading.Event, follow: Follow | None = None) -> list[Completion]:
+    """Each request's completion (its last turn's, when `follow` continued it), decoding them
+    together (`engines.backend.Backend.generate`)."""
+    queue = deque(enumerate(requests))
+    free = list(range(context.parallel - 1, -1, -1))
+    live: list[_Sequence] = []
+    results: list[Completion | None] = [None] * len(requests)
+    started, made = time.perf_counter(), 0
+    context.clear()
+    try:
+        while queue or live:
+            if interrupt.is_set():
+                raise Interrupted("generation interrupted")
+            while queue and free:  # admit requests into free slots
+                index, request = queue.popleft()
+                live.append(_Sequence(index, free.pop(), request))
+            entries, rows = _plan_step(live)
+            context.decode(entries)
+            ready = [(s, i) for s, i in rows if i is not None]
+            if ready:
+                logits = np.stack([context.logits(i) for _, i in ready])  # (R, V), a row may serve several
+                tokens, logprobs = sample_rows(
+                    logits, temperature, [s.request.seed for s, _ in ready],
+                    [s.request.offset + len(s.tokens) for s, _ in ready])
+                for (s, _), token, logprob in zip(ready, tokens.tolist(), logprobs.tolist()):
+                    s.tokens.append(token)
+                    s.logprobs.append(logprob)
+                    made += 1
+            for s in [s for s, i in ready if s.tokens[-1] == eos or len(s.tokens) >= s.limit]:
+                done = Completion(tuple(s.tokens), tuple(s.logprobs))
+                following = follow(s.index, done) if follow is not None else None
+                if following is None:
+                    results[s.index] = done
+                    live.remove(s)
+                    context.forget(s.slot)
+                    free.append(s.slot)
+                else:
+                    _continue(context, s, following)
+    finally:
+        context.clear()
+        meter.add(made, started)
+    return results
+
+
+def _plan_step(live: list[_Sequence]) -> tuple[list[tuple[int, int, list[int], bool]], list[tuple[_Sequence, int | None]]]:
+    """This step's batch entries, and for each live sequence the entry whose logits it samples
+    from (None: its prompt needs more steps). Fresh sequences with the same prompt (a group's
+    samples) share its entries: the tokens enter once, tagged with each of their sequence ids."""
+    entries: list[tuple[int, int, list[int], bool]] = []
+    rows: list[tuple[_Sequence, int | None]] = []
+    shared: dict[tuple[int, ...], tuple[int, int]] = {}  # a fresh prompt -> its entries [first, last]
+    budget = MAX_STEP_TOKENS
+    for s in live:
+        pending = s.pending()
+        fresh = s.cached == 0 and len(pending) <= budget
+        if fresh and s.request.prompt_ids in shared:
+            first, last = shared[s.request.prompt_ids]
+            for i in range(first, last + 1):
+                entries[i][2].append(s.slot)
+            s.cached = len(pending)
+            rows.append((s, last))
+            continue
+        take = pending[:budget]
+        budget -= len(take)
+        for k, token in enumerate(take):
+            entries.append((token, s.cached + k, [s.slot], k == len(pending) - 1))
+        s.cached += len(take)
+        whole = bool(take) and len(take) == len(pending)
+        if fresh and whole:
+            shared[s.request.prompt_ids] = (len(entries) - len(take), len(entries) - 1)
+        rows.append((s, len(entries) - 1 if whole else None))
+    return entries, rows
+
+
+def _continue(context: BatchContext, s: _Sequence, request: Request) -> None:
+    """Make `request` (a later turn) the sequence's; the cache keeps what its prompt repeats."""
+    held = s.request.prompt_ids + tuple(s.tokens[:-1])  # the last sampled token was never evaluated
+    if request.prompt_ids[: len(held)] != held:
+        context.forget(s.slot)
+        s.cached = 0
+    s.request, s.tokens, s.logprobs = request, [], []
