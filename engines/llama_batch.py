@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import llama_cpp
 import numpy as np
+from llama_cpp._utils import suppress_stdout_stderr
 
 from engines.backend import Completion, Follow, Interrupted, Meter, Request
 from engines.sampler import sample_rows
@@ -73,7 +74,8 @@ class BatchContext:
         params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         params.n_threads = params.n_threads_batch = threads or os.cpu_count() or 1
         params.embeddings = False
-        self.ctx = llama_cpp.llama_init_from_model(model, params)
+        with suppress_stdout_stderr(disable=False):  # llama.cpp's notes on context size, as `Llama(verbose=False)`
+            self.ctx = llama_cpp.llama_init_from_model(model, params)
         if not self.ctx:
             raise DecodeError(f"llama.cpp could not make a context for {parallel} sequences of {window} tokens")
         self.batch = llama_cpp.llama_batch_init(MAX_STEP_TOKENS, 0, parallel)

@@ -287,7 +287,7 @@ class Trainer:
         causal = self.model.get_base_model() if self.update == "lora" else self.model
         prompt = torch.tensor([part[0].prompt_ids], device=self.device)
         first = causal.model(input_ids=prompt, use_cache=True)
-        cache = first.past_key_values
+        cache = first.cache
         cache.batch_repeat_interleave(len(part))
         length = max(len(s.completion_ids) for s in part)
         ids = torch.full((len(part), length), self.tokenizer.pad_token_id or 0, dtype=torch.long, device=self.device)

@@ -109,6 +109,7 @@ def test_live_run_in_chromium(tmp_path, tiny_model, processes, browser):  # noqa
     assert set(shown) == {"n1", "n2"} and all(a > 0 for a, _ in shown.values())
     # The backend column: the backend and the node's announced hardware ("llama_cpp · x86_64, 1 cores, ...").
     assert all(r["backend"].startswith("llama_cpp · ") and "cores" in r["backend"] for r in rows.values())
+    assert all(r["batch"] == "8" for r in rows.values())  # each node's --parallel, llama.cpp's default
     total = sum(a for a, _ in shown.values())
     for name, r in rows.items():  # shares as the ledger gives them, to the page's rounding
         assert r["share"] == f"{100 * ledger[name][0] / total:.1f} %"

@@ -30,7 +30,7 @@ def run_dir(tmp_path, service):  # noqa: F811
     node, cheat = generate_key(), generate_key()
     service.open_step([10, 11])
     service.throughput.published_version(0, NOW - 1)
-    lease = service.handle_lease(lease_request(node, name="alice", backend="llama_cpp"), "QmA", now=NOW)
+    lease = service.handle_lease(lease_request(node, name="alice", backend="llama_cpp", parallel=16), "QmA", now=NOW)
     push(service, answer_batch(service, node, lease), "QmA", now=NOW + 4)
     service.take_batch()
     service.commit_step(0)
@@ -56,6 +56,7 @@ def test_run_and_peers_from_ledger_metrics_and_live_state(run_dir, service):  # 
     peers = {p["name"]: p for p in view.peers(now=NOW + 5)}
     a = peers["alice"]
     assert (a["node_id"], a["accepted"], a["share"], a["backend"], a["version_lag"]) == (alice, 4, 1.0, "llama_cpp", 1)
+    assert a["parallel"] == 16  # the batch it says it decodes, for the dashboard's batch column
     assert a["tokens_per_second"] == pytest.approx(1.0, rel=0.01) and a["trust"] == "new"
     assert peers["<img src=x onerror=alert(1)>"]["rejected_by_reason"] == {"bad_sampling": 4}
     detail = view.peer(alice, now=NOW + 5)
