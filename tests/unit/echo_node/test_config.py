@@ -19,6 +19,8 @@ def test_a_valid_config_is_kept_as_given(tmp_path):
     ("run_key", "a" * 25 + "!", "--run-key must be"),
     ("backend", "vllm", "--backend must be llama_cpp or transformers, got 'vllm'"),
     ("address", "/ip4/127.0.0.1/tcp/1", "ending in /p2p/<peer id>"),
+    ("parallel", 0, "--parallel must be between 1 and 1024, got 0"),
+    ("parallel", 4096, "--parallel must be between 1 and 1024, got 4096"),
 ])
 def test_a_wrong_setting_says_how_to_fix_it(tmp_path, field, value, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
