@@ -26,7 +26,7 @@ from echo_coordinator.config import TrainerConfig
 from echo_coordinator.trainer import distributed
 from echo_coordinator.trainer.grpo import grpo_loss, group_advantages
 from echo_coordinator.trainer.samples import TrainSample, encode
-from echo_coordinator.trainer.tensors import micro_batches, release_freed_memory, save_tensors
+from echo_coordinator.trainer.tensors import micro_batches, prompt_groups, release_freed_memory, save_tensors
 from engines.device_sampler import score_rows
 from engines.hf import is_tied_head, load_model, load_tokenizer
 from protocols.sampling import SampleEvidence
@@ -251,7 +251,7 @@ class Trainer:
         with self.holding(weights):
             self.model.eval()
             out: list[SampleEvidence | None] = [None] * len(samples)
-            for indices in self._prompt_groups(samples):
+            for indices in prompt_groups(samples, self.config.micro_batch_tokens):
                 part = [samples[i] for i in indices]
                 scaled = self._completion_logits(part)  # (N, V) float32 / T, where the model is
                 positions = [np.flatnonzero(s.loss_mask) for s in part]
@@ -266,18 +266,6 @@ class Trainer:
                     out[i] = SampleEvidence.of(margins[rows], trainer[rows], np.asarray(s.behaviour)[p])
         release_freed_memory()
         return out
-
-    def _prompt_groups(self, samples: list[TrainSample]) -> list[list[int]]:
-        """Indices of samples that share a prompt (a group's G samples), split so each part's
-        completions stay within `micro_batch_tokens`."""
-        by_prompt: dict[tuple[int, ...], list[int]] = {}
-        for i, s in enumerate(samples):
-            by_prompt.setdefault(tuple(s.prompt_ids), []).append(i)
-        parts = []
-        for indices in by_prompt.values():
-            lengths = [len(samples[i].completion_ids) for i in indices]
-            parts += [[indices[j] for j in part] for part in micro_batches(lengths, self.config.micro_batch_tokens)]
-        return parts
 
     def _completion_logits(self, part: list[TrainSample]) -> torch.Tensor:
         """(N, V) logits / T at the model tokens of samples that share one prompt, each sample's in

@@ -36,3 +36,17 @@ def micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
         else:
             groups.append([i])
     return groups
+
+
+def prompt_groups(samples, max_tokens: int) -> list[list[int]]:
+    """Indices of samples that share a prompt (a group's G samples), split so each part's
+    completions stay within `max_tokens` (`micro_batches`)."""
+    by_prompt: dict[tuple[int, ...], list[int]] = {}
+    for i, s in enumerate(samples):
+        by_prompt.setdefault(tuple(s.prompt_ids), []).append(i)
+    parts = []
+    for indices in by_prompt.values():
+        lengths = [len(samples[i].completion_ids) for i in indices]
+        parts += [[indices[j] for j in part] for part in micro_batches(lengths, max_tokens)]
+    return parts
+

@@ -6,6 +6,7 @@ import torch
 from echo_coordinator.config import TrainerConfig
 from echo_coordinator.trainer.learner import Trainer
 from echo_coordinator.trainer.samples import TrainSample
+from echo_coordinator.trainer.tensors import prompt_groups
 from engines.sampler import sample_rows
 from tests.unit.echo_coordinator.trainer.test_grpo import samples_for, tiny  # noqa: F401 (fixture)
 
@@ -13,7 +14,7 @@ from tests.unit.echo_coordinator.trainer.test_grpo import samples_for, tiny  # n
 def test_shared_prompt_logits_are_the_packed_forwards(tiny):  # noqa: F811
     trainer = Trainer(tiny, TrainerConfig(lora_rank=4, lora_init="random", threads=1), temperature=0.7)
     samples = samples_for(trainer)
-    groups = trainer._prompt_groups(samples)
+    groups = prompt_groups(samples, trainer.config.micro_batch_tokens)
     assert sorted(map(sorted, groups)) == [[0, 1], [2, 3]]
     with torch.no_grad():
         for indices in groups:
