@@ -31,6 +31,7 @@ from engines.device_sampler import score_rows
 from engines.hf import is_tied_head, load_model, load_tokenizer
 from protocols.sampling import SampleEvidence
 
+VERIFY_ROWS = 256  # logits rows scored at once: 50 MB at a 49k vocabulary, 156 MB at 152k
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -253,12 +254,17 @@ class Trainer:
             out: list[SampleEvidence | None] = [None] * len(samples)
             for indices in prompt_groups(samples, self.config.micro_batch_tokens):
                 part = [samples[i] for i in indices]
-                scaled = self._completion_logits(part)  # (N, V) float32 / T, where the model is
+                hidden, head = self._completion_hidden(part)  # (N, H) at the model tokens
                 positions = [np.flatnonzero(s.loss_mask) for s in part]
                 row_seeds = [seeds[i] for i, p in zip(indices, positions) for _ in p]
                 tokens = np.concatenate([np.asarray(s.completion_ids)[p] for s, p in zip(part, positions)])
-                margins, trainer = score_rows(scaled, row_seeds, np.concatenate(positions), tokens)
-                del scaled
+                at = np.concatenate(positions)
+                margins, trainer = np.empty(len(tokens)), np.empty(len(tokens))
+                for a in range(0, len(tokens), VERIFY_ROWS):  # a full-vocabulary row costs V floats: a few at a time
+                    rows = slice(a, a + VERIFY_ROWS)
+                    scaled = self._scaled(head(hidden[rows]))
+                    margins[rows], trainer[rows] = score_rows(scaled, row_seeds[rows], at[rows], tokens[rows])
+                    del scaled
                 start = 0
                 for i, s, p in zip(indices, part, positions):
                     rows = slice(start, start + len(p))
@@ -268,10 +274,20 @@ class Trainer:
         return out
 
     def _completion_logits(self, part: list[TrainSample]) -> torch.Tensor:
-        """(N, V) logits / T at the model tokens of samples that share one prompt, each sample's in
-        order. The prompt runs once and its KV cache serves every completion: verification needs
-        no gradient, so a group's 8 samples cost one prompt, not eight (about half the tokens of
-        the demo's batches). Right-padded completions: real tokens never attend to later pads."""
+        """(N, V) logits / T at the model tokens of samples that share one prompt (tests)."""
+        hidden, head = self._completion_hidden(part)
+        return self._scaled(head(hidden))
+
+    def _scaled(self, logits: torch.Tensor) -> torch.Tensor:
+        logits = logits.float()
+        return logits if self.temperature == 1.0 else logits.div_(self.temperature)
+
+    def _completion_hidden(self, part: list[TrainSample]) -> tuple[torch.Tensor, torch.nn.Module]:
+        """((N, H) last hidden states at the model tokens of samples that share one prompt, each
+        sample's in order; the head that makes them logits). The prompt runs once and its KV cache
+        serves every completion: verification needs no gradient, so a group's 8 samples cost one
+        prompt, not eight (about half the tokens of the demo's batches). Right-padded
+        completions: real tokens never attend to later pads."""
         causal = self.model.get_base_model() if self.update == "lora" else self.model
         prompt = torch.tensor([part[0].prompt_ids], device=self.device)
         first = causal.model(input_ids=prompt, use_cache=True)
@@ -287,7 +303,7 @@ class Trainer:
         # Completion token j is predicted at the position before it: the prompt's last for j = 0.
         last = first.last_hidden_state[:, -1:].expand(len(part), 1, -1)
         hidden = torch.cat([last, after[:, :-1]], dim=1)  # (G, C, H)
-        return causal.lm_head(hidden[where]).float() / self.temperature
+        return hidden[where], causal.lm_head
 
     @contextmanager
     def holding(self, weights: dict[str, np.ndarray] | None) -> Iterator[None]:
