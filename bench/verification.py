@@ -265,6 +265,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--from-version", type=int, default=0,
                         help="only train (no calibration) below this version: to add later versions to a record")
+    parser.add_argument("--first-seed", type=int, default=0,
+                        help="task seeds start here (+ 10,000 per version): a new part that repeats no earlier sample")
     parser.add_argument("--model", type=Path, default=None,
                         help="the run's GGUF (default: the shipped Q4_1); node kind 'file' runs it")
     parser.add_argument("--evidence", type=Path, default=None, help="write every sample's evidence here (JSONL)")
@@ -298,7 +300,7 @@ def main() -> None:
         adapter = trainer.weights()
         held = lora_base(adapter) if version == 0 else adapter
         nodes.bring_to(version, adapter, trainer.config.lora_alpha)
-        first = 10_000 * (version + 1)
+        first = args.first_seed + 10_000 * (version + 1)
         if version < args.from_version:  # the training step alone, on the lease the calibration would use
             kind, backend = next(iter(nodes.backends.items()))
             prompts = {s: prompt_ids(tokenizer, task.generate(s).messages)
