@@ -4,7 +4,9 @@
   `parallel x window` cells, so every sequence fits its whole window whatever the others hold.
 - A prompt shared by several requests (the G samples of a group) is evaluated once: its tokens
   enter the batch once, tagged with every sequence id of the group, and its last row of logits
-  serves all of them (each with its own noise).
+  serves all of them (each with its own noise). A request admitted later, into a slot another
+  sequence freed, takes its prompt's cells from a live sibling (`llama_memory_seq_cp` tags them
+  with its id, copying nothing) and evaluates only the prompt's last token, for its logits.
 - A step feeds each live sequence its pending tokens (a prompt, a prompt's tail after a turn, or
   the token just sampled) and asks llama.cpp for logits only at each sequence's last one; the
   rows are sampled together (`engines.sampler`). A sequence that ends its turn is handed to
@@ -81,6 +83,7 @@ class BatchContext:
         self.batch = llama_cpp.llama_batch_init(MAX_STEP_TOKENS, 0, parallel)
         self.memory = llama_cpp.llama_get_memory(self.ctx)
         self.parallel, self.window = parallel, window
+        self.evaluated = 0  # tokens decoded so far (tests count what sharing saves)
         self.vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
 
     def close(self) -> None:
@@ -95,8 +98,13 @@ class BatchContext:
     def forget(self, slot: int) -> None:
         llama_cpp.llama_memory_seq_rm(self.memory, slot, -1, -1)
 
+    def share(self, source: int, slot: int, positions: int) -> None:
+        """Sequence `slot` holds what sequence `source` holds at positions [0, positions)."""
+        llama_cpp.llama_memory_seq_cp(self.memory, source, slot, 0, positions)
+
     def decode(self, entries: list[tuple[int, int, list[int], bool]]) -> None:
         """One llama_decode over (token, position, sequence ids, wants logits) entries."""
+        self.evaluated += len(entries)
         b = self.batch
         for i, (token, position, slots, logits) in enumerate(entries):
             b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = token, position, len(slots), logits
@@ -142,7 +150,9 @@ def generate(context: BatchContext, requests: list[Request], temperature: float,
             while queue and free:  # admit requests into free slots
                 index, request = queue.popleft()
                 live.append(_Sequence(index, free.pop(), request))
-            entries, rows = _plan_step(live)
+            entries, rows, shares = _plan_step(live)
+            for source, slot, positions in shares:
+                context.share(source, slot, positions)
             context.decode(entries)
             ready = [(s, i) for s, i in rows if i is not None]
             if ready:
@@ -170,24 +180,35 @@ def generate(context: BatchContext, requests: list[Request], temperature: float,
     return results
 
 
-def _plan_step(live: list[_Sequence]) -> tuple[list[tuple[int, int, list[int], bool]], list[tuple[_Sequence, int | None]]]:
-    """This step's batch entries, and for each live sequence the entry whose logits it samples
-    from (None: its prompt needs more steps). Fresh sequences with the same prompt (a group's
-    samples) share its entries: the tokens enter once, tagged with each of their sequence ids."""
-    entries: list[tuple[int, int, list[int], bool]] = []
+Entry = tuple[int, int, list[int], bool]  # token, position, sequence ids, wants logits
+
+
+def _plan_step(live: list[_Sequence]) -> tuple[list[Entry], list[tuple[_Sequence, int | None]], list[tuple[int, int, int]]]:
+    """This step's batch entries; for each live sequence the entry whose logits it samples from
+    (None: its prompt needs more steps); and the cells to share first, (source slot, slot,
+    positions). Fresh sequences with the same prompt (a group's samples) share its entries: the
+    tokens enter once, tagged with each of their sequence ids. When a live sequence already holds
+    that prompt, they share its cells instead and only the prompt's last token is evaluated."""
+    entries: list[Entry] = []
     rows: list[tuple[_Sequence, int | None]] = []
+    shares: list[tuple[int, int, int]] = []
+    holders = {s.request.prompt_ids: s.slot for s in live if s.cached >= len(s.request.prompt_ids)}
     shared: dict[tuple[int, ...], tuple[int, int]] = {}  # a fresh prompt -> its entries [first, last]
     budget = MAX_STEP_TOKENS
     for s in live:
-        pending = s.pending()
-        fresh = s.cached == 0 and len(pending) <= budget
-        if fresh and s.request.prompt_ids in shared:
-            first, last = shared[s.request.prompt_ids]
+        prompt = s.request.prompt_ids
+        fresh = s.cached == 0 and len(s.pending()) <= budget
+        if fresh and prompt in holders and len(prompt) > 1:
+            shares.append((holders[prompt], s.slot, len(prompt) - 1))
+            s.cached = len(prompt) - 1
+        if fresh and prompt in shared:
+            first, last = shared[prompt]
             for i in range(first, last + 1):
                 entries[i][2].append(s.slot)
-            s.cached = len(pending)
+            s.cached = len(prompt)
             rows.append((s, last))
             continue
+        pending = s.pending()
         take = pending[:budget]
         budget -= len(take)
         for k, token in enumerate(take):
@@ -195,9 +216,9 @@ def _plan_step(live: list[_Sequence]) -> tuple[list[tuple[int, int, list[int], b
         s.cached += len(take)
         whole = bool(take) and len(take) == len(pending)
         if fresh and whole:
-            shared[s.request.prompt_ids] = (len(entries) - len(take), len(entries) - 1)
+            shared[prompt] = (len(entries) - len(take), len(entries) - 1)
         rows.append((s, len(entries) - 1 if whole else None))
-    return entries, rows
+    return entries, rows, shares
 
 
 def _continue(context: BatchContext, s: _Sequence, request: Request) -> None:

@@ -90,6 +90,19 @@ def test_a_batch_samples_what_each_sequence_samples_alone(setup, one_at_a_time):
     assert all(same(a, b) for a, b in zip(batched, reordered))
 
 
+def test_a_late_sibling_shares_the_prompt_a_live_sequence_holds(setup, one_at_a_time):
+    """A group's samples admitted later, into slots freed by shorter ones, take the prompt's cells
+    from a sibling still decoding and evaluate only its last token; they sample what they sample alone."""
+    trainer, _, prompt, _ = setup
+    backend = LlamaBackend(one_at_a_time.model_path, threads=1, n_ctx=256, parallel=4)
+    requests = [Request(tuple(prompt), 3 + 2 * j, 50 + j) for j in range(8)]  # slots free one at a time
+    batched = backend.generate(requests, 1.0)
+    alone = [one_at_a_time.generate([r], 1.0)[0] for r in requests]
+    assert all(same(b, a) for b, a in zip(batched, alone))
+    once = len(prompt) + sum(len(c.token_ids) - 1 for c in batched)  # each sampled token but the last is evaluated
+    assert backend.batch.evaluated == once + 4  # the four late samples: one prompt token each, not the prompt
+
+
 def test_a_batch_with_an_adapter_agrees_with_the_trainer(setup):
     trainer, backend, _, adapters = setup
     path = adapters / "batch.gguf"
