@@ -5,15 +5,18 @@ Qwen's 152k vocabulary, where the sampler's share is largest) and each batch B (
 - sequential (before): the node's path before batching, kept here as it was: one sequence at a
   time, `eval()` per token, every logits row kept, numpy noise (protocols.sampling's definition);
 - raw single: llama-cpp-python's `Llama.generate`, llama.cpp's own sampler, one sequence at a time;
-- raw batched: llama.cpp's batched decode of B sequences (one `llama_decode` a step, prompt shared),
-  greedy by numpy argmax, every sequence to the full length: the decode's ceiling;
+- raw batched: llama.cpp's batched decode of B sequences a wave (one `llama_decode` a step,
+  prompt shared), greedy by numpy argmax, each sequence as many tokens as the backend's
+  completion of it had: the same work with nothing but the decode;
 - backend: the node's `LlamaBackend.generate` at `parallel` B (batched decode, lease noise,
   behaviour logprobs);
 - stack (demo model): a real `echo-node join --parallel B` against a real coordinator: lease,
   generate, sign, push, accept; tokens of accepted leases over the wall time between the first
   and the last.
-G = 8 samples of at most 32 tokens a prompt, T = 1. raw/backend run here on CPU 1 with `--threads`
-threads, as the stack's node does; the coordinator runs on CPU 0 (it verifies).
+G = 8 samples of at most 32 tokens a prompt, T = 1. With `--threads 1` raw/backend run here on
+CPU 1, as the stack's node does, and the coordinator runs on CPU 0 (it verifies); with
+`--threads 2` everything uses both cores, so the stack's node shares them with the coordinator
+(a real volunteer does not).
 
 Also: the sampler's cost per row at 152k (compiled, and the numpy definition), and verification
 against a training step on the demo batch (`bench/trainer_step.py`'s batch, at full checking).
@@ -42,10 +45,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+
+def cpus(threads: int, role: str) -> str:
+    """The CPUs of the node's side ("node") or the coordinator's: one each, or both shared."""
+    return ("1" if role == "node" else "0") if threads == 1 else "0,1"
+
+
 if __name__ == "__main__":
     # Pinned before anything heavy is imported: an OpenMP pool sized for 2 cores and then pinned
     # to 1 made llama.cpp 2.5x slower (measured).
-    os.sched_setaffinity(0, {1})
+    early = argparse.ArgumentParser(add_help=False)
+    early.add_argument("--threads", type=int, default=1)
+    os.sched_setaffinity(0, {int(c) for c in cpus(early.parse_known_args()[0].threads, "node").split(",")})
 
 import numpy as np  # noqa: E402
 
@@ -145,8 +157,9 @@ def raw_single(model: Path, batch, threads: int) -> float:
     return made / (time.perf_counter() - started)
 
 
-def raw_batched(model: Path, batch, parallel: int, threads: int) -> float:
-    """B sequences a wave, each prompt's G sequences sharing it; greedy, every sequence MAX_NEW long."""
+def raw_batched(model: Path, batch, parallel: int, threads: int, lengths: list[int]) -> float:
+    """B sequences a wave, each prompt's G sequences sharing it; greedy, sequence i decoding
+    `lengths[i]` tokens (the backend's: the same work, so only the overhead differs)."""
     import llama_cpp
 
     from engines.llama_batch import BatchContext
@@ -157,6 +170,7 @@ def raw_batched(model: Path, batch, parallel: int, threads: int) -> float:
     made, started = 0, time.perf_counter()
     for wave in range(0, len(requests), parallel):
         live = requests[wave : wave + parallel]
+        wanted = lengths[wave : wave + parallel]
         context.clear()
         entries, rows, seen = [], [], {}
         for slot, r in enumerate(live):
@@ -167,23 +181,27 @@ def raw_batched(model: Path, batch, parallel: int, threads: int) -> float:
                 entries += [(t, k, [slot], k == len(r.prompt_ids) - 1) for k, t in enumerate(r.prompt_ids)]
                 seen[r.prompt_ids] = len(entries) - 1
             rows.append(seen[r.prompt_ids])
-        for step in range(MAX_NEW):
+        active = list(range(len(live)))
+        for step in range(max(wanted)):
             context.decode(entries)
             tokens = [int(np.argmax(context.logits(i))) for i in rows]
             made += len(tokens)
-            entries = [(t, len(r.prompt_ids) + step, [slot], True) for slot, (t, r) in enumerate(zip(tokens, live))]
-            rows = list(range(len(live)))
+            entries = [(t, len(live[k].prompt_ids) + step, [k], True)
+                       for k, t in zip(active, tokens) if step + 1 < wanted[k]]
+            active = [k for k in active if step + 1 < wanted[k]]
+            rows = list(range(len(active)))
     context.close()
     return made / (time.perf_counter() - started)
 
 
-def backend_rate(model: Path, batch, parallel: int, threads: int) -> float:
+def backend_rate(model: Path, batch, parallel: int, threads: int) -> tuple[float, list[int]]:
+    """Tokens/s, and each completion's length."""
     from engines.llama_backend import LlamaBackend
 
     backend = LlamaBackend(model, threads=threads, n_ctx=512, parallel=parallel)
     started = time.perf_counter()
-    made = sum(len(c.token_ids) for c in backend.generate(requests_of(batch), 1.0))
-    return made / (time.perf_counter() - started)
+    lengths = [len(c.token_ids) for c in backend.generate(requests_of(batch), 1.0)]
+    return sum(lengths) / (time.perf_counter() - started), lengths
 
 
 def stack_rate(parallel: int, leases: int, threads: int, work: Path) -> float:
@@ -205,7 +223,7 @@ dashboard = false
 threads = 1
 """)
     log = open(work / "coordinator.log", "w")
-    coordinator = subprocess.Popen(["taskset", "-c", "0", str(BIN / "echo-coordinator"), "start", "--demo",
+    coordinator = subprocess.Popen(["taskset", "-c", cpus(threads, "coordinator"), str(BIN / "echo-coordinator"), "start", "--demo",
                                     "--config", str(work / "run.toml"), "--verbose"], stdout=log, stderr=subprocess.STDOUT)
     node = None
     try:
@@ -214,7 +232,7 @@ threads = 1
                 raise SystemExit(f"coordinator failed: {(work / 'coordinator.log').read_text()[-2000:]}")
             time.sleep(0.2)
         argv = shlex.split((work / "run" / "join.txt").read_text())
-        node = subprocess.Popen(["taskset", "-c", "1", str(BIN / argv[0]), *argv[1:], "--model", str(demo_model_path()),
+        node = subprocess.Popen(["taskset", "-c", cpus(threads, "node"), str(BIN / argv[0]), *argv[1:], "--model", str(demo_model_path()),
                                  "--data-dir", str(work / "node"), "--threads", str(threads), "--parallel", str(parallel),
                                  "--verbose"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         seen: list[tuple[float, int]] = []
@@ -258,8 +276,9 @@ def sampler_ms(vocab: int, rows: int = 32, repeats: int = 5) -> dict[str, float]
     return dict(compiled=statistics.median(compiled), numpy=(time.perf_counter() - started) * 1000 / 8)
 
 
-def verify_over_train(threads: int) -> float:
-    """Verifying the demo batch at full checking over a training step on it (bench/trainer_step.py)."""
+def verify_over_train(threads: int, repeats: int = 2) -> float:
+    """Verifying the demo batch at full checking over a training step on it (bench/trainer_step.py),
+    medians of `repeats` each after a warm-up of each."""
     import torch
 
     from bench.trainer_step import demo_batch
@@ -270,14 +289,17 @@ def verify_over_train(threads: int) -> float:
     trainer = Trainer(demo_model_path(), TrainerConfig(learning_rate=3e-4, threads=threads), temperature=1.0)
     samples = demo_batch(trainer)
     seeds = list(range(len(samples)))
-    trainer.evidence(samples, seeds)  # warm-up: compile, allocator
-    started = time.perf_counter()
-    trainer.evidence(samples, seeds)
-    verify = time.perf_counter() - started
-    trainer.step(samples)
-    started = time.perf_counter()
-    trainer.step(samples)
-    return verify / (time.perf_counter() - started)
+
+    def seconds(work) -> float:
+        work()  # warm-up: compile, allocator
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            work()
+            times.append(time.perf_counter() - started)
+        return statistics.median(times)
+
+    return seconds(lambda: trainer.evidence(samples, seeds)) / seconds(lambda: trainer.step(samples))
 
 
 def main() -> None:
@@ -302,8 +324,8 @@ def main() -> None:
                 row[f"{name} raw single"] = raw_single(model, texts[:2], args.threads)
                 for b in batches:
                     batch = texts[: max(2, b // GROUP)]
-                    row[f"{name} raw batched@{b}"] = raw_batched(model, batch, b, args.threads)
-                    row[f"{name} backend@{b}"] = backend_rate(model, batch, b, args.threads)
+                    row[f"{name} backend@{b}"], lengths = backend_rate(model, batch, b, args.threads)
+                    row[f"{name} raw batched@{b}"] = raw_batched(model, batch, b, args.threads, lengths)
             for b in batches:
                 with tempfile.TemporaryDirectory(prefix="echo-stack-") as work:
                     row[f"demo stack@{b}"] = stack_rate(b, args.leases, args.threads, Path(work))

@@ -50,3 +50,19 @@ def prompt_groups(samples, max_tokens: int) -> list[list[int]]:
         parts += [[indices[j] for j in part] for part in micro_batches(lengths, max_tokens)]
     return parts
 
+
+
+def forward_batches(parts: list[list[int]], lengths: list[int], max_tokens: int) -> list[list[list[int]]]:
+    """`prompt_groups`' parts gathered, in order, into batches whose padded completions (rows x
+    longest, `lengths` per sample) stay within `max_tokens`: one forward serves several groups."""
+    batches: list[list[list[int]]] = []
+    rows = longest = 0
+    for part in parts:
+        part_longest = max(lengths[i] for i in part)
+        if batches and (rows + len(part)) * max(longest, part_longest) <= max_tokens:
+            batches[-1].append(part)
+            rows, longest = rows + len(part), max(longest, part_longest)
+        else:
+            batches.append([part])
+            rows, longest = len(part), part_longest
+    return batches

@@ -1,5 +1,6 @@
-"""Verification's forward: a group's prompt runs once and its KV cache serves every completion;
-the logits must be the ones the packed forward of whole sequences gives."""
+"""Verification's forward: a group's prompt runs once and its KV cache serves every completion,
+several groups (prompts of other lengths, left-padded) in one forward; the logits must be the
+ones the packed forward of whole sequences gives."""
 
 import torch
 
@@ -17,6 +18,7 @@ def test_shared_prompt_logits_are_the_packed_forwards(tiny):  # noqa: F811
     groups = prompt_groups(samples, trainer.config.micro_batch_tokens)
     assert sorted(map(sorted, groups)) == [[0, 1], [2, 3]]
     with torch.no_grad():
+        each = []
         for indices in groups:
             part = [samples[i] for i in indices]
             shared = trainer._completion_logits(part)
@@ -24,6 +26,11 @@ def test_shared_prompt_logits_are_the_packed_forwards(tiny):  # noqa: F811
             packed = trainer._scaled_logits(ids, mask > 0)
             assert shared.shape == packed.shape == (sum(sum(s.loss_mask) for s in part), trainer.model.config.vocab_size)
             assert (shared - packed).abs().max() < 1e-4  # env tokens (mask 0) are left out of both
+            each.append(packed)
+        hidden, head = trainer._completion_hidden([[samples[i] for i in indices] for indices in groups])
+        together = trainer._scaled(head(hidden))
+        assert len({len(samples[g[0]].prompt_ids) for g in groups}) == 2  # one prompt is left-padded
+        assert (together - torch.cat(each)).abs().max() < 1e-4
 
 
 def test_evidence_of_the_trainers_own_samples_is_clean(tiny):  # noqa: F811
