@@ -51,7 +51,6 @@ def prompt_groups(samples, max_tokens: int) -> list[list[int]]:
     return parts
 
 
-
 def forward_batches(parts: list[list[int]], lengths: list[int], max_tokens: int) -> list[list[list[int]]]:
     """`prompt_groups`' parts gathered, in order, into batches whose padded completions (rows x
     longest, `lengths` per sample) stay within `max_tokens`: one forward serves several groups."""
