@@ -192,7 +192,9 @@ def _plan_step(live: list[_Sequence]) -> tuple[list[Entry], list[tuple[_Sequence
     entries: list[Entry] = []
     rows: list[tuple[_Sequence, int | None]] = []
     shares: list[tuple[int, int, int]] = []
-    holders = {s.request.prompt_ids: s.slot for s in live if s.cached >= len(s.request.prompt_ids)}
+    holders: dict[tuple[int, ...], int] = {}  # a prompt -> a live sequence holding all of it
+    if any(s.cached == 0 for s in live):  # only then: hashing every live prompt each step is not free
+        holders = {s.request.prompt_ids: s.slot for s in live if s.cached >= len(s.request.prompt_ids)}
     shared: dict[tuple[int, ...], tuple[int, int]] = {}  # a fresh prompt -> its entries [first, last]
     budget = MAX_STEP_TOKENS
     for s in live:

@@ -23,15 +23,13 @@ from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft
 from safetensors.numpy import load_file
 
 from echo_coordinator.config import TrainerConfig
-from echo_coordinator.trainer import distributed
+from echo_coordinator.trainer import distributed, evidence
 from echo_coordinator.trainer.grpo import grpo_loss, group_advantages
 from echo_coordinator.trainer.samples import TrainSample, encode
-from echo_coordinator.trainer.tensors import forward_batches, micro_batches, prompt_groups, release_freed_memory, save_tensors
-from engines.device_sampler import score_rows
+from echo_coordinator.trainer.tensors import micro_batches, release_freed_memory, save_tensors
 from engines.hf import is_tied_head, load_model, load_tokenizer
 from protocols.sampling import SampleEvidence
 
-VERIFY_ROWS = 256  # logits rows scored at once: 50 MB at a 49k vocabulary, 156 MB at 152k
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -251,73 +249,9 @@ class Trainer:
         `weights`, what nodes hold at another version) sample under the lease's noise `seeds`."""
         with self.holding(weights):
             self.model.eval()
-            out: list[SampleEvidence | None] = [None] * len(samples)
-            parts = prompt_groups(samples, self.config.micro_batch_tokens)
-            lengths = [len(s.completion_ids) for s in samples]
-            for batch in forward_batches(parts, lengths, self.config.micro_batch_tokens):
-                indices = [i for part in batch for i in part]
-                hidden, head = self._completion_hidden([[samples[i] for i in part] for part in batch])
-                positions = [np.flatnonzero(samples[i].loss_mask) for i in indices]
-                row_seeds = [seeds[i] for i, p in zip(indices, positions) for _ in p]
-                tokens = np.concatenate([np.asarray(samples[i].completion_ids)[p] for i, p in zip(indices, positions)])
-                at = np.concatenate(positions)
-                margins, trainer = np.empty(len(tokens)), np.empty(len(tokens))
-                for a in range(0, len(tokens), VERIFY_ROWS):  # a full-vocabulary row costs V floats: a few at a time
-                    rows = slice(a, a + VERIFY_ROWS)
-                    scaled = self._scaled(head(hidden[rows]))
-                    margins[rows], trainer[rows] = score_rows(scaled, row_seeds[rows], at[rows], tokens[rows])
-                    del scaled
-                start = 0
-                for i, p in zip(indices, positions):
-                    rows = slice(start, start + len(p))
-                    start += len(p)
-                    out[i] = SampleEvidence.of(margins[rows], trainer[rows], np.asarray(samples[i].behaviour)[p])
+            out = evidence.measure(self, samples, seeds)
         release_freed_memory()
         return out
-
-    def _completion_logits(self, part: list[TrainSample]) -> torch.Tensor:
-        """(N, V) logits / T at the model tokens of samples that share one prompt (tests)."""
-        hidden, head = self._completion_hidden([part])
-        return self._scaled(head(hidden))
-
-    def _scaled(self, logits: torch.Tensor) -> torch.Tensor:
-        logits = logits.float()
-        return logits if self.temperature == 1.0 else logits.div_(self.temperature)
-
-    def _completion_hidden(self, parts: list[list[TrainSample]]) -> tuple[torch.Tensor, torch.nn.Module]:
-        """((N, H) last hidden states at the model tokens of `parts`' samples, in order; the head
-        that makes them logits). Each part's samples share a prompt: it runs once and its KV
-        cache serves every completion (verification needs no gradient, so a group's 8 samples
-        cost one prompt, not eight), and several parts share one forward (larger matmuls, fewer
-        calls). Prompts are left-padded, with a mask and explicit positions; completions are
-        right-padded (real tokens never attend to later pads)."""
-        causal = self.model.get_base_model() if self.update == "lora" else self.model
-        pad, device = self.tokenizer.pad_token_id or 0, self.device
-        width = max(len(part[0].prompt_ids) for part in parts)
-        prompts = torch.full((len(parts), width), pad, dtype=torch.long, device=device)
-        prompt_mask = torch.zeros((len(parts), width), dtype=torch.long, device=device)
-        for row, part in enumerate(parts):
-            n = len(part[0].prompt_ids)
-            prompts[row, width - n :] = torch.tensor(part[0].prompt_ids)
-            prompt_mask[row, width - n :] = 1
-        first = causal.model(input_ids=prompts, attention_mask=prompt_mask,
-                             position_ids=(prompt_mask.cumsum(1) - 1).clamp(min=0), use_cache=True)
-        owner = torch.tensor([row for row, part in enumerate(parts) for _ in part], device=device)
-        cache = first.cache
-        cache.reorder_cache(owner)  # each sample's rows of the cache: its prompt's
-        samples = [s for part in parts for s in part]
-        length = max(len(s.completion_ids) for s in samples)
-        ids = torch.full((len(samples), length), pad, dtype=torch.long, device=device)
-        where = torch.zeros((len(samples), length), dtype=torch.bool, device=device)
-        for row, s in enumerate(samples):
-            ids[row, : len(s.completion_ids)] = torch.tensor(s.completion_ids)
-            where[row, : len(s.completion_ids)] = torch.tensor(s.loss_mask, dtype=torch.bool)
-        mask = torch.cat([prompt_mask[owner], torch.ones_like(ids)], dim=1)
-        positions = prompt_mask.sum(1)[owner][:, None] + torch.arange(length, device=device)[None, :]
-        after = causal.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache).last_hidden_state
-        # Completion token j is predicted at the position before it: the prompt's last for j = 0.
-        hidden = torch.cat([first.last_hidden_state[owner, -1:], after[:, :-1]], dim=1)  # (N, C, H)
-        return hidden[where], causal.lm_head
 
     @contextmanager
     def holding(self, weights: dict[str, np.ndarray] | None) -> Iterator[None]:

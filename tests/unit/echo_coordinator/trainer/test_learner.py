@@ -5,6 +5,7 @@ ones the packed forward of whole sequences gives."""
 import torch
 
 from echo_coordinator.config import TrainerConfig
+from echo_coordinator.trainer.evidence import completion_hidden, completion_logits, scaled
 from echo_coordinator.trainer.learner import Trainer
 from echo_coordinator.trainer.samples import TrainSample
 from echo_coordinator.trainer.tensors import prompt_groups
@@ -21,14 +22,14 @@ def test_shared_prompt_logits_are_the_packed_forwards(tiny):  # noqa: F811
         each = []
         for indices in groups:
             part = [samples[i] for i in indices]
-            shared = trainer._completion_logits(part)
+            shared = completion_logits(trainer, part)
             ids, mask, _ = trainer._pack(part)
             packed = trainer._scaled_logits(ids, mask > 0)
             assert shared.shape == packed.shape == (sum(sum(s.loss_mask) for s in part), trainer.model.config.vocab_size)
             assert (shared - packed).abs().max() < 1e-4  # env tokens (mask 0) are left out of both
             each.append(packed)
-        hidden, head = trainer._completion_hidden([[samples[i] for i in indices] for indices in groups])
-        together = trainer._scaled(head(hidden))
+        hidden, head = completion_hidden(trainer, [[samples[i] for i in indices] for indices in groups])
+        together = scaled(trainer, head(hidden))
         assert len({len(samples[g[0]].prompt_ids) for g in groups}) == 2  # one prompt is left-padded
         assert (together - torch.cat(each)).abs().max() < 1e-4
 

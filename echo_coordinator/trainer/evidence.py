@@ -1,0 +1,91 @@
+"""Verification's forward pass: the trainer's logits at a batch's model tokens, scored against the
+nodes' tokens under the lease noise (`engines.device_sampler`).
+
+Each group's prompt runs once and its KV cache serves every completion (verification needs no
+gradient, so a group's 8 samples cost one prompt, not eight), and several groups share one
+forward (larger matmuls, fewer calls). The vocabulary projection and the scan take a few rows at
+a time, so a 152k-vocabulary batch never holds N x V floats.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from echo_coordinator.trainer.samples import TrainSample
+from echo_coordinator.trainer.tensors import forward_batches, prompt_groups
+from engines.device_sampler import score_rows
+from protocols.sampling import SampleEvidence
+
+VERIFY_ROWS = 256  # logits rows scored at once: 50 MB at a 49k vocabulary, 156 MB at 152k
+
+
+def measure(trainer, samples: list[TrainSample], seeds: list[int | None]) -> list[SampleEvidence]:
+    """Each sample's evidence under `trainer`'s current weights (`Trainer.evidence`)."""
+    out: list[SampleEvidence | None] = [None] * len(samples)
+    parts = prompt_groups(samples, trainer.config.micro_batch_tokens)
+    lengths = [len(s.completion_ids) for s in samples]
+    for batch in forward_batches(parts, lengths, trainer.config.micro_batch_tokens):
+        indices = [i for part in batch for i in part]
+        hidden, head = completion_hidden(trainer, [[samples[i] for i in part] for part in batch])
+        positions = [np.flatnonzero(samples[i].loss_mask) for i in indices]
+        row_seeds = [seeds[i] for i, p in zip(indices, positions) for _ in p]
+        tokens = np.concatenate([np.asarray(samples[i].completion_ids)[p] for i, p in zip(indices, positions)])
+        at = np.concatenate(positions)
+        margins, logprobs = np.empty(len(tokens)), np.empty(len(tokens))
+        for a in range(0, len(tokens), VERIFY_ROWS):
+            rows = slice(a, a + VERIFY_ROWS)
+            margins[rows], logprobs[rows] = score_rows(scaled(trainer, head(hidden[rows])), row_seeds[rows], at[rows],
+                                                       tokens[rows])
+        start = 0
+        for i, p in zip(indices, positions):
+            rows = slice(start, start + len(p))
+            start += len(p)
+            out[i] = SampleEvidence.of(margins[rows], logprobs[rows], np.asarray(samples[i].behaviour)[p])
+    return out
+
+
+def completion_logits(trainer, part: list[TrainSample]) -> torch.Tensor:
+    """(N, V) logits / T at the model tokens of samples that share one prompt (tests)."""
+    hidden, head = completion_hidden(trainer, [part])
+    return scaled(trainer, head(hidden))
+
+
+def scaled(trainer, logits: torch.Tensor) -> torch.Tensor:
+    """float32 logits / T, in place (no copy at T = 1)."""
+    logits = logits.float()
+    return logits if trainer.temperature == 1.0 else logits.div_(trainer.temperature)
+
+
+def completion_hidden(trainer, parts: list[list[TrainSample]]) -> tuple[torch.Tensor, torch.nn.Module]:
+    """((N, H) last hidden states at the model tokens of `parts`' samples, in order; the head that
+    makes them logits). Each part's samples share a prompt. Prompts are left-padded, with a mask
+    and explicit positions; completions are right-padded (real tokens never attend to later pads)."""
+    model = trainer.model
+    causal = model.get_base_model() if trainer.update == "lora" else model
+    pad, device = trainer.tokenizer.pad_token_id or 0, trainer.device
+    width = max(len(part[0].prompt_ids) for part in parts)
+    prompts = torch.full((len(parts), width), pad, dtype=torch.long, device=device)
+    prompt_mask = torch.zeros((len(parts), width), dtype=torch.long, device=device)
+    for row, part in enumerate(parts):
+        n = len(part[0].prompt_ids)
+        prompts[row, width - n :] = torch.tensor(part[0].prompt_ids)
+        prompt_mask[row, width - n :] = 1
+    first = causal.model(input_ids=prompts, attention_mask=prompt_mask,
+                         position_ids=(prompt_mask.cumsum(1) - 1).clamp(min=0), use_cache=True)
+    owner = torch.tensor([row for row, part in enumerate(parts) for _ in part], device=device)
+    cache = first.cache
+    cache.reorder_cache(owner)  # each sample's rows of the cache: its prompt's
+    samples = [s for part in parts for s in part]
+    length = max(len(s.completion_ids) for s in samples)
+    ids = torch.full((len(samples), length), pad, dtype=torch.long, device=device)
+    where = torch.zeros((len(samples), length), dtype=torch.bool, device=device)
+    for row, s in enumerate(samples):
+        ids[row, : len(s.completion_ids)] = torch.tensor(s.completion_ids)
+        where[row, : len(s.completion_ids)] = torch.tensor(s.loss_mask, dtype=torch.bool)
+    mask = torch.cat([prompt_mask[owner], torch.ones_like(ids)], dim=1)
+    positions = prompt_mask.sum(1)[owner][:, None] + torch.arange(length, device=device)[None, :]
+    after = causal.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache).last_hidden_state
+    # Completion token j is predicted at the position before it: the prompt's last for j = 0.
+    hidden = torch.cat([first.last_hidden_state[owner, -1:], after[:, :-1]], dim=1)  # (N, C, H)
+    return hidden[where], causal.lm_head
