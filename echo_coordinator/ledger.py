@@ -16,6 +16,7 @@ and one per finished evaluation round (those have `eval_version`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import sqlite3
@@ -47,7 +48,9 @@ CREATE TABLE IF NOT EXISTS trust (
     node_id TEXT PRIMARY KEY,
     verified INTEGER NOT NULL DEFAULT 0,   -- batches whose sampling was checked and passed
     failed INTEGER NOT NULL DEFAULT 0,     -- batches that failed verification: strikes
-    banned_until REAL NOT NULL DEFAULT 0   -- unix seconds
+    banned_until REAL NOT NULL DEFAULT 0,  -- unix seconds
+    samples INTEGER NOT NULL DEFAULT 0,    -- samples in the verified batches
+    outliers INTEGER NOT NULL DEFAULT 0    -- batches refused for a lone outlier (protocols.sampling.judge)
 );
 CREATE TABLE IF NOT EXISTS history (
     node_id TEXT NOT NULL, version INTEGER NOT NULL,  -- the version the step trained into
@@ -67,6 +70,11 @@ class Trust:
     verified: int = 0
     failed: int = 0
     banned_until: float = 0.0
+    samples: int = 0
+    outliers: int = 0
+
+# Columns added since the table was first shipped: a ledger from an older version gains them.
+TRUST_ADDED = {"samples": "INTEGER NOT NULL DEFAULT 0", "outliers": "INTEGER NOT NULL DEFAULT 0"}
 
 
 def _owned(method):
@@ -102,6 +110,10 @@ class Ledger:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.executescript(SCHEMA)
+        have = {row[1] for row in self.db.execute("PRAGMA table_info(trust)")}
+        for column, kind in TRUST_ADDED.items():
+            if column not in have:
+                self.db.execute(f"ALTER TABLE trust ADD COLUMN {column} {kind}")
 
     @_owned
     def add_tables(self, schema: str) -> None:
@@ -131,25 +143,43 @@ class Ledger:
 
     @_owned
     def trust(self, node_id: str) -> Trust:
-        row = self.db.execute("SELECT verified, failed, banned_until FROM trust WHERE node_id = ?",
+        row = self.db.execute("SELECT verified, failed, banned_until, samples, outliers FROM trust WHERE node_id = ?",
                               (node_id,)).fetchone()
         return Trust(*row) if row else Trust()
 
     @_owned
-    def record_check(self, node_id: str, passed: bool, ban_seconds, now: float) -> Trust:
-        """Count one verified batch; a failure is a strike and bans the key for
+    def record_check(self, node_id: str, passed: bool, ban_seconds, now: float, samples: int = 0) -> Trust:
+        """Count one verified batch (of `samples`); a failure is a strike and bans the key for
         `ban_seconds(strikes)` from `now`. Returns the key's record after it."""
         with self.transaction():
             old = self.trust(node_id)
-            new = Trust(old.verified + passed, old.failed + (not passed),
-                        old.banned_until if passed else max(old.banned_until, now + ban_seconds(old.failed + 1)))
-            self.db.execute(
-                "INSERT INTO trust (node_id, verified, failed, banned_until) VALUES (?, ?, ?, ?) "
-                "ON CONFLICT(node_id) DO UPDATE SET verified = excluded.verified, failed = excluded.failed, "
-                "banned_until = excluded.banned_until",
-                (node_id, new.verified, new.failed, new.banned_until),
-            )
-        return new
+            if passed:
+                return self._save(node_id, dataclasses.replace(old, verified=old.verified + 1,
+                                                               samples=old.samples + samples))
+            return self._save(node_id, self._struck(old, ban_seconds, now))
+
+    @_owned
+    def record_outlier(self, node_id: str, strikes: Callable[[int, int], bool], ban_seconds, now: float) -> Trust:
+        """Count a batch refused for a lone outlier; a strike (and a ban) when `strikes(verified
+        samples, outliers)` says the key has shown more than honest nodes do."""
+        with self.transaction():
+            old = self.trust(node_id)
+            new = dataclasses.replace(old, outliers=old.outliers + 1)
+            return self._save(node_id, self._struck(new, ban_seconds, now) if strikes(new.samples, new.outliers) else new)
+
+    @staticmethod
+    def _struck(old: Trust, ban_seconds, now: float) -> Trust:
+        return dataclasses.replace(old, failed=old.failed + 1,
+                                   banned_until=max(old.banned_until, now + ban_seconds(old.failed + 1)))
+
+    def _save(self, node_id: str, trust: Trust) -> Trust:
+        self.db.execute(
+            "INSERT INTO trust (node_id, verified, failed, banned_until, samples, outliers) VALUES (?, ?, ?, ?, ?, ?) "
+            "ON CONFLICT(node_id) DO UPDATE SET verified = excluded.verified, failed = excluded.failed, "
+            "banned_until = excluded.banned_until, samples = excluded.samples, outliers = excluded.outliers",
+            (node_id, trust.verified, trust.failed, trust.banned_until, trust.samples, trust.outliers),
+        )
+        return trust
 
     def close(self) -> None:
         """Checkpoint the WAL into the main file and close; waits for queued work first."""

@@ -16,7 +16,7 @@ import numpy as np
 from echo_coordinator.config import RunConfig
 from echo_coordinator.evaluation import SAMPLINGS, eval_seeds
 from echo_coordinator.run_dir import RunDir
-from engines.episodes import Transcripts, rollouts, score
+from engines.episodes import Transcripts, context_window, rollouts, score
 from protocols.errors import EchoError
 from protocols.sampling import sample_seed
 
@@ -66,8 +66,9 @@ def _run(trainer, task, run: RunConfig, version: int, prompts: int | None, progr
     from engines.transformers_backend import TransformersBackend
 
     tokenizer = trainer.tokenizer
-    rules = Transcripts.of(tokenizer, turn_format(tokenizer), run.max_new_tokens)
-    backend = TransformersBackend.of_model(trainer.model, tokenizer)
+    window = context_window(run.max_new_tokens, task.max_turns > 1)
+    rules = Transcripts.of(tokenizer, turn_format(tokenizer), run.max_new_tokens, window)
+    backend = TransformersBackend.of_model(trainer.model, tokenizer, window)
     seeds = eval_seeds(prompts or run.eval_prompts)
     records = []
     for sampling in SAMPLINGS[run.eval_sampling]:

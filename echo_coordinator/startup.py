@@ -29,7 +29,7 @@ from echo_coordinator.torch_thread import TorchThread
 from echo_coordinator.trainer import distributed
 from echo_coordinator.verify import Verifier
 from echo_coordinator.versions import Versions
-from engines.episodes import Transcripts
+from engines.episodes import Transcripts, context_window
 from protocols.errors import EchoError
 from protocols.messages import RunManifest, TaskSpec
 from protocols.multiaddr import tcp_port
@@ -239,7 +239,8 @@ class Coordinator:
                                     lambda seed: prompt_ids(tokenizer, self.eval_task.episode(seed).messages),
                                     cfg.eval_sampling, cfg.eval_samples)
         work = Work(self.task, render_prompt=lambda seed: prompt_ids(tokenizer, self.task.episode(seed).messages),
-                    transcripts=Transcripts.of(tokenizer, manifest.turns, cfg.max_new_tokens),
+                    transcripts=Transcripts.of(tokenizer, manifest.turns, cfg.max_new_tokens, context_window(
+                        cfg.max_new_tokens, self.task.max_turns > 1)),
                     evaluation=evaluation, eval_task=self.eval_task)
         # A lease is a quarter of a step's prompts, or up to half a step to fill a proven node's batch.
         settings = LeaseSettings(lease_seconds=cfg.lease_seconds, seeds_per_lease=max(1, cfg.prompts_per_step // 4),

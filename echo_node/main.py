@@ -16,6 +16,7 @@ from echo_node.rollouts import Rollouts, load_task
 from echo_node.session import Session, console
 from echo_node.versions import Versions
 from echo_node.work import Work
+from engines.episodes import context_window
 from protocols.errors import EchoError
 from protocols.messages import RunManifest
 from protocols.supervise import Supervisor
@@ -105,6 +106,8 @@ def _load_backend(session: Session, manifest: RunManifest, model: Path):
     base weights, in LoRA mode the adapter, empty until the first update. The config chooses the
     backend; nothing else asks which one it is."""
     config = session.config
+    # The run's window, not ours: the trainer refuses a transcript that ends anywhere else.
+    window = context_window(manifest.max_new_tokens, manifest.task.max_turns > 1)
     if config.backend == "transformers":
         from engines.transformers_backend import TransformersBackend
 
@@ -112,13 +115,11 @@ def _load_backend(session: Session, manifest: RunManifest, model: Path):
             raise JoinRefused("the transformers backend takes full-parameter runs (update = \"full\") only")
         if config.parallel not in (None, 1):
             raise JoinRefused("the transformers backend decodes one sequence at a time: leave --parallel out")
-        backend = TransformersBackend(model, config.threads)
+        backend = TransformersBackend(model, config.threads, window)
     else:
         from engines.llama_backend import LlamaBackend
 
-        multi_turn = manifest.task.max_turns > 1
-        n_ctx = 4096 if manifest.max_new_tokens > 2048 or multi_turn else 2048
-        backend = LlamaBackend(model, config.threads, n_ctx, interrupt=session.stop_requested,
+        backend = LlamaBackend(model, config.threads, window, interrupt=session.stop_requested,
                                gpu_layers=config.gpu_layers, **({"parallel": config.parallel} if config.parallel else {}))
     master = backend.base_weights()[1] if manifest.update == "full" else {}
     return backend, master

@@ -6,12 +6,15 @@ logprobs; trained: loss mask 1) and environment turns (the observation written i
 model's turns (`score`) and refuses a transcript whose environment turns differ from what the
 environment replies, so `Game` and `score` share these rules:
 
-- a model turn is at most `max_new_tokens` tokens; its text, without a final end-of-turn token and
+- a model turn ends at its end-of-turn token or at its token limit (`max_new_tokens`, less when
+  the context window is nearly full), nowhere else; its text, without a final end-of-turn token and
   with any other special token written out, is the action (`action_text`);
 - the transcript starts and ends with a model turn; the episode ends after a Step that says done,
   or after `max_turns` model turns;
 - otherwise the environment's turn follows, unless the context window is full (the transcript then
-  ends early and is scored as it stands).
+  ends early and is scored as it stands). The window is the run's (`context_window`), not the
+  node's choice, so the trainer knows where a transcript had to end: a node that cuts a turn or an
+  episode short (after the gold answer, say) is refused (`Truncated`).
 
 A single-turn sample is one model turn (`rollouts` picks the path; nobody else branches on it).
 A lease's samples are generated together: the backend decodes as many at once as it can, and
@@ -26,11 +29,21 @@ from dataclasses import dataclass
 
 from engines.backend import Backend, Completion, Request
 from engines.hf import decode
-from protocols.errors import TranscriptError
+from protocols.errors import TranscriptError, Truncated
 from protocols.messages import RolloutSample, Segment, TurnFormat
 from tasks import Episode, Step, Task
 
 MIN_TURN_ROOM = 16  # tokens a model turn needs to be worth starting
+
+
+def context_window(max_new_tokens: int, multi_turn: bool) -> int:
+    """Each sequence's context window (prompt and transcript), tokens, on every node of a run."""
+    return 4096 if max_new_tokens > 2048 or multi_turn else 2048
+
+
+def turn_limit(max_new_tokens: int, window: int, used: int) -> int:
+    """The most tokens a model turn may take after `used` tokens of prompt and transcript."""
+    return min(max_new_tokens, window - used)
 
 
 def action_text(decode: Callable[[Sequence[int]], str], ids: Sequence[int], eos: int) -> tuple[str, bool]:
@@ -69,10 +82,9 @@ class Game:
         self.turn = 0
 
     def request(self) -> Request:
-        room = self.backend.n_ctx - len(self.prompt) - len(self.ids)
+        limit = turn_limit(self.max_new_tokens, self.backend.n_ctx, len(self.prompt) + len(self.ids))
         # Noise is keyed by completion position, env tokens included, as the trainer re-derives it.
-        return Request(self.prompt + tuple(self.ids), min(self.max_new_tokens, room), self.sample_seed,
-                       offset=len(self.ids))
+        return Request(self.prompt + tuple(self.ids), limit, self.sample_seed, offset=len(self.ids))
 
     def after(self, out: Completion) -> Request | None:
         self.ids += out.token_ids
@@ -104,12 +116,13 @@ class Transcripts:
     eos: int  # the end-of-turn token id
     turns: TurnFormat
     max_new_tokens: int  # per model turn
+    window: int = 2048  # the run's context window (`context_window`)
 
     @classmethod
-    def of(cls, tokenizer, turns: TurnFormat, max_new_tokens: int) -> Transcripts:
+    def of(cls, tokenizer, turns: TurnFormat, max_new_tokens: int, window: int) -> Transcripts:
         """The rules for an HF tokenizer: decode writes special tokens out, as nodes' backends do."""
         return cls(decode=lambda ids: decode(tokenizer, ids), eos=tokenizer.eos_token_id, turns=turns,
-                   max_new_tokens=max_new_tokens)
+                   max_new_tokens=max_new_tokens, window=window)
 
 
 def score(task: Task, sample: RolloutSample, rules: Transcripts) -> float:
@@ -121,6 +134,7 @@ def score(task: Task, sample: RolloutSample, rules: Transcripts) -> float:
     position, turns = 0, 0
     step, stopped = Step("", 0.0, False), False
     for i, segment in enumerate(segments):
+        used = len(sample.prompt_ids) + position  # tokens before this turn
         ids = sample.completion_ids[position : position + segment.length]
         position += segment.length
         if segment.role != ("model" if i % 2 == 0 else "env"):
@@ -131,9 +145,28 @@ def score(task: Task, sample: RolloutSample, rules: Transcripts) -> float:
             if rules.decode(ids) != rules.turns.env_text(step.observation, stopped):
                 raise TranscriptError(f"seed {sample.seed}: environment turn {i} is not what the environment replied")
             continue
-        if len(ids) > rules.max_new_tokens:
-            raise TranscriptError(f"seed {sample.seed}: a model turn of {len(ids)} tokens exceeds {rules.max_new_tokens}")
+        check_turn_end(sample.seed, ids, turn_limit(rules.max_new_tokens, rules.window, used), rules.eos)
         action, stopped = action_text(rules.decode, ids, rules.eos)
         step = episode.step(action)
         turns += 1
+    if not step.done and turns < task.max_turns:
+        # Only a full window ends an unfinished episode: the next environment turn and a model turn
+        # would not fit. Its tokens are counted as UTF-8 bytes, never fewer than the node's tokenizer
+        # makes of them, so an honest node always passes and a cheat may stop only at the window's edge.
+        reply = len(rules.turns.env_text(step.observation, stopped).encode())
+        if len(sample.prompt_ids) + position + reply + MIN_TURN_ROOM <= rules.window:
+            raise Truncated(f"seed {sample.seed}: the episode stops after turn {turns} of {task.max_turns}, "
+                            "while the environment had not ended it and the window had room")
     return episode.score()
+
+
+def check_turn_end(seed: int, ids: Sequence[int], limit: int, eos: int) -> None:
+    """Refuse a model turn that does not end where sampling stops: at its first end-of-turn token,
+    or at `limit` tokens."""
+    if len(ids) > limit:
+        raise TranscriptError(f"seed {seed}: a model turn of {len(ids)} tokens exceeds its limit of {limit}")
+    if eos in ids[:-1]:
+        raise Truncated(f"seed {seed}: a model turn goes on past its end-of-turn token")
+    if len(ids) < limit and (not ids or ids[-1] != eos):
+        raise Truncated(f"seed {seed}: a model turn of {len(ids)} tokens stops before its end-of-turn token "
+                        f"and its limit of {limit}")

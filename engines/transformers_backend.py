@@ -22,22 +22,23 @@ class TransformersBackend:
     name = "transformers"
     parallel = 1  # decodes one sequence at a time
 
-    def __init__(self, model_path: Path, threads: int = 0):
+    def __init__(self, model_path: Path, threads: int = 0, n_ctx: int = 2048):
+        """`n_ctx`: each sequence's window, tokens (the run's `engines.episodes.context_window`)."""
         if threads:
             torch.set_num_threads(threads)
         model = load_model(model_path, dtype=torch.float32)
-        self._use(model, load_tokenizer(model_path))
+        self._use(model, load_tokenizer(model_path), n_ctx)
         # Master copy on the CPU: updates apply here bit-exactly, then copy into the model.
         self.master = distinct_weights(self.model)
 
     @classmethod
-    def of_model(cls, model, tokenizer) -> TransformersBackend:
+    def of_model(cls, model, tokenizer, n_ctx: int) -> TransformersBackend:
         """Generate with a model already in memory (the trainer's, for `echo-coordinator eval`)."""
         backend = cls.__new__(cls)
-        backend._use(model, tokenizer)
+        backend._use(model, tokenizer, n_ctx)
         return backend
 
-    def _use(self, model, tokenizer) -> None:
+    def _use(self, model, tokenizer, n_ctx: int) -> None:
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.model = model.to(self.device).eval()
         gpu = f"CUDA {torch.cuda.get_device_name()}" if self.device == "cuda" else None
@@ -45,7 +46,7 @@ class TransformersBackend:
         self.config = model.config
         self.vocab_size = model.config.vocab_size
         self.eos = model.config.eos_token_id
-        self.n_ctx = model.config.max_position_embeddings
+        self.n_ctx = n_ctx
         self.tokenizer = tokenizer
         self.meter = Meter()
 
@@ -66,7 +67,8 @@ class TransformersBackend:
         logprobs: list[float] = []
         step = torch.tensor([request.prompt_ids], device=self.device)
         cache = None
-        while len(tokens) < request.max_new_tokens:
+        limit = min(request.max_new_tokens, self.n_ctx - len(request.prompt_ids))
+        while len(tokens) < limit:
             out = self.model(input_ids=step, past_key_values=cache, use_cache=True)
             cache = out.past_key_values
             row = out.logits[:, -1].float().cpu().numpy()  # (1, V)

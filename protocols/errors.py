@@ -77,6 +77,14 @@ class TranscriptError(ProtocolError):
     code = "bad_transcript"
 
 
+class Truncated(TranscriptError):
+    """A model turn ends where sampling does not stop (neither at the end-of-turn token nor at the
+    turn's token limit), or an episode stops while it could go on: the node cut what it sampled,
+    e.g. right after the gold answer. A cheat, struck as a failed verification is."""
+
+    code = "truncated"
+
+
 class KeyFileError(EchoError):
     """A local key file is missing, malformed or readable by other users."""
 

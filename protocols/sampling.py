@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-OUTLIER_FLIPS = 0.25  # the one outlier sample a batch may hold: at most this share of its tokens flipped
+OUTLIER_FLIPS = 0.25  # a lone outlier (`judge`) with more of its tokens flipped than this share is written
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 _S30, _S27, _S31, _S11 = np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(11)
 
@@ -116,8 +116,8 @@ class SamplingRule:
     from the trainer's argmax, and the mean logprob error. Calibrated in docs/verification.md."""
 
     # Per token: about twice the p99.9 honest Q4_1, Q8_0 and transformers nodes showed against the
-    # fp32 trainer (SmolLM2-135M, T = 1; docs/verification.md), the rare larger one being a batch's
-    # one outlier; per batch: about twice the honest rates. Well below every cheat's.
+    # fp32 trainer (SmolLM2-135M, T = 1; docs/verification.md), the rare larger one a lone
+    # outlier (`OutlierBudget`); per batch: about twice the honest rates. Well below every cheat's.
     max_margin: float = 1.5
     max_logprob_error: float = 2.5
     max_flip_fraction: float = 0.10
@@ -154,11 +154,13 @@ class SampleEvidence:
 def judge(batch: list[SampleEvidence], rule: SamplingRule) -> str | None:
     """None for a batch an honest node could have produced, else the reason code.
 
-    One sample per batch may be an *outlier* (a token past `max_margin` or `max_logprob_error`)
-    if no more than a quarter of its tokens differ from the trainer's choice: an honest Q4_1 node
-    produced one such sample in ~2,300 (an activation outlier that llama.cpp's 8-bit activation
-    blocks round badly, docs/verification.md), and never two in one batch. A second outlier, or a
-    sample that is mostly written, is a cheat."""
+    A sample with a token past `max_margin` or `max_logprob_error` is an *outlier*. Honest nodes
+    make one in about 5,000 samples (an activation outlier that llama.cpp's 8-bit activation blocks
+    round badly, docs/verification.md), never two in one batch, and never with more than a quarter
+    of its tokens flipped. A second outlier, or a sample that is mostly written, is a cheat
+    (`bad_sampling`, `bad_logprobs`). A lone outlier could be either: an honest one, or one sample's
+    answer written. So its batch is refused as `outlier`, and the key's history decides whether it is
+    a strike (`OutlierBudget`): a batch with a written token is never accepted."""
     tokens = sum(e.tokens for e in batch)
     flips = sum(e.flips for e in batch)
     mean_error = sum(e.mean_logprob_error * e.tokens for e in batch) / max(tokens, 1)
@@ -170,4 +172,21 @@ def judge(batch: list[SampleEvidence], rule: SamplingRule) -> str | None:
         return "bad_sampling" if any(e.max_margin > rule.max_margin for e in outliers) else "bad_logprobs"
     if mean_error > rule.mean_logprob_error:
         return "bad_logprobs"
-    return None
+    return "outlier" if outliers else None
+
+
+@dataclass(frozen=True)
+class OutlierBudget:
+    """How many lone outliers (`judge`) a key may show before one is a strike: `first`, and one
+    more per `every` samples of its verified batches. Honest nodes made 4 in 20,512 calibration
+    samples (docs/verification.md), so the budget runs five times ahead of them: 4 outliers in an
+    honest key's first 1,000 samples (Poisson, mean 0.2) happen about 5 times in 100,000 keys,
+    later on less. A key that writes answers is struck from its fourth, and no outlier batch is
+    ever accepted, so writing earns nothing."""
+
+    first: int = 3
+    every: int = 1000
+
+    def strikes(self, verified_samples: int, outliers: int) -> bool:
+        """Whether a key's `outliers`-th lone outlier, after `verified_samples`, is a strike."""
+        return outliers > self.first + verified_samples // self.every

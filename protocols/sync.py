@@ -8,7 +8,11 @@ Invariants
 - LeaseBook: every seed ever added is in exactly one of pending / outstanding / completed.
   A lease is completed at most once, only by the node it was issued to, and only before it
   expires. Seeds of expired leases go back to the *front* of pending, so they are reissued
-  before fresh work and a slow node cannot starve a seed.
+  before fresh work and a slow node cannot starve a seed; for `hold` seconds they go to proven
+  keys only, so a hoarder that let them lapse cannot take them back the moment they return.
+  Each key's lapses (leases that expired unanswered) since it last completed one are counted.
+  An expired lease may still be completed late while none of its seeds has been leased again: a
+  slow honest node's work is not lost to a short lease.
 - Node gate, staleness bound S >= 1: a node whose version is `node` must update before it
   starts new work when `latest - node >= S`. Work therefore starts at `node >= latest - S + 1`,
   which leaves room for one more publish while it generates.
@@ -39,6 +43,8 @@ from protocols.errors import InvalidValue, LeaseError
 
 
 MAX_CLOSED = 100_000  # closed lease ids a LeaseBook remembers the reason for
+MAX_LAPSED = 100_000  # keys a LeaseBook remembers lapses of (the oldest forgotten first)
+MAX_LATE = 10_000  # expired leases a LeaseBook still takes a late answer for
 
 
 class Mode(str, Enum):
@@ -96,15 +102,17 @@ class Lease:
     seeds: tuple[int, ...]
     version: int  # trainer version when issued
     expires_at: float  # same clock as the `now` passed to LeaseBook
+    issued_at: float = 0.0
 
 
 class LeaseBook:
     """Hands task seeds to nodes for `ttl` seconds; expired seeds are reissued first."""
 
-    def __init__(self, ttl: float, id_prefix: str = "L") -> None:
+    def __init__(self, ttl: float, id_prefix: str = "L", hold: float = 0.0) -> None:
         if not isinstance(ttl, (int, float)) or not math.isfinite(ttl) or ttl <= 0:
             raise InvalidValue(f"lease ttl must be a finite number of seconds > 0, got {ttl!r}")
         self.ttl = float(ttl)
+        self.hold = float(hold)  # seconds a returned seed goes to proven keys only
         # Ids are a counter, not random, so runs and tests are reproducible. Leases from a
         # previous start may still be in flight: restore its book (`from_dict`), or give this
         # start's book its own prefix.
@@ -118,6 +126,9 @@ class LeaseBook:
         # Closed lease ids and why, so a late or repeated completion gets a precise error; only
         # the newest MAX_CLOSED are remembered (older ones are "unknown": refused all the same).
         self._closed: dict[str, str] = {}
+        self._returned: dict[int, float] = {}  # pending seed -> when a lease gave it back
+        self._late: dict[str, Lease] = {}  # expired leases, newest last, for a late answer
+        self._lapses: dict[str, tuple[int, float]] = {}  # key -> (lapses since it last delivered, last one)
 
     @property
     def prefix(self) -> str:
@@ -158,50 +169,90 @@ class LeaseBook:
         self._known.update(new)
         self._pending.extend(new)
 
-    def issue(self, node_id: str, count: int, version: int, now: float) -> Lease | None:
-        """Lease up to `count` seeds to `node_id`; None when nothing is pending."""
+    def issue(self, node_id: str, count: int, version: int, now: float, ttl: float | None = None,
+              proven: bool = True) -> Lease | None:
+        """Lease up to `count` seeds to `node_id` for `ttl` seconds (default: the book's); None when
+        nothing is pending for it. A key that is not `proven` gets no seed returned less than
+        `hold` seconds ago."""
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise InvalidValue(f"lease count must be an int >= 1, got {count!r}")
         _check_version("version", version)
         self.expire(now)
-        if not self._pending:
+        held = set() if proven else {s for s, at in self._returned.items() if now - at < self.hold}
+        seeds = tuple([s for s in self._pending if s not in held][:count])
+        if not seeds:
             return None
-        seeds = tuple(self._pending.popleft() for _ in range(min(count, len(self._pending))))
-        lease = Lease(f"{self._prefix}{self._next_id}", node_id, seeds, version, now + self.ttl)
+        taken = set(seeds)
+        self._pending = deque(s for s in self._pending if s not in taken)
+        for seed in seeds:
+            self._returned.pop(seed, None)
+        lease = Lease(f"{self._prefix}{self._next_id}", node_id, seeds, version, now + (self.ttl if ttl is None else ttl),
+                      now)
         self._next_id += 1
         self._outstanding[lease.lease_id] = lease
         return lease
 
-    def complete(self, lease_id: str, node_id: str, now: float) -> Lease:
-        """Close a lease as done. Single use; refuses expired leases and other nodes' leases."""
+    def find(self, lease_id: str, now: float) -> Lease | None:
+        """The lease `lease_id` if it can still be completed: outstanding, or expired with every
+        seed still pending (nobody has taken them since)."""
         # Expire first, so the answer depends only on `now` and not on when expire() last ran.
         self.expire(now)
         lease = self._outstanding.get(lease_id)
+        if lease is None and lease_id in self._late:
+            late = self._late[lease_id]
+            lease = late if set(late.seeds) <= set(self._pending) else None
+        return lease
+
+    def complete(self, lease_id: str, node_id: str, now: float) -> Lease:
+        """Close a lease as done (`find`). Single use; refuses other nodes' leases and expired
+        leases whose seeds went out again."""
+        lease = self.find(lease_id, now)
         if lease is None:
             reason = self._closed.get(lease_id, "unknown")
             raise LeaseError(f"lease {lease_id!r} is {reason}")
         if lease.node_id != node_id:
             # Left outstanding: the rightful holder may still complete it.
             raise LeaseError(f"lease {lease_id!r} is held by another node")
-        del self._outstanding[lease_id]
+        if lease_id in self._outstanding:
+            del self._outstanding[lease_id]
+        else:  # late: its seeds leave pending
+            del self._late[lease_id]
+            done = set(lease.seeds)
+            self._pending = deque(s for s in self._pending if s not in done)
+            for seed in done:
+                self._returned.pop(seed, None)
         self._close(lease_id, "already completed")
         self._completed_count += len(lease.seeds)
+        self._lapses.pop(node_id, None)
         return lease
 
     def expire(self, now: float) -> list[Lease]:
-        """Close leases with `expires_at <= now`, oldest first; their seeds go back to the front."""
+        """Close leases with `expires_at <= now`, oldest first; their seeds go back to the front,
+        and each counts as a lapse of its key."""
         expired = [lease for lease in self._outstanding.values() if lease.expires_at <= now]
         self._reopen(expired, "expired")
         self._expired_count += len(expired)
+        for lease in expired:
+            self._late[lease.lease_id] = lease
+            if len(self._late) > MAX_LATE:
+                del self._late[next(iter(self._late))]
+            count, _ = self._lapses.pop(lease.node_id, (0, 0.0))
+            self._lapses[lease.node_id] = (count + 1, lease.expires_at)  # re-inserted: the newest last
+            if len(self._lapses) > MAX_LAPSED:
+                del self._lapses[next(iter(self._lapses))]
         return expired
 
-    def release(self, lease_id: str, node_id: str) -> Lease:
+    def lapses(self, node_id: str) -> tuple[int, float]:
+        """How many of `node_id`'s leases expired unanswered since it last completed one, and when the last did."""
+        return self._lapses.get(node_id, (0, 0.0))
+
+    def release(self, lease_id: str, node_id: str, now: float) -> Lease:
         """The holder's attempt failed (its batch was refused): close the lease and put its seeds
         back at the front now, rather than leaving them idle until it expires."""
         lease = self._outstanding.get(lease_id)
         if lease is None or lease.node_id != node_id:
             raise LeaseError(f"lease {lease_id!r} is not outstanding for this node")
-        self._reopen([lease], "released")
+        self._reopen([lease], "released", now)
         return lease
 
     def knows(self, seed: int) -> bool:
@@ -215,7 +266,7 @@ class LeaseBook:
         refused all the same, and the caller must not add a completed seed again."""
         return {
             "ttl": self.ttl, "prefix": self._prefix, "next_id": self._next_id, "pending": list(self._pending),
-            "outstanding": [[x.lease_id, x.node_id, list(x.seeds), x.version, x.expires_at]
+            "outstanding": [[x.lease_id, x.node_id, list(x.seeds), x.version, x.expires_at, x.issued_at]
                             for x in self._outstanding.values()],
         }
 
@@ -227,9 +278,11 @@ class LeaseBook:
             book = cls(data["ttl"], data["prefix"])
             book._next_id = _check_version("lease book next_id", data["next_id"])
             pending = list(data["pending"])
-            leases = [Lease(lease_id, node_id, tuple(seeds), _check_version("lease version", version), float(expires_at))
-                      for lease_id, node_id, seeds, version, expires_at in data["outstanding"]]
-        except (KeyError, TypeError, ValueError) as e:
+            # A book saved before leases carried their issue time: a standard lease's.
+            leases = [Lease(x[0], x[1], tuple(x[2]), _check_version("lease version", x[3]), float(x[4]),
+                            float(x[5]) if len(x) > 5 else float(x[4]) - book.ttl)
+                      for x in data["outstanding"]]
+        except (KeyError, IndexError, TypeError, ValueError) as e:
             raise InvalidValue(f"lease book state is missing or has a bad field: {e!r}") from None
         if not all(isinstance(x.lease_id, str) and isinstance(x.node_id, str) for x in leases):
             raise InvalidValue("lease book state: lease and node ids must be strings")
@@ -243,12 +296,15 @@ class LeaseBook:
         if len(self._closed) > MAX_CLOSED:
             del self._closed[next(iter(self._closed))]  # dicts keep insertion order: the oldest
 
-    def _reopen(self, leases: list[Lease], reason: str) -> None:
+    def _reopen(self, leases: list[Lease], reason: str, now: float | None = None) -> None:
+        """Seeds back to the front of pending, returned at `now` (None: when each lease expired)."""
         for lease in leases:
             del self._outstanding[lease.lease_id]
             self._close(lease.lease_id, reason)
+            self._returned.update(dict.fromkeys(lease.seeds, lease.expires_at if now is None else now))
+        seeds = [s for lease in leases for s in lease.seeds]
         # extendleft reverses its input; reversing first keeps the oldest lease's seeds first.
-        self._pending.extendleft(reversed([s for lease in leases for s in lease.seeds]))
+        self._pending.extendleft(reversed(seeds))
 
 
 # ----------------------------------------------------------------------------- staleness

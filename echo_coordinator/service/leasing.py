@@ -16,6 +16,13 @@ from protocols.messages import LeaseRequest, RunManifest, TaskLease
 from protocols.sync import LeaseBook, Mode
 
 MAX_LEASES_PER_KEY = 2  # outstanding at once: one in generation, one whose push is being retried
+LAPSE_LONGEST = 3600.0  # the longest a key whose leases lapsed waits for its next one, seconds
+
+
+def lapse_wait(lapses: int, first: float) -> float:
+    """How long a key whose last `lapses` leases expired unanswered waits before its next lease:
+    `first`, doubling with each lapse in a row. Delivering a batch clears the count."""
+    return min(first * 2.0 ** (lapses - 1), LAPSE_LONGEST) if lapses > 0 else 0.0
 
 
 def training_seeds(request: LeaseRequest, settings: LeaseSettings, group_size: int, proven: bool) -> int:
@@ -36,7 +43,7 @@ class Leasing:
                  settings: LeaseSettings, id_prefix: str):
         self.run_id, self.mode, self.group_size = manifest.run_id, Mode(manifest.mode), manifest.group_size
         self.render_prompt, self.settings = render_prompt, settings
-        self.book = LeaseBook(ttl=settings.lease_seconds, id_prefix=id_prefix)
+        self.book = LeaseBook(ttl=settings.lease_seconds, id_prefix=id_prefix, hold=settings.first_lease_seconds)
         self.next_seed = settings.first_seed  # async mode draws fresh seeds from here as leases drain them
         self.prompts: dict[int, tuple[int, ...]] = {}  # leasable or leased training seed -> its prompt
         self.started = False  # no work is handed out before the step loop starts (min_nodes reached)
@@ -50,7 +57,7 @@ class Leasing:
     def restore(self, values: dict) -> None:
         """The training leases the journal kept (`book_state`) at a restart."""
         book = LeaseBook.from_dict(values["leases"])
-        book.ttl = self.book.ttl  # this start's setting, for the leases it issues
+        book.ttl, book.hold = self.book.ttl, self.book.hold  # this start's settings, for the leases it issues
         self.book = book
         self.next_seed = int(values["next_seed"])
         for seed in book.pending_seeds + tuple(s for lease in book.outstanding for s in lease.seeds):
@@ -71,12 +78,23 @@ class Leasing:
     def lease(self, request: LeaseRequest, now: float, version: int, buffered: int,
               rounds: EvalRounds, proven: bool = False) -> TaskLease | None:
         """The work for `request` at trainer `version` with `buffered` groups waiting to be trained
-        on; None: none now. A key already holding its share of leases is refused; `proven`: the key
-        has had a batch accepted lately, so its leases may fill its batch (`training_seeds`)."""
+        on; None: none now. `proven`: the key has had a batch accepted lately.
+
+        Peers that never deliver must not hold the run up (a step waits for every seed). A key
+        whose lease lapsed (expired unanswered) waits before its next (`lapse_wait`) and is no
+        longer proven until it delivers. A key that is not proven gets leases of
+        `first_lease_seconds`, and no seed that came back from another lease in that long: those
+        go to keys that deliver first. A proven key's leases last `lease_seconds` and may fill its
+        batch (`training_seeds`). Either holds at most `MAX_LEASES_PER_KEY`."""
         node_id = request.node_id
         books = [self.book] + rounds.books()
         for book in books:
             book.expire(now)  # an expired lease no longer counts against its key
+        lapses, last = self.book.lapses(node_id)
+        if now < last + lapse_wait(lapses, self.settings.first_lease_seconds):
+            raise PeerRefused("lapsed", f"{lapses} leases of this key expired unanswered; the next one in "
+                                        f"{last + lapse_wait(lapses, self.settings.first_lease_seconds) - now:.0f} s")
+        proven = proven and lapses == 0
         held = sum(lease.node_id == node_id for book in books for lease in book.outstanding)
         if held >= MAX_LEASES_PER_KEY:
             raise PeerRefused("lease_limit", f"this key already holds {held} leases; push or let them expire")
@@ -88,10 +106,13 @@ class Leasing:
         # round's version answers it before training work moves it on: then it no longer can.
         holds_round = rounds.pending_at(request.version)
         if self.mode is Mode.ASYNC or (holds_round and request.version < version):
-            return rounds.lease(node_id, request, now, proven) or self._train_lease(node_id, count, version, buffered, now)
-        return self._train_lease(node_id, count, version, buffered, now) or rounds.lease(node_id, request, now, proven)
+            return (rounds.lease(node_id, request, now, proven)
+                    or self._train_lease(node_id, count, version, buffered, now, proven))
+        return (self._train_lease(node_id, count, version, buffered, now, proven)
+                or rounds.lease(node_id, request, now, proven))
 
-    def _train_lease(self, node_id: str, count: int, version: int, buffered: int, now: float) -> TaskLease | None:
+    def _train_lease(self, node_id: str, count: int, version: int, buffered: int, now: float,
+                     proven: bool) -> TaskLease | None:
         if not self.training:
             return None
         max_ahead = self.settings.max_ahead
@@ -101,7 +122,8 @@ class Leasing:
             fresh = list(range(self.next_seed, self.next_seed + count))
             self.next_seed += count
             self.add_seeds(fresh)
-        lease = self.book.issue(node_id, count, version, now)
+        ttl = None if proven else self.settings.first_lease_seconds
+        lease = self.book.issue(node_id, count, version, now, ttl, proven)
         if lease is None:
             return None
         return TaskLease(

@@ -19,6 +19,7 @@ from echo_coordinator.ledger import Ledger
 from echo_coordinator.verify import Verifier
 from protocols.errors import PeerRefused, VerificationError
 from protocols.messages import PeerAnnouncement, RolloutBatch
+from protocols.sampling import OutlierBudget
 from protocols.signing import FINGERPRINT_CHARS
 
 _DRAWS = random.SystemRandom()  # spot-check draws: a node must not predict them
@@ -84,6 +85,7 @@ class Policing:
     spot: SpotCheck = SpotCheck()
     bans: BanRule = BanRule()
     allow: frozenset[str] | None = None  # node key fingerprints; None = anyone may join
+    outliers: OutlierBudget = OutlierBudget()
 
     def admit(self, ledger: Ledger, node_id: str, now: float) -> None:
         """Refuse a key that is not on the allow-list or is serving a ban."""
@@ -109,10 +111,16 @@ class Policing:
             else:
                 self.verifier.check(batch.lease_id, batch.version, batch.samples, round_.weights, round_.greedy)
         except VerificationError as e:
-            if e.code != "unverifiable":
-                ledger.record_check(batch.node_id, False, self.bans.seconds, now)
+            if e.code == "outlier":  # refused; a strike only past what honest keys show
+                ledger.record_outlier(batch.node_id, self.outliers.strikes, self.bans.seconds, now)
+            elif e.code != "unverifiable":
+                self.strike(ledger, batch.node_id, now)
             raise
-        ledger.record_check(batch.node_id, True, self.bans.seconds, now)
+        ledger.record_check(batch.node_id, True, self.bans.seconds, now, len(batch.samples))
+
+    def strike(self, ledger: Ledger, node_id: str, now: float) -> None:
+        """A cheat caught (a failed verification, a truncated sample): a strike and a ban."""
+        ledger.record_check(node_id, False, self.bans.seconds, now)
 
 
 def relay_holders(announced: list[PeerAnnouncement], talked: dict[str, str]) -> dict[str, int]:

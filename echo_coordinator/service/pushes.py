@@ -26,7 +26,7 @@ from echo_coordinator.service.policing import Policing
 from echo_coordinator.service.registry import Registry
 from echo_coordinator.service.settings import Work
 from engines.episodes import score
-from protocols.errors import InvalidValue, LeaseError, ProtocolError
+from protocols.errors import InvalidValue, LeaseError, ProtocolError, Truncated
 from protocols.messages import PushReceipt, RolloutBatch, RunManifest
 from protocols.sync import Lease, Mode, Verdict, judge_version
 
@@ -100,7 +100,13 @@ class Pushes:
             judging.check_samples(batch, prompts, per_seed, self.manifest.vocab_size)
             # Rewards are recomputed here by replaying each episode; nothing the node says counts.
             task = self.work.task_of(evaluation=round_ is not None)
-            rewards = [score(task, s, self.work.transcripts) for s in batch.samples]
+            try:
+                rewards = [score(task, s, self.work.transcripts) for s in batch.samples]
+            except Truncated:
+                # Honest tokens cut to shape are as much a cheat as written ones, and this check
+                # is on every batch, spot-checked or not.
+                self.policing.strike(self.ledger, batch.node_id, now)
+                raise
             self.policing.verify(self.ledger, batch, now, round_)
             now += time.monotonic() - started  # the lease may have expired while we judged
             groups = [] if round_ is not None else judging.groups(batch, rewards, peer_id, name)
@@ -109,8 +115,7 @@ class Pushes:
                 if round_ is None:
                     self.buffer.offer(batch)
                 book.complete(batch.lease_id, batch.node_id, now)
-                issued = lease.expires_at - self.leasing.book.ttl
-                self.nodes.throughput.pushed(batch.node_id, len(batch.samples), issued, now)
+                self.nodes.throughput.pushed(batch.node_id, len(batch.samples), lease.issued_at, now)
                 if round_ is not None:
                     self.rounds.answered(round_, batch, rewards, now)
                     return None
@@ -118,21 +123,24 @@ class Pushes:
                     self.leasing.answered(group.seed)
                 return self.buffer.add(batch.lease_id, groups, self.leasing.book_state())
         except ProtocolError:
-            # The holder's (signed) attempt failed: its seeds go straight back to other nodes.
+            # The holder's (signed) attempt failed: its seeds go straight back to other nodes, and
+            # so do those of its other leases if that was a strike: a banned key never answers them.
+            banned = self.ledger.trust(batch.node_id).banned_until > now
             with self.lock:
-                if any(x.lease_id == batch.lease_id and x.node_id == batch.node_id for x in book.outstanding):
-                    book.release(batch.lease_id, batch.node_id)
+                for b in [self.leasing.book, *self.rounds.books()] if banned else [book]:
+                    for x in b.outstanding:
+                        if x.node_id == batch.node_id and (banned or x.lease_id == batch.lease_id):
+                            b.release(x.lease_id, x.node_id, now)
             raise
         finally:
             with self.lock:
                 self.judging.discard(judging_now)
 
     def _held_lease(self, batch: RolloutBatch, now: float, round_: EvalRound | None) -> Lease:
-        """Under the lock: the outstanding lease this batch answers (in `round_`'s book for an
-        evaluation), held by its signer, admitting its version."""
+        """Under the lock: the lease this batch answers (in `round_`'s book for an evaluation),
+        outstanding or late but still open (`LeaseBook.find`), held by its signer, admitting its version."""
         book = self.leasing.book if round_ is None else round_.book
-        book.expire(now)
-        lease = next((x for x in book.outstanding if x.lease_id == batch.lease_id), None)
+        lease = book.find(batch.lease_id, now)
         if lease is None:
             book.complete(batch.lease_id, batch.node_id, now)  # raises the precise LeaseError
             raise LeaseError(f"lease {batch.lease_id} is not outstanding")

@@ -38,3 +38,10 @@ class LeaseSettings:
     # the oldest groups first, would train S versions behind all the time. Leases out do not
     # count, so a straggler holding one never stops the others.
     max_ahead: int | None = None
+
+    @property
+    def first_lease_seconds(self) -> float:
+        """A key that has not delivered lately holds one lease at a time, of this long: peers that
+        never answer hold seeds only so long (`Leasing.lease`). A node's first lease is one prompt,
+        a standard lease a quarter of a step, so a quarter of the standard time leaves it room."""
+        return self.lease_seconds / 4

@@ -43,6 +43,9 @@ from tests.support.tiny_model import build_tiny_gguf
 T = 1.0
 TOKEN_CHEATS = ("gold answer, made-up logprobs", "gold answer, teacher-forced logprobs", "another temperature",
                 "one sample copied G times", "another model's text", "logprobs shaded down")
+# Honest tokens cut to shape: refused and struck; one written token in one sample: refused, and a
+# strike only past the key's outlier budget (protocols.sampling.OutlierBudget).
+SHAPE_CHEATS = ("honest tokens, cut short", "one sample's answer edited")
 
 
 def rss_mb(pid: int) -> float:
@@ -126,8 +129,9 @@ class Attacker:
         return tuple(float(x) for x in sampling.log_softmax(rows)[np.arange(len(ids)), ids])
 
     def gold(self, seed: int) -> tuple[int, ...]:
-        return tuple(self.backend.tokenize(f"The answer is {self.task.generate(seed).answer}."))[
-            : self.manifest.max_new_tokens]
+        """The gold answer, ended as a sampled turn ends (its end-of-turn token, or the limit)."""
+        text = tuple(self.backend.tokenize(f"The answer is {self.task.generate(seed).answer}."))
+        return (text + (self.backend.eos,))[: self.manifest.max_new_tokens]
 
     def cheat(self, name: str, lease: TaskLease) -> list[RolloutSample]:
         honest = self.honest(lease)
@@ -146,6 +150,16 @@ class Attacker:
             return self.honest(lease, backend=self.other)
         if name == "logprobs shaded down":
             return [dataclasses.replace(s, logprobs=tuple(x - 1.0 for x in s.logprobs)) for s in honest]
+        if name == "honest tokens, cut short":  # e.g. right after the gold number
+            return [dataclasses.replace(s, completion_ids=s.completion_ids[:2], logprobs=s.logprobs[:2]) for s in honest]
+        if name == "one sample's answer edited":
+            # Its last token replaced by the one the model likes least, with its true logprob.
+            first = honest[0]
+            prompt, ids = first.prompt_ids, first.completion_ids
+            row = self.backend.batch.logits_of(list(prompt) + list(ids)[:-1])[-1]
+            edited = ids[:-1] + (int(np.argmin(row)),)
+            return [dataclasses.replace(first, completion_ids=edited, logprobs=self.teacher_forced(prompt, edited)),
+                    *honest[1:]]
         raise ValueError(name)
 
     def batch(self, key, lease: TaskLease, samples) -> RolloutBatch:
@@ -220,7 +234,7 @@ threads = 1
             except RemoteError as e:
                 results[name + " / then"] = e.code
 
-        await asyncio.gather(*(token_cheat(name) for name in TOKEN_CHEATS))
+        await asyncio.gather(*(token_cheat(name) for name in (*TOKEN_CHEATS, *SHAPE_CHEATS)))
 
         # Forged: a batch whose signature does not match what it carries.
         key = generate_key()
@@ -315,6 +329,8 @@ threads = 1
         assert results[name] in ("bad_sampling", "bad_logprobs"), (name, results[name])
         assert results[name + " / then"] == "banned"
     assert results["logprobs shaded down"] == "bad_logprobs"
+    assert (results["honest tokens, cut short"], results["honest tokens, cut short / then"]) == ("truncated", "banned")
+    assert (results["one sample's answer edited"], results["one sample's answer edited / then"]) == ("outlier", "served")
     assert results["gold answer, teacher-forced logprobs"] == "bad_sampling"
     assert results["forged batch"] == "bad_signature"
     assert results["another node's lease"] == "bad_lease"
@@ -332,7 +348,9 @@ threads = 1
     assert honest_row["rejected"] == 0 and honest_row["failed_batches"] == 0
     assert honest_row["banned_until"] == 0 and honest_row["accepted"] > 0
     cheaters = [p for p in rows if p["name"] not in ("honest", "late")]
-    assert sum(p["failed_batches"] for p in cheaters) == len(TOKEN_CHEATS)
+    assert sum(p["failed_batches"] for p in cheaters) == len(TOKEN_CHEATS) + 1  # and the cut one
+    (edited,) = [p for p in cheaters if "outlier" in p["rejected_by_reason"]]  # refused, not (yet) struck
+    assert (edited["accepted"], edited["failed_batches"], edited["banned_until"]) == (0, 0, 0)
     # Credit went only to the keys that sent honest batches (the control and the lease holder).
     assert all(p["failed_batches"] == 0 and p["rejected_by_reason"].keys() <= {"bad_lease"}
                for p in cheaters if p["accepted"])

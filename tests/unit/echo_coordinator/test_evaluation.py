@@ -17,7 +17,7 @@ from protocols.sampling import SamplingRule, choose, gumbel, log_softmax, sample
 from protocols.signing import fingerprint, generate_key, public_bytes, sign_message
 from tasks import make_task
 from tests.unit.echo_coordinator.service.test_run_service import (
-    GROUP, LOGITS, NOW, TRANSCRIPTS, lease_request, push, toy_evidence,
+    EOS, GROUP, LOGITS, NOW, TRANSCRIPTS, lease_request, push, toy_evidence,
 )
 from tests.unit.protocols import factories
 
@@ -47,7 +47,7 @@ def answers(svc, key, lease: TaskLease, right=True, per_prompt=None, version=Non
     samples = []
     for seed, prompt in zip(lease.seeds, lease.prompts):
         answer = int(svc.work.task_of(evaluation=True).generate(seed).answer) + (0 if right else 1)
-        samples += [RolloutSample(seed, prompt, (answer,), (-0.5,))] * (per_prompt or lease.samples)
+        samples += [RolloutSample(seed, prompt, (answer, EOS), (-0.5, -0.1))] * (per_prompt or lease.samples)
     batch = RolloutBatch("run-1", lease.lease_id, lease.version if version is None else version, public_bytes(key),
                          tuple(samples))
     return sign_message(batch, key)
@@ -65,7 +65,7 @@ def test_sequential_evaluates_when_idle_and_never_trains_on_it(tmp_path):
     first = svc.handle_lease(lease_request(node), now=NOW)
     assert not first.evaluation  # training work first: sequential nodes evaluate while the trainer steps
     push(svc, sign_message(RolloutBatch("run-1", first.lease_id, 0, public_bytes(node), tuple(
-        RolloutSample(1, first.prompts[0], (7,), (-0.5,)) for _ in range(GROUP))), node), "QmNode", now=NOW)
+        RolloutSample(1, first.prompts[0], (7, EOS), (-0.5, -0.1)) for _ in range(GROUP))), node), "QmNode", now=NOW)
     lease = svc.handle_lease(lease_request(node), now=NOW)
     # Greedy: one completion per prompt, so about a training lease's worth of prompts (1 seed x G).
     assert lease.evaluation and lease.greedy and lease.samples == 1 and lease.version == 0
@@ -139,7 +139,7 @@ def test_giving_up_logs_an_incomplete_round_and_old_rounds_make_way(tmp_path):
     assert len(svc.take_eval_records(give_up=True, now=NOW)) == 4 and not svc.evaluating()
 
 
-def greedy_batch(key, lease: TaskLease, tokens=5, noise=False) -> RolloutBatch:
+def greedy_batch(key, lease: TaskLease, tokens=8, noise=False) -> RolloutBatch:
     """The toy model answering an evaluation lease: argmax, or (a cheat) sampling with noise."""
     samples = []
     for seed, prompt in zip(lease.seeds, lease.prompts):

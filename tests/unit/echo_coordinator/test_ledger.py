@@ -85,3 +85,20 @@ def test_metrics_rewind_drops_the_lines_of_steps_a_restart_will_redo(tmp_path):
     kept = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["version"] for r in kept if "version" in r] == [0, 1]
     assert [r["eval_version"] for r in kept if "eval_version" in r] == [0, 1, 2, 3]  # evaluations stand
+
+
+def test_a_ledger_from_before_outlier_budgets_gains_their_columns(tmp_path):
+    import sqlite3
+
+    db = sqlite3.connect(tmp_path / "ledger.sqlite")
+    db.execute("CREATE TABLE trust (node_id TEXT PRIMARY KEY, verified INTEGER NOT NULL DEFAULT 0, "
+               "failed INTEGER NOT NULL DEFAULT 0, banned_until REAL NOT NULL DEFAULT 0)")
+    db.execute("INSERT INTO trust VALUES ('k', 5, 1, 70.0)")
+    db.commit()
+    db.close()
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    trust = ledger.trust("k")
+    assert (trust.verified, trust.failed, trust.banned_until, trust.samples, trust.outliers) == (5, 1, 70.0, 0, 0)
+    assert ledger.record_outlier("k", lambda samples, outliers: outliers > 1, lambda strikes: 10.0, 100.0).failed == 1
+    assert ledger.record_check("k", True, lambda strikes: 10.0, 100.0, samples=16).samples == 16
+    ledger.close()

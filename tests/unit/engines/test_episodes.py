@@ -9,7 +9,7 @@ from echo_coordinator.steps import turns
 from engines.episodes import Game, Transcripts, rollouts, score
 from engines.hf import decode, load_tokenizer, prompt_ids, turn_format
 from engines.llama_backend import LlamaBackend
-from protocols.errors import TranscriptError
+from protocols.errors import TranscriptError, Truncated
 from protocols.messages import Segment
 from tasks.sokoban import SokobanTask
 from tests.support.envs import MoreE, e_share
@@ -24,7 +24,7 @@ def setup(tmp_path_factory):
     tokenizer = load_tokenizer(path)
     rules = Transcripts(
         decode=lambda ids: decode(tokenizer, ids),
-        eos=tokenizer.eos_token_id, turns=turn_format(tokenizer), max_new_tokens=MAX_NEW,
+        eos=tokenizer.eos_token_id, turns=turn_format(tokenizer), max_new_tokens=MAX_NEW, window=1024,
     )
     return LlamaBackend(path, threads=1, n_ctx=1024), tokenizer, rules
 
@@ -78,7 +78,7 @@ def test_the_episode_ends_when_the_environment_says_done(setup):
     task = MoreE(max_turns=3)
     sample, _ = played(setup, task, 0)
     first = sample.segments[0].length
-    eees = tuple(tokenizer("eeee", add_special_tokens=False).input_ids)
+    eees = tuple(tokenizer("eeee", add_special_tokens=False).input_ids) + (tokenizer.eos_token_id,)
     # A first reply of all e's ends the episode: the transcript stops after it.
     done = dataclasses.replace(sample, completion_ids=eees, logprobs=(-1.0,) * len(eees), segments=())
     assert score(task, done, rules) == pytest.approx(4 / 5)
@@ -108,7 +108,53 @@ def test_forged_or_misordered_transcripts_are_refused(setup):
     refused(ids[: m1.length + env.length], (m1, env), "must end with a model turn")
     refused(ids + ids[m1.length:], (m1, env, m2, env, m2), "after the episode ended")  # a third turn of two
     long_turn = (5,) * (MAX_NEW + 1)
-    refused(long_turn, (), f"exceeds {MAX_NEW}")
+    refused(long_turn, (), f"exceeds its limit of {MAX_NEW}")
+
+
+def test_turns_and_episodes_end_only_where_sampling_ends_them(setup):
+    """A node that samples honestly and then cuts (a turn before its end-of-turn token and its
+    limit, an episode before the environment or the window ends it) is refused as `truncated`."""
+    backend, tokenizer, rules = setup
+    task = MoreE(max_turns=2)
+    sample, _ = played(setup, task, 1)
+    m1, env, m2 = sample.segments
+    ids, eos = sample.completion_ids, tokenizer.eos_token_id
+    assert score(task, sample, rules) >= 0  # as played
+    assert m1.length == MAX_NEW or ids[m1.length - 1] == eos
+
+    def refused(completion, segments, match):
+        bad = dataclasses.replace(sample, completion_ids=completion, logprobs=(0.0,) * len(completion), segments=segments)
+        with pytest.raises(Truncated, match=match):
+            score(task, bad, rules)
+
+    # The first turn cut to its first token (e.g. right after an answer), the episode ending there.
+    refused(ids[:1], (), "stops before its end-of-turn token")
+    # The last turn cut short.
+    cut = m2.length - 1 if ids[-1] != eos else m2.length - 2
+    refused(ids[: m1.length + env.length + cut], (m1, env, Segment("model", cut)), "stops before")
+    # A turn that goes on past its end-of-turn token.
+    on = ids[: m1.length - 2] + (eos, 5) if m1.length == MAX_NEW else ids[: m1.length] + (5,)
+    refused(on, (), "past its end-of-turn token")
+    # A whole first turn, then the episode stopped although the environment had not ended it.
+    refused(ids[: m1.length], (m1,), "the episode stops after turn 1 of 2")
+
+
+def test_an_episode_the_window_ends_is_accepted(setup):
+    """Where the window has no room for another turn, the episode ends early and that is honest;
+    a turn cut by the window's edge ends at its (smaller) limit."""
+    _, tokenizer, rules = setup
+    path = setup[0].model_path
+    task = MoreE(max_turns=3)
+    prompt = prompt_ids(tokenizer, task.episode(2).messages)
+    window = len(prompt) + MAX_NEW + 20  # room for one turn and part of a reply: not for another turn
+    small = LlamaBackend(path, threads=1, n_ctx=window)
+    game = Game(small, task.episode(2), 2, prompt, rules.turns, task.max_turns, MAX_NEW, 7)
+    small.generate([game.request()], 1.0, lambda _, out: game.after(out))
+    sample = game.sample()
+    assert [s.role for s in sample.segments] == ["model"]  # the window ended it, not the environment
+    assert score(task, sample, dataclasses.replace(rules, window=window)) >= 0
+    with pytest.raises(Truncated, match="the window had room"):  # in the run's real window it is a cut
+        score(task, sample, rules)
 
 
 def test_a_leases_episodes_play_together_as_they_play_alone(setup):

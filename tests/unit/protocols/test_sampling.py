@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from protocols.sampling import (
-    SampleEvidence, SamplingRule, choose, gumbel, judge, log_softmax, margins, sample_seed,
+    OutlierBudget, SampleEvidence, SamplingRule, choose, gumbel, judge, log_softmax, margins, sample_seed,
 )
 
 
@@ -55,7 +55,9 @@ def evidence(max_margin=0.0, flips=0, tokens=20, max_err=0.01, mean_err=0.005):
 @pytest.mark.parametrize("batch, verdict", [
     ([evidence()] * 4, None),
     ([evidence(max_margin=0.2, flips=2)] * 4, None),  # a few quantization-flipped near ties
-    ([evidence()] * 3 + [evidence(max_margin=3.5, flips=2, max_err=3.4)], None),  # one honest outlier
+    # A lone outlier: honest (an activation outlier) or one sample's answer written; the key's history decides.
+    ([evidence()] * 3 + [evidence(max_margin=3.5, flips=2, max_err=3.4)], "outlier"),
+    ([evidence()] * 3 + [evidence(max_err=3.0)], "outlier"),
     ([evidence()] * 2 + [evidence(max_margin=3.5, flips=1)] * 2, "bad_sampling"),  # two: written tokens
     ([evidence()] * 3 + [evidence(max_margin=3.5, flips=10)], "bad_sampling"),  # a mostly written sample
     ([evidence(max_margin=0.5, flips=6)] * 4, "bad_sampling"),  # many small flips: another temperature, say
@@ -66,6 +68,17 @@ def evidence(max_margin=0.0, flips=0, tokens=20, max_err=0.01, mean_err=0.005):
 ])
 def test_judge(batch, verdict):
     assert judge(batch, SamplingRule()) == verdict
+
+
+def test_a_keys_outlier_budget_runs_ahead_of_honest_keys_only():
+    budget = OutlierBudget(first=3, every=1000)
+    assert [budget.strikes(0, n) for n in (1, 2, 3, 4)] == [False, False, False, True]
+    assert not budget.strikes(1000, 4) and budget.strikes(1999, 5) and not budget.strikes(5000, 8)
+    # Honest keys: 4 outliers in 20,512 calibration samples. Over a long honest history at that
+    # rate, the budget is never exceeded; a key writing one answer in every 300 samples is struck.
+    honest = [budget.strikes(n, 1 + n * 4 // 20_512) for n in range(0, 200_000, 16)]
+    writer = [budget.strikes(n, 1 + n // 300) for n in range(0, 200_000, 16)]
+    assert not any(honest) and any(writer)
 
 
 def test_evidence_pools_a_samples_margins_and_logprob_errors():

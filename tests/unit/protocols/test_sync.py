@@ -36,7 +36,7 @@ def book_with(seeds, ttl=10.0):
 def test_issue_takes_fifo_and_sets_expiry():
     book = book_with(range(5))
     lease = book.issue("a", 3, version=7, now=100.0)
-    assert lease == Lease(lease.lease_id, "a", (0, 1, 2), 7, 110.0)
+    assert lease == Lease(lease.lease_id, "a", (0, 1, 2), 7, 110.0, 100.0)
     assert book.pending_seeds == (3, 4)
     assert book.outstanding == (lease,)
 
@@ -91,13 +91,13 @@ def test_complete_by_wrong_node_leaves_lease_with_holder():
     assert book.complete(lease.lease_id, "a", 1.0) == lease
 
 
-def test_expired_lease_completion_refused_even_before_expire_runs():
+def test_expired_lease_completion_refused_once_its_seeds_went_out_again_even_before_expire_runs():
     book = book_with([1])
     lease = book.issue("a", 1, 0, 0.0)
+    again = book.issue("b", 1, 0, 10.0)  # expires_at is exclusive of `now`: seed 1 is b's now
     with pytest.raises(LeaseError, match="expired"):
-        book.complete(lease.lease_id, "a", 10.0)  # expires_at is exclusive of `now`
-    assert book.pending_seeds == (1,)
-    assert book.completed_count == 0
+        book.complete(lease.lease_id, "a", 10.0)
+    assert again.seeds == (1,) and book.completed_count == 0
 
 
 def test_expire_reassigns_to_another_node_first():
@@ -413,16 +413,20 @@ class SyncMachine(RuleBasedStateMachine):
         self.drop_expired_work()
 
     def drop_expired_work(self):
-        # Leases whose time ran out are gone from the book; nodes holding them find out on
-        # completion, which `finish` checks, so only forget those no longer outstanding.
+        # Leases whose time ran out are gone from the book's outstanding ones; each can still be
+        # completed late exactly while all its seeds are pending (`finish` tries). Work whose
+        # seeds went out again is forgotten.
         live = {lease.lease_id for lease in self.book.outstanding}
         for node in NODES:
             for lease, start in list(self.work[node]):
                 if lease.lease_id not in live:
                     assert lease.expires_at <= self.now
-                    self.work[node].remove((lease, start))
-                    with pytest.raises(LeaseError, match="expired"):
-                        self.book.complete(lease.lease_id, node, self.now)
+                    late = set(lease.seeds) <= set(self.book.pending_seeds)
+                    assert (self.book.find(lease.lease_id, self.now) == lease) is late
+                    if not late:
+                        self.work[node].remove((lease, start))
+                        with pytest.raises(LeaseError, match="expired"):
+                            self.book.complete(lease.lease_id, node, self.now)
 
     @precondition(lambda self: any(self.work.values()))
     @rule(i=st.integers(0, 50), thief=st.sampled_from(NODES))
@@ -434,9 +438,11 @@ class SyncMachine(RuleBasedStateMachine):
                 self.book.complete(lease.lease_id, thief, self.now)
         self.work[node].remove((lease, start))
         if lease.expires_at <= self.now:
-            with pytest.raises(LeaseError, match="expired"):
-                self.book.complete(lease.lease_id, node, self.now)
-            return
+            self.book.expire(self.now)
+            if not set(lease.seeds) <= set(self.book.pending_seeds):  # too late: its seeds went out again
+                with pytest.raises(LeaseError, match="expired"):
+                    self.book.complete(lease.lease_id, node, self.now)
+                return
         assert self.book.complete(lease.lease_id, node, self.now) == lease
         self.completed += lease.seeds
         with pytest.raises(LeaseError, match="already completed"):
@@ -538,8 +544,8 @@ def test_release_puts_seeds_back_first_and_is_holder_only():
     book.add_seeds([1, 2, 3, 4])
     lease = book.issue("a", 2, 0, now=0)
     with pytest.raises(LeaseError):
-        book.release(lease.lease_id, "b")
-    assert book.release(lease.lease_id, "a") == lease
+        book.release(lease.lease_id, "b", 0.0)
+    assert book.release(lease.lease_id, "a", 0.0) == lease
     assert book.pending_seeds == (1, 2, 3, 4)
     with pytest.raises(LeaseError, match="released"):
         book.complete(lease.lease_id, "a", now=1)
@@ -550,7 +556,7 @@ def test_a_restored_book_goes_on_issuing_and_taking_back_the_same_leases():
     book.add_seeds(range(6))
     done, held, lost = (book.issue(n, 2, 3, now=0.0) for n in ("a", "b", "c"))
     book.complete(done.lease_id, "a", 1.0)
-    book.release(lost.lease_id, "c")  # seeds 4, 5 back to pending
+    book.release(lost.lease_id, "c", 0.0)  # seeds 4, 5 back to pending
     again = LeaseBook.from_dict(json.loads(json.dumps(book.to_dict())))
     assert again.outstanding == (held,) and again.pending_seeds == (4, 5) and again.prefix == "x-"
     assert again.complete(held.lease_id, "b", 2.0) == held
@@ -572,3 +578,53 @@ def test_a_restored_book_goes_on_issuing_and_taking_back_the_same_leases():
 def test_a_bad_book_state_is_refused(bad):
     with pytest.raises(InvalidValue):
         LeaseBook.from_dict(bad)
+
+
+def test_returned_seeds_go_to_proven_keys_first_and_lapses_are_counted_until_a_key_delivers():
+    book = LeaseBook(ttl=60.0, hold=15.0)
+    book.add_seeds(range(6))
+    hoarded = book.issue("hoarder", 2, 0, now=0.0, ttl=15.0, proven=False)
+    assert hoarded.seeds == (0, 1) and hoarded.expires_at == 15.0 and hoarded.issued_at == 0.0
+    kept = book.issue("honest", 2, 0, now=0.0)  # a proven key's lease: the book's ttl
+    assert kept.expires_at == 60.0
+    assert book.lapses("hoarder") == (0, 0.0)
+    # At expiry the hoarder's seeds come back to the front, for proven keys only for 15 s:
+    # an unproven key asking at that moment gets fresh seeds, not them.
+    assert book.issue("sybil", 2, 0, now=16.0, ttl=15.0, proven=False).seeds == (4, 5)
+    assert book.lapses("hoarder") == (1, 15.0)
+    assert book.issue("sybil2", 2, 0, now=20.0, proven=False) is None  # only held seeds are left
+    assert book.issue("honest", 1, 0, now=20.0).seeds == (0,)  # a key that delivers gets them first
+    assert book.issue("sybil2", 2, 0, now=30.0, proven=False).seeds == (1,)  # held no longer
+    # Lapses add up, and completing a lease clears them.
+    book.expire(31.0)  # sybil's lease (4, 5) lapsed at 31
+    assert book.lapses("sybil") == (1, 31.0)
+    again = book.issue("sybil", 2, 0, now=50.0, proven=True)
+    book.expire(200.0)
+    assert book.lapses("sybil")[0] == 2
+    late = book.issue("sybil", 1, 0, now=201.0)
+    book.complete(late.lease_id, "sybil", now=202.0)
+    assert book.lapses("sybil") == (0, 0.0) and again.seeds
+
+
+def test_a_book_saved_before_leases_carried_their_issue_time_restores():
+    state = {"ttl": 60.0, "prefix": "x-", "next_id": 1, "pending": [], "outstanding": [["x-0", "a", [1], 0, 100.0]]}
+    (lease,) = LeaseBook.from_dict(state).outstanding
+    assert lease.issued_at == 40.0
+    with pytest.raises(InvalidValue):
+        LeaseBook.from_dict({**state, "outstanding": [["x-0", "a"]]})
+
+
+def test_an_expired_lease_is_completed_late_only_while_nobody_took_its_seeds():
+    book = LeaseBook(ttl=10.0, hold=5.0)
+    book.add_seeds(range(4))
+    slow = book.issue("slow", 2, 0, now=0.0, ttl=2.0, proven=False)
+    gone = book.issue("gone", 2, 0, now=0.0, ttl=2.0, proven=False)
+    assert book.find(slow.lease_id, 3.0) == slow and book.lapses("slow")[0] == 1
+    assert book.complete(slow.lease_id, "slow", now=3.0) == slow  # late, its seeds still pending
+    assert book.lapses("slow") == (0, 0.0) and book.pending_seeds == (2, 3) and book.completed_count == 2
+    with pytest.raises(LeaseError, match="already completed"):
+        book.complete(slow.lease_id, "slow", now=3.0)
+    book.issue("fast", 1, 0, now=4.0)  # seed 2 of the expired lease goes out again
+    with pytest.raises(LeaseError, match="expired"):
+        book.complete(gone.lease_id, "gone", now=5.0)
+    assert book.find(gone.lease_id, 5.0) is None and book.pending_seeds == (3,)

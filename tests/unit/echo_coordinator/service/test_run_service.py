@@ -14,7 +14,7 @@ from echo_coordinator.verify import Verifier
 from engines.episodes import Transcripts
 from engines.sampler import score_rows
 from protocols.errors import InvalidValue, LeaseError, PeerRefused, SignatureError, TranscriptError, VerificationError
-from protocols.sampling import SampleEvidence, SamplingRule, choose, gumbel, log_softmax, sample_seed
+from protocols.sampling import OutlierBudget, SampleEvidence, SamplingRule, choose, gumbel, log_softmax, sample_seed
 from protocols.messages import LeaseRequest, NoWork, RolloutBatch, RolloutSample, TaskLease, TurnFormat, UpdateInfo
 from protocols.signing import fingerprint, generate_key, public_bytes, sign_message
 from tasks import make_task
@@ -25,7 +25,8 @@ import numpy as np
 NOW = 1000.0
 GROUP = 2
 # Token ids "decode" to their numbers, so a completion (7,) reads "7".
-TRANSCRIPTS = Transcripts(decode=lambda ids: " ".join(str(i) for i in ids), eos=999, turns=TurnFormat(), max_new_tokens=8)
+EOS = 999  # a completion ends at it (or at 8 tokens)
+TRANSCRIPTS = Transcripts(decode=lambda ids: " ".join(str(i) for i in ids), eos=EOS, turns=TurnFormat(), max_new_tokens=8)
 
 
 def make_service(ledger: Ledger, settings: LeaseSettings, policing: Policing = Policing(None), **manifest) -> RunService:
@@ -62,7 +63,7 @@ def answer_batch(service, key, lease: TaskLease, right: bool = True, **kw) -> Ro
     for seed, prompt in zip(lease.seeds, lease.prompts):
         answer = int(service.work.task.generate(seed).answer) + (0 if right else 1)
         for _ in range(GROUP):
-            samples.append(RolloutSample(seed, prompt, (answer,), (-0.5,)))
+            samples.append(RolloutSample(seed, prompt, (answer, EOS), (-0.5, -0.1)))
     fields = dict(run_id="run-1", lease_id=lease.lease_id, version=lease.version, node_key=public_bytes(key),
                   samples=tuple(samples))
     return sign_message(RolloutBatch(**{**fields, **kw}), key)
@@ -81,7 +82,7 @@ def test_lease_push_and_rewards_recomputed(service):
     assert service.ledger.peers() == []  # ... and the step that trained on it is saved
     service.commit_step(0)
     peer = service.ledger.peers()[0]
-    assert (peer["name"], peer["accepted"], peer["tokens"], peer["rejected"]) == ("alice", 4, 4, 0)
+    assert (peer["name"], peer["accepted"], peer["tokens"], peer["rejected"]) == ("alice", 4, 8, 0)
     assert not service.step_done(NOW)  # seed 12 still pending
     second = service.handle_lease(lease_request(node), now=NOW)
     push(service, answer_batch(service, node, second, right=False), "QmNode", now=NOW)
@@ -100,10 +101,12 @@ def test_leases_fill_a_proven_nodes_batch_and_a_claim_alone_earns_nothing(tmp_pa
     first = svc.handle_lease(lease_request(big, parallel=8), now=NOW)
     assert len(first.seeds) == 2 and len(svc.handle_lease(lease_request(claims, parallel=1024), now=NOW).seeds) == 2
     assert push(svc, answer_batch(svc, big, first), "QmNode").accepted == 4
-    assert len(svc.handle_lease(lease_request(big, parallel=8), now=NOW + 1).seeds) == 4
+    filled = svc.handle_lease(lease_request(big, parallel=8), now=NOW + 1)
+    assert len(filled.seeds) == 4 and push(svc, answer_batch(svc, big, filled), "QmNode", NOW + 2).accepted == 8
     assert svc.nodes.nodes(NOW + 1)[fingerprint(public_bytes(big))]["parallel"] == 8
-    # (leases expire after 60 s; the accepted batch counts for 300 s)
-    assert len(svc.handle_lease(lease_request(big, parallel=1024, time=NOW + 100), now=NOW + 100).seeds) == 6
+    # (an accepted batch counts for 300 s)
+    largest = svc.handle_lease(lease_request(big, parallel=1024, time=NOW + 100), now=NOW + 100)
+    assert len(largest.seeds) == 6 and push(svc, answer_batch(svc, big, largest), "QmNode", NOW + 101).accepted
     asked_less = lease_request(big, parallel=1024, max_seeds=3, time=NOW + 200)
     assert len(svc.handle_lease(asked_less, now=NOW + 200).seeds) == 3
     svc.ledger.close()
@@ -143,9 +146,9 @@ def test_the_run_ends_once_every_asking_and_every_announced_node_has_heard(servi
     (lambda b, s, k: sign_message(dataclasses.replace(b, samples=tuple(
         dataclasses.replace(x, prompt_ids=(9, 9)) for x in b.samples)), k), InvalidValue, "leased prompt"),
     (lambda b, s, k: sign_message(dataclasses.replace(b, samples=tuple(
-        dataclasses.replace(x, completion_ids=(1,) * 9, logprobs=(-1.0,) * 9) for x in b.samples)), k), TranscriptError, "exceeds 8"),
+        dataclasses.replace(x, completion_ids=(1,) * 9, logprobs=(-1.0,) * 9) for x in b.samples)), k), TranscriptError, "exceeds its limit of 8"),
     (lambda b, s, k: sign_message(dataclasses.replace(b, samples=tuple(
-        dataclasses.replace(x, completion_ids=(5000,)) for x in b.samples)), k), InvalidValue, "outside vocab"),
+        dataclasses.replace(x, completion_ids=(5000, EOS)) for x in b.samples)), k), InvalidValue, "outside vocab"),
     (lambda b, s, k: sign_message(dataclasses.replace(b, lease_id="L999"), k), LeaseError, "L999"),
     (lambda b, s, k: sign_message(dataclasses.replace(b, version=1), k), Refused, "future"),
     (lambda b, s, k: sign_message(dataclasses.replace(b, run_id="other"), k), InvalidValue, "run"),
@@ -171,10 +174,13 @@ def test_bad_pushes_are_refused_counted_and_lose_nothing(service, tamper, error,
         # Not the lease holder's signed attempt at this lease: the lease is untouched.
         assert push(service, good, "QmNode", now=NOW).accepted == 4 and service.buffered_groups() == 2
     else:
-        # The holder's attempt failed: its seeds go straight back out, nothing waits for expiry.
+        # The holder's attempt failed: its seeds go straight back out, nothing waits for expiry
+        # (to keys that deliver at once, to any other after `first_lease_seconds`).
         with pytest.raises(LeaseError, match="released"):
             push(service, good, "QmNode", now=NOW)
-        assert service.handle_lease(lease_request(node), now=NOW).seeds == lease.seeds
+        assert isinstance(service.handle_lease(lease_request(node), now=NOW), NoWork)
+        later = NOW + service.settings.first_lease_seconds
+        assert service.handle_lease(lease_request(node, time=later), now=later).seeds == lease.seeds
 
 
 def test_lease_of_another_node_double_push_and_expiry(service):
@@ -188,10 +194,41 @@ def test_lease_of_another_node_double_push_and_expiry(service):
     with pytest.raises(LeaseError):
         push(service, answer_batch(service, node, lease), "QmNode", now=NOW)
     late = service.handle_lease(lease_request(node), now=NOW)
-    with pytest.raises(LeaseError):
-        push(service, answer_batch(service, node, late), "QmNode", now=NOW + 61)
-    again = service.handle_lease(lease_request(thief, time=NOW + 61), now=NOW + 61)
-    assert again.seeds == late.seeds  # the expired lease's seeds were reassigned
+    # The expired lease's seeds are reassigned: at once to a key that delivers, to another (the
+    # thief) once they have waited `first_lease_seconds`. Until they are, a late answer is taken.
+    assert isinstance(service.handle_lease(lease_request(thief, time=NOW + 61), now=NOW + 61), NoWork)
+    later = late.expires_at + service.settings.first_lease_seconds
+    assert service.handle_lease(lease_request(thief, time=later), now=later).seeds == late.seeds
+    with pytest.raises(LeaseError, match="expired"):
+        push(service, answer_batch(service, node, late), "QmNode", now=later)
+    service.open_step([5, 6])
+    slow = service.handle_lease(lease_request(node, time=later), now=later)
+    assert push(service, answer_batch(service, node, slow), "QmNode", now=slow.expires_at + 1).accepted == 2 * GROUP
+
+
+def test_keys_that_never_deliver_hold_a_step_only_briefly(service):
+    """Two hoarding keys take every seed of a step and never answer: their (unproven) leases last a
+    quarter of `lease_seconds`, the seeds then go to the key that delivers, and each lapse shuts the
+    hoarder out for longer."""
+    honest, hoarders = generate_key(), [generate_key(), generate_key()]
+    service.open_step([1, 2, 3, 4])
+    first = service.handle_lease(lease_request(honest), now=NOW)  # the honest key proves itself
+    push(service, answer_batch(service, honest, first), "QmNode", now=NOW + 1)
+    service.open_step([1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
+    held = [service.handle_lease(lease_request(k, time=NOW + 2), now=NOW + 2) for k in hoarders for _ in range(2)]
+    assert [x.seeds for x in held] == [(3, 4), (5, 6), (7, 8), (9, 10)]
+    short = service.settings.first_lease_seconds
+    assert short == 15 and {x.expires_at for x in held} == {NOW + 2 + short}
+    at = NOW + 2 + short
+    # Expired: the honest key gets the hoarded seeds (it asks for 2 at a time); the hoarders wait.
+    for k in hoarders:
+        with pytest.raises(PeerRefused) as e:
+            service.handle_lease(lease_request(k, time=at), now=at)
+        assert e.value.code == "lapsed"
+    assert service.handle_lease(lease_request(honest, time=at), now=at).seeds == (3, 4)
+    # After `short` s (two lapsed leases each: twice that) they may ask, and get nothing held.
+    at += 2 * short
+    assert isinstance(service.handle_lease(lease_request(hoarders[0], time=at), now=at), TaskLease)
 
 
 def lora_snapshot(version, adapter, key):
@@ -369,25 +406,30 @@ def toy_evidence(samples, seeds, weights):
     return out
 
 
-def sampled_batch(key, lease: TaskLease, tokens: int = 6) -> RolloutBatch:
-    """What an honest node running the toy model sends: Gumbel-max with the lease's noise."""
+def sampled_batch(key, lease: TaskLease) -> RolloutBatch:
+    """What an honest node running the toy model sends: Gumbel-max with the lease's noise, up to
+    the end-of-turn token or the 8-token limit."""
     samples = []
     for seed, prompt in zip(lease.seeds, lease.prompts):
         for j in range(GROUP):
-            noise = gumbel(sample_seed(lease.lease_id, seed, j), np.arange(tokens), len(LOGITS))
-            ids = tuple(choose(LOGITS, g) for g in noise)
+            noise = gumbel(sample_seed(lease.lease_id, seed, j), np.arange(8), len(LOGITS))
+            ids = ()
+            for g in noise:
+                ids += (choose(LOGITS, g),)
+                if ids[-1] == EOS:
+                    break
             samples.append(RolloutSample(seed, prompt, ids, tuple(float(log_softmax(LOGITS)[i]) for i in ids)))
     return sign_message(RolloutBatch("run-1", lease.lease_id, lease.version, public_bytes(key), tuple(samples)), key)
 
 
 @pytest.fixture
 def policed(tmp_path, made):
-    def make(spot=SpotCheck(), allow=None):
+    def make(spot=SpotCheck(), allow=None, outliers=OutlierBudget()):
         verifier = Verifier(toy_evidence, SamplingRule(), keep_versions=0)
         verifier.remember(0, {})
         svc = make_service(Ledger(tmp_path / f"ledger{len(made)}.sqlite"),
                            LeaseSettings(lease_seconds=600, seeds_per_lease=1),
-                           Policing(verifier, spot, BanRule(first=60), allow))
+                           Policing(verifier, spot, BanRule(first=60), allow, outliers))
         svc.open_step(list(range(100)))
         made.append(svc)
         return svc
@@ -433,6 +475,41 @@ def test_trusted_keys_are_spot_checked_new_ones_always(policed):
     lease = svc.handle_lease(lease_request(newcomer), now=NOW)
     push(svc, sampled_batch(newcomer, lease), "QmNew")
     assert svc.policing.verifier.checked_samples == checked + GROUP
+
+
+def test_a_lone_outlier_is_refused_and_struck_only_past_the_keys_budget(policed):
+    """One sample with one written token (the shape of an honest activation outlier, or of one
+    answer edited): its batch is never accepted; the first `OutlierBudget.first` cost the key the
+    batch only, the next is a strike; honest batches in between earn budget back."""
+    svc, node = policed(outliers=OutlierBudget(first=2, every=2 * GROUP)), generate_key()
+    key = fingerprint(public_bytes(node))
+
+    def edited(lease):
+        batch = sampled_batch(node, lease)
+        first = batch.samples[0]
+        written = int(np.argmin(LOGITS))  # a token the model never samples, with its true logprob
+        ids = (written,) + first.completion_ids[1:]
+        logprobs = (float(log_softmax(LOGITS)[written]),) + first.logprobs[1:]
+        samples = (dataclasses.replace(first, completion_ids=ids, logprobs=logprobs), *batch.samples[1:])
+        return sign_message(dataclasses.replace(batch, samples=samples), node)
+
+    for outliers in (1, 2):
+        lease = svc.handle_lease(lease_request(node), now=NOW)
+        with pytest.raises(VerificationError) as e:
+            push(svc, edited(lease), "QmNode")
+        assert e.value.code == "outlier"
+        assert svc.ledger.trust(key).outliers == outliers and svc.ledger.trust(key).failed == 0
+    assert svc.pushes.rejections["outlier"] == 2 * GROUP and svc.buffered_groups() == 0
+    # Two honest batches (2 x GROUP samples) earn one more.
+    for _ in range(2):
+        assert push(svc, sampled_batch(node, svc.handle_lease(lease_request(node), now=NOW)), "QmNode").accepted
+    with pytest.raises(VerificationError):
+        push(svc, edited(svc.handle_lease(lease_request(node), now=NOW)), "QmNode")
+    assert svc.ledger.trust(key).failed == 0
+    with pytest.raises(VerificationError):  # past the budget: a strike and a ban
+        push(svc, edited(svc.handle_lease(lease_request(node), now=NOW)), "QmNode")
+    trust = svc.ledger.trust(key)
+    assert (trust.outliers, trust.failed, trust.banned_until) == (4, 1, NOW + 60)
 
 
 def test_allow_list_and_lease_limits(policed):
