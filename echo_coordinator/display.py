@@ -67,6 +67,8 @@ def start_dashboard(cfg: RunConfig, run_dir: RunDir, ledger: Ledger,
     sock = web.bind(cfg.dashboard_host, cfg.dashboard_port)
     host, port = sock.getsockname()[:2]
     url = f"http://{host if ':' not in host else f'[{host}]'}:{port}/"
+    if cfg.dashboard_port and port != cfg.dashboard_port:
+        log.warning("dashboard port %d is taken (another run?); serving on %d instead", cfg.dashboard_port, port)
     run_dir.dashboard_file.write_text(url + "\n")
     task = asyncio.create_task(web.serve(RunView(run_dir.root, ledger, live=service.live), sock), name="dashboard")
     task.add_done_callback(_report_dashboard_end)

@@ -28,24 +28,28 @@ def read_report(data_dir: Path) -> dict[str, Any]:
         raise FileNotFoundError(f"no run found in {data_dir} (missing {path.name})")
     ledger = Ledger(path)
     try:
-        run, peers = _ask_live(RunDir(data_dir).dashboard_file)
+        record = ledger.run()
+        run, peers = _ask_live(RunDir(data_dir).dashboard_file, record.get("run_id"))
         live = run is not None
         if not live:
             view = RunView(Path(data_dir), ledger)
             run, peers = view.run(), view.peers()
-        return {**ledger.run(), "peers": peers, "progress": {k: v for k, v in run.items() if k != "history"},
-                "live": live}
+        return {**record, "peers": peers, "progress": {k: v for k, v in run.items() if k != "history"}, "live": live}
     finally:
         ledger.close()
 
 
-def _ask_live(url_file: Path) -> tuple[dict | None, list | None]:
+def _ask_live(url_file: Path, run_id: str | None) -> tuple[dict | None, list | None]:
+    """The live dashboard's run and peers, if the URL the run left answers for that very run: after
+    it stopped, another run (or anything else) may serve that port."""
     if not url_file.exists():
         return None, None
     base = url_file.read_text().strip()
     try:
         with urllib.request.urlopen(base + "api/run", timeout=3) as r:
             run = json.load(r)
+        if not isinstance(run, dict) or run.get("run_id") != run_id:
+            return None, None
         with urllib.request.urlopen(base + "api/peers", timeout=3) as r:
             peers = json.load(r)
     except (urllib.error.URLError, OSError, ValueError):
@@ -55,6 +59,7 @@ def _ask_live(url_file: Path) -> tuple[dict | None, list | None]:
 
 def render(report: dict[str, Any]) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console, run, now = Console(), report["progress"], time.time()
@@ -81,8 +86,8 @@ def render(report: dict[str, Any]) -> None:
     for column in ("name", "node_id", "backend", "batch", "share", "accepted", "eval", "rejected", "tokens", "tokens/s", "lag",
                    "verified", "trust", "last_seen"):
         table.add_column(column)
-    for p in report["peers"]:
-        table.add_row(p["name"], p["node_id"][:12], p["backend"] or "-", str(p.get("parallel") or "-"), _pct(p["share"]), str(p["accepted"]),
+    for p in report["peers"]:  # names and backends are what peers said: text, never markup
+        table.add_row(escape(p["name"]), p["node_id"][:12], escape(p["backend"] or "-"), str(p.get("parallel") or "-"), _pct(p["share"]), str(p["accepted"]),
                       str(p["eval_samples"]), str(p["rejected"]), str(p["tokens"]), _num(p["tokens_per_second"], 1),
                       "-" if p["version_lag"] is None else str(p["version_lag"]),
                       f"{p['verified_batches']} ok / {p['failed_batches']} failed", p["trust"],

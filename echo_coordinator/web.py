@@ -10,7 +10,8 @@ Served by Starlette on uvicorn, inside the coordinator's own asyncio loop: a sma
 pair whose server runs as one more task of that loop (no second process, nothing to supervise
 apart), with sync endpoints run on worker threads so SQLite reads never block the loop; the
 Prometheus text comes from prometheus_client, so names and escaping follow its conventions.
-Only GET routes exist; it binds 127.0.0.1 unless told otherwise.
+Only GET routes exist; it binds 127.0.0.1 unless told otherwise, and answers only requests whose
+`Host` names that address (`allowed_hosts`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from importlib import resources
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
@@ -31,7 +34,17 @@ from starlette.routing import Route
 from echo_coordinator.observe import RunView
 
 
-def app(view: RunView) -> Starlette:
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1", "[::1]")
+
+
+def allowed_hosts(bound: str) -> list[str]:
+    """`Host` headers the dashboard answers, given the address it listens on. Bound to one address,
+    only that address and loopback names: a web page the user visits can point a name of its own
+    at 127.0.0.1 (DNS rebinding) and would read the API otherwise. Bound to every interface, any."""
+    return ["*"] if bound in ("0.0.0.0", "::", "") else [bound, *LOOPBACK_NAMES]
+
+
+def app(view: RunView, hosts: list[str]) -> Starlette:
     page = resources.files("echo_coordinator").joinpath("dashboard.html").read_text(encoding="utf-8")
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Collector(view))
@@ -57,7 +70,7 @@ def app(view: RunView) -> Starlette:
     return Starlette(routes=[
         Route("/", index), Route("/api/run", run), Route("/api/peers", peers),
         Route("/api/peers/{node_id}", peer), Route("/metrics", metrics),
-    ])
+    ], middleware=[Middleware(TrustedHostMiddleware, allowed_hosts=hosts)])
 
 
 class _Collector:
@@ -138,7 +151,8 @@ async def serve(view: RunView, sock: socket.socket) -> None:
         def capture_signals(self):
             yield  # the coordinator owns Ctrl-C
 
-    server = Server(uvicorn.Config(app(view), log_level="warning", lifespan="off", timeout_graceful_shutdown=2))
+    hosts = allowed_hosts(sock.getsockname()[0])
+    server = Server(uvicorn.Config(app(view, hosts), log_level="warning", lifespan="off", timeout_graceful_shutdown=2))
     running = asyncio.ensure_future(server.serve(sockets=[sock]))
     try:
         await asyncio.shield(running)

@@ -37,6 +37,9 @@ def join(
                                                   "coordinator is on 127.0.0.1, else 0.0.0.0)."),
     verbose: bool = typer.Option(False, "--verbose", help="A line per lease and update, and INFO logs, instead of "
                                                           "one live status line."),
+    allow_task: list[str] = typer.Option([], help="A run's environment named as module:Class that this node may "
+                                                  "import and run (repeat for more). Importing runs the module's "
+                                                  "code: allow only code you trust."),
 ) -> None:
     """Join a run: verify it, then generate rollouts until Ctrl-C."""
     from echo_node.config import NodeConfig
@@ -46,6 +49,7 @@ def join(
         config = NodeConfig(
             address=address, run_key=run_key, model=model, name=name, data_dir=data_dir.expanduser(), threads=threads,
             backend=backend, gpu_layers=gpu_layers, parallel=parallel, host=host, verbose=verbose,
+            allow_tasks=frozenset(allow_task),
         )
     except ConfigError as e:
         raise typer.BadParameter(str(e)) from None

@@ -34,6 +34,9 @@ class NodeConfig:
     parallel: int | None = None  # sequences decoded at once; None: the backend's default (llama.cpp: 8)
     host: str | None = None  # listen address; None: loopback for a coordinator on loopback, else every interface
     verbose: bool = False  # a line per lease and update, and INFO logs, instead of one live status line
+    # Environments named as `module:Class` this node may import and run (importing runs the
+    # module's code, so a coordinator alone cannot choose it); built-in and installed ones need not be.
+    allow_tasks: frozenset[str] = frozenset()
 
     def __post_init__(self):
         if "/p2p/" not in self.address:

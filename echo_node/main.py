@@ -72,7 +72,7 @@ async def _take_part(session: Session, presence: Presence, phases: join.Phases) 
     phases.mark("base model")
     relay = Relay()
     relay.serve_file(listed, model)  # every node serves the base to later joiners
-    task = load_task(manifest) if manifest.task.max_turns > 1 else None
+    task = load_task(manifest, session.config.allow_tasks) if manifest.task.max_turns > 1 else None
     session.waiting(f"loading {manifest.base_model} ...")
     backend, master = await asyncio.to_thread(_load_backend, session, manifest, model)
     await relay.serve(endpoint)

@@ -10,19 +10,31 @@ from echo_node.session import Session
 from engines.backend import Interrupted
 from engines.episodes import rollouts
 from protocols import sampling
+from protocols.errors import InvalidValue
 from protocols.messages import RolloutBatch, RolloutSample, RunManifest, TaskLease
 from protocols.signing import sign_message
-from tasks import TaskError, make_task
+from tasks import SingleTurnTask, TaskError, make_task
+from tasks.registry import task_class
 
 
-def load_task(manifest: RunManifest):
+def load_task(manifest: RunManifest, allowed: frozenset[str] = frozenset()):
     """A multi-turn run's environment, which this node steps itself. Single-turn runs need none:
-    the trainer sends rendered prompts."""
+    the trainer sends rendered prompts. The coordinator names it, so it chooses code this node
+    runs: a `module:Class` only if the operator `allowed` it (importing it runs the module), and
+    never a single-turn task (the built-in `math` reads a file the coordinator would name)."""
+    name = manifest.task.name
+    if ":" in name and name not in allowed:
+        raise JoinRefused(f"this run's environment {name!r} is code the coordinator names; if you trust it, "
+                          f"join again with --allow-task {name}")
     try:
-        return make_task(manifest.task.name, manifest.task.params)
+        cls = task_class(name)
+        if issubclass(cls, SingleTurnTask):
+            raise JoinRefused(f"this run claims the single-turn task {name!r} is multi-turn; a node steps "
+                              "multi-turn environments only")
+        return make_task(name, manifest.task.params)
     except TaskError as e:
         raise JoinRefused(f"this run's environment is not available here ({e}); install the package "
-                          f"that provides {manifest.task.name!r}") from None
+                          f"that provides {name!r}") from None
 
 
 class Rollouts:
@@ -37,6 +49,11 @@ class Rollouts:
         """The lease's batch, generated with the weights of `version` (the one the node holds)."""
         if self.session.stop_requested.is_set():
             raise Stopped("stopping")
+        # The coordinator renders prompts; an id past the model's vocabulary would make llama.cpp
+        # read out of bounds. Refused here, the round is retried (`Work`) and the lease lapses.
+        vocab = self.backend.vocab_size
+        if any(not 0 <= token < vocab for prompt in lease.prompts for token in prompt):
+            raise InvalidValue(f"lease {lease.lease_id} has a prompt token id outside this model's {vocab} ids")
         group = lease.samples if lease.evaluation else self.manifest.group_size
         order = [(seed, prompt) for seed, prompt in zip(lease.seeds, lease.prompts) for _ in range(group)]
         noise = sampling.sample_seeds(lease.lease_id, [seed for seed, _ in order])

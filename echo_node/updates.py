@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -56,26 +57,55 @@ async def fetch_manifest(endpoint, provider: str, run: RunManifest, step: catchu
     return update
 
 
+STALL_SECONDS = 10.0  # a provider that sends no chunk for this long is given up on
+SHUN_SECONDS = 600.0  # and not asked again for this long (it lied, or it is gone)
+
+
+class Shunned:
+    """Providers that failed us (withheld, corrupted, stalled, broke the stream), remembered
+    between fetches: an announcement is only a claim, and a peer that claims every version and
+    serves nothing must not be asked first every time. "busy" (the trainer's upload budget) is
+    not a failure."""
+
+    def __init__(self, seconds: float = SHUN_SECONDS):
+        self.seconds, self.until = seconds, {}
+
+    def add(self, provider: str) -> None:
+        self.until[provider] = time.monotonic() + self.seconds
+
+    def filter(self, providers: list[str]) -> list[str]:
+        now = time.monotonic()
+        self.until = {p: t for p, t in self.until.items() if t > now}
+        return [p for p in providers if p not in self.until]
+
+
 async def fetch_chunks(endpoint, providers: list[str], digests: list[str], timeout: float,
-                       sources: Counter | None = None) -> dict[str, bytes]:
+                       sources: Counter | None = None, shunned: Shunned | None = None,
+                       stall: float = STALL_SECONDS) -> dict[str, bytes]:
     """Verified chunk bytes by digest, fetched from several providers in parallel. Digests a
-    provider withholds, corrupts, refuses ("busy") or loses mid-stream are asked of the others;
-    chunks received before a failure are kept. Raises UpdateError only when every provider failed.
-    `sources`, if given, counts the bytes each provider sent."""
+    provider withholds, corrupts, refuses ("busy"), loses mid-stream or sits on for `stall`
+    seconds are asked of the others; chunks received before a failure are kept. Raises
+    UpdateError only when every provider failed. `sources`, if given, counts the bytes each
+    provider sent; `shunned`, if given, is skipped and learns who failed."""
     found: dict[str, bytes] = {}
-    remaining, live, busy = list(digests), list(providers), False
+    shunned = shunned or Shunned()
+    remaining, live, busy = list(digests), shunned.filter(list(providers)), False
     while remaining and live:
         shares = {p: remaining[i :: len(live)] for i, p in enumerate(live)}
-        results = await asyncio.gather(*(_fetch_from(endpoint, p, share, timeout, found, sources)
+        results = await asyncio.gather(*(_fetch_from(endpoint, p, share, timeout, found, sources, stall)
                                          for p, share in shares.items()), return_exceptions=True)
         for provider, result in zip(shares, results):
             if isinstance(result, (ProtocolError, TransportError)):
                 log.info("provider %s failed: %s", provider[-8:], result)
-                busy |= getattr(result, "code", None) == "busy"
+                if getattr(result, "code", None) == "busy":
+                    busy = True
+                else:
+                    shunned.add(provider)
                 live.remove(provider)
             elif isinstance(result, BaseException):
                 raise result
             elif any(d not in found for d in shares[provider]):
+                shunned.add(provider)
                 live.remove(provider)  # it does not hold everything it was asked for
         remaining = [d for d in remaining if d not in found]
     if remaining:
@@ -85,26 +115,33 @@ async def fetch_chunks(endpoint, providers: list[str], digests: list[str], timeo
 
 
 async def _fetch_from(endpoint, provider: str, digests: list[str], timeout: float, found: dict[str, bytes],
-                      sources: Counter | None) -> None:
+                      sources: Counter | None, stall: float) -> None:
+    loop = asyncio.get_running_loop()
+
     async def keep(raw: bytes) -> None:
         chunk = Chunk.from_wire(raw)
         if chunk.digest in wanted:
             found[chunk.digest] = chunks.check(chunk.digest, chunk.data)
             if sources is not None:
                 sources[provider] += len(chunk.data)
+        watchdog.reschedule(loop.time() + stall)
 
     step = rpc.MAX_CHUNKS_PER_REQUEST
     for i in range(0, len(digests), step):
         wanted = set(digests[i : i + step])
         request = ChunkRequest(tuple(digests[i : i + step])).to_wire()
-        await endpoint.call(provider, rpc.CHUNKS, request, on_reply=keep, timeout=timeout)
+        try:
+            async with asyncio.timeout(stall) as watchdog:  # pushed back by every chunk that arrives
+                await endpoint.call(provider, rpc.CHUNKS, request, on_reply=keep, timeout=timeout)
+        except TimeoutError:
+            raise TransportError(f"provider {provider[-8:]} sent nothing for {stall:.0f} s") from None
 
 
 async def catch_up(endpoint, trainer: str, peers: Callable[[int], list[str]], run: RunManifest, held: int, target: int,
-                   apply: Applier, timeout: float) -> list[catchup.Step]:
+                   apply: Applier, timeout: float, shunned: Shunned | None = None) -> list[catchup.Step]:
     """Bring the node from `held` to `target`, one verified update at a time, and return the chain
     taken. Manifests come from the trainer; chunks from `peers(version)` (nodes that announced
-    holding it) and the trainer."""
+    holding it, less those `shunned`) and the trainer."""
     try:
         index = await fetch_index(endpoint, trainer, timeout)
         offered = [catchup.Step(u.from_version, u.to_version, u.nbytes, u.replaces) for u in index.updates]
@@ -112,7 +149,7 @@ async def catch_up(endpoint, trainer: str, peers: Callable[[int], list[str]], ru
         for step in chain:
             update = await fetch_manifest(endpoint, trainer, run, step, timeout)
             digests = list(dict.fromkeys(d for t in update.tensors for d in t.chunks))
-            store = await fetch_chunks(endpoint, [*peers(step.to_version), trainer], digests, timeout)
+            store = await fetch_chunks(endpoint, [*peers(step.to_version), trainer], digests, timeout, shunned=shunned)
             payloads = {t.name: chunks.assemble(t, store.__getitem__) for t in update.tensors}
             await apply(update, store, payloads)  # the applier records the new version
             held = update.to_version

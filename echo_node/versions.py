@@ -9,7 +9,7 @@ import time
 
 from echo_node.presence import Presence
 from echo_node.session import Session
-from echo_node.updates import UpdateError, apply_update, catch_up, load_lora
+from echo_node.updates import Shunned, UpdateError, apply_update, catch_up, load_lora
 from protocols.messages import RunManifest, TaskLease, WeightUpdate
 from protocols.supervise import retry
 from protocols.sync import must_update
@@ -34,6 +34,7 @@ class Versions:
         self.version = 0  # the last version whose update was fully verified and applied
         self.loaded = 0  # full mode: the version the backend serves (master weights may be ahead mid-chain)
         self.master = master  # what updates apply to: the LoRA adapter (none at version 0), or full weights
+        self.shunned = Shunned()  # providers that failed us, skipped for a while
 
     async def prepare(self, lease: TaskLease) -> str | None:
         """Move to the lease's version (the trainer's newest) before sampling, in both modes: in
@@ -64,7 +65,7 @@ class Versions:
 
         async def attempt():
             return await catch_up(self.presence.endpoint, self.trainer, self.presence.peers_holding, self.manifest,
-                                  self.version, version, self._apply, CALL_TIMEOUT)
+                                  self.version, version, self._apply, CALL_TIMEOUT, self.shunned)
 
         async def busy_wait(error: BaseException, delay: float) -> None:
             # The trainer sent its copy to another node (its upload budget; it lets one more

@@ -3,14 +3,15 @@
 Each `Rpc` names its handler, its request and reply message types, the largest request the
 server reads (checked before reading), the longest it takes (server and caller alike), and how
 many calls one peer may have in flight at once (the server refuses more with `busy` before
-reading a byte). docs/protocols.md lists them.
+reading a byte), and how many reply frames a call takes (the caller refuses more, so a reply
+is never endless). docs/protocols.md lists them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from protocols.messages.updates import MAX_CHUNKS_PER_REQUEST  # noqa: F401  (callers batch by it)
+from protocols.messages.updates import MAX_CHUNKS_PER_REQUEST
 from protocols.messages import (
     Chunk, ChunkRequest, LeaseRequest, ModelFile, NoWork, PushReceipt, ReachReply, ReachRequest, RolloutBatch, RunManifest,
     TaskLease, UpdateIndex, UpdateRequest, WeightUpdate,
@@ -25,7 +26,7 @@ class Rpc:
     max_request_bytes: int
     timeout: float  # seconds for the whole call, on both sides
     per_peer: int  # calls one peer may have in flight at once
-    stream: bool = False  # many reply frames (chunks) rather than exactly one
+    max_replies: int = 1  # reply frames in one call: the caller refuses more (more than 1: a stream)
 
     @property
     def max_reply_bytes(self) -> int:
@@ -38,7 +39,8 @@ PUSH = Rpc("echo.push", RolloutBatch, (PushReceipt,), RolloutBatch.MAX_BYTES, 30
 UPDATES = Rpc("echo.updates", None, (UpdateIndex,), 1024, 60.0, per_peer=4)
 UPDATE = Rpc("echo.update", UpdateRequest, (WeightUpdate,), UpdateRequest.MAX_BYTES, 60.0, per_peer=4)
 BASE = Rpc("echo.base", None, (ModelFile,), 1024, 60.0, per_peer=4)
-CHUNKS = Rpc("echo.chunks", ChunkRequest, (Chunk,), ChunkRequest.MAX_BYTES, 120.0, per_peer=4, stream=True)
+CHUNKS = Rpc("echo.chunks", ChunkRequest, (Chunk,), ChunkRequest.MAX_BYTES, 120.0, per_peer=4,
+             max_replies=MAX_CHUNKS_PER_REQUEST)  # a chunk a digest asked for, at most
 REACH = Rpc("echo.reach", ReachRequest, (ReachReply,), ReachRequest.MAX_BYTES, 20.0, per_peer=1)
 
 ALL = (MANIFEST, LEASE, PUSH, UPDATES, UPDATE, BASE, CHUNKS, REACH)

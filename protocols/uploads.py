@@ -4,7 +4,9 @@ Nodes that verified an update serve it to others, so the trainer need send only 
 It hands each update whole to the first `copies` nodes that ask (a whole copy, so that node can
 relay it soon) and answers later askers "busy" while some peer announces holding the update:
 they fetch from peers. While nobody announces holding it (the first downloaders are still at it,
-or left), one more node is let in every `grace` seconds, so distribution never stalls.
+or left), one more node is let in every `grace` seconds, so distribution never stalls. And an
+asker turned away for `patience` seconds is let in whatever peers announce: an announcement is
+only a claim, and peers that claim an update and never serve it must not stall the others.
 """
 
 from __future__ import annotations
@@ -12,15 +14,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+MAX_WAITING = 10_000  # askers an account remembers being turned away (the oldest forgotten first)
+
+
 @dataclass
 class _Account:
     admitted: set[str] = field(default_factory=set)
     last_admission: float = float("-inf")
+    turned_away: dict[str, float] = field(default_factory=dict)  # peer -> when it was first
 
 
 class UploadBudget:
-    def __init__(self, copies: int = 2, grace: float = 3.0):
-        self.copies, self.grace = max(1, copies), grace
+    def __init__(self, copies: int = 2, grace: float = 3.0, patience: float = 30.0):
+        self.copies, self.grace, self.patience = max(1, copies), grace, patience
         self._accounts: dict[object, _Account] = {}
 
     def register(self, key: object) -> None:
@@ -31,10 +37,15 @@ class UploadBudget:
         account = self._accounts.get(key)
         if account is None or peer in account.admitted:
             return True
-        if len(account.admitted) < self.copies or (peers_holding == 0 and now - account.last_admission >= self.grace):
+        waited = now - account.turned_away.setdefault(peer, now)
+        if (len(account.admitted) < self.copies or waited >= self.patience
+                or (peers_holding == 0 and now - account.last_admission >= self.grace)):
             account.admitted.add(peer)
             account.last_admission = now
+            account.turned_away.pop(peer, None)
             return True
+        if len(account.turned_away) > MAX_WAITING:
+            del account.turned_away[next(iter(account.turned_away))]
         return False
 
     def forget(self, key: object) -> None:

@@ -123,11 +123,13 @@ class Policing:
         ledger.record_check(node_id, False, self.bans.seconds, now)
 
 
-def relay_holders(announced: list[PeerAnnouncement], talked: dict[str, str]) -> dict[str, int]:
+def relay_holders(announced: list[PeerAnnouncement], talked: dict[str, str], latest: int) -> dict[str, int]:
     """libp2p peer -> version it holds, from the announcements whose node has asked us for work
-    from that very peer (`talked`: node id -> peer). An announcement alone could claim any version
-    and any capacity, and the upload budget would then turn honest nodes away to fetch from it."""
-    return {a.peer_id: a.version for a in announced if talked.get(a.node_id) == a.peer_id}
+    from that very peer (`talked`: node id -> peer) and that claim no version past `latest`, the
+    newest published. An announcement alone could claim any version and any capacity, and the
+    upload budget would then turn honest nodes away to fetch from it (the budget's `patience`
+    bounds what a claim that is only a claim costs them)."""
+    return {a.peer_id: a.version for a in announced if talked.get(a.node_id) == a.peer_id and a.version <= latest}
 
 
 def read_allow_list(path: Path) -> frozenset[str]:

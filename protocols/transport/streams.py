@@ -137,6 +137,7 @@ class Endpoint:
         name, max_reply_bytes = rpc.name, rpc.max_reply_bytes
         timeout = rpc.timeout if timeout is None else min(timeout, rpc.timeout)
         replies: list[bytes] = []
+        count = 0
         writer = None
         try:
             async with asyncio.timeout(timeout):
@@ -151,6 +152,10 @@ class Endpoint:
                     if status == ERROR:
                         reply = ErrorReply.from_wire(payload)
                         raise RemoteError(reply.code, reply.message, peer, name)
+                    count += 1
+                    if count > rpc.max_replies:  # a peer may not make us read without end: as a broken stream
+                        self.errors[name, "too_many_replies"] += 1
+                        raise TransportError(f"{name} on peer {peer[-8:]}: more than {rpc.max_replies} replies")
                     if on_reply is None:
                         replies.append(payload)
                     elif (pending := on_reply(payload)) is not None:

@@ -39,9 +39,11 @@ threads = 1
     coordinator = spawn(processes, [sys.executable, "-m", "echo_coordinator.cli", "start", "--config", str(config)],
                         tmp_path / "coordinator.log")
     argv = join_argv(run_dir, coordinator)
-    # The volunteer has the environment's package importable (here: the repo on PYTHONPATH).
+    # The volunteer has the environment's package importable (here: the repo on PYTHONPATH) and
+    # allows it: a coordinator alone cannot make a node import code.
     node = spawn(processes, [str(VENV_BIN / argv[0]), *argv[1:], "--name", "n1", "--data-dir", str(tmp_path / "n1"),
-                             "--threads", "1"], tmp_path / "n1.log", PYTHONPATH=str(REPO))
+                             "--threads", "1", "--allow-task", "tests.support.envs:MoreE"], tmp_path / "n1.log",
+                 PYTHONPATH=str(REPO))
     assert coordinator.wait(timeout=300) == 0, (tmp_path / "coordinator.log").read_text()[-3000:]
     assert node.wait(timeout=60) == 0, (tmp_path / "n1.log").read_text()[-3000:]
 

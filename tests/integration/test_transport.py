@@ -39,7 +39,8 @@ class Reply:
     MAX_BYTES = 4 * 2**20  # what these test handlers may answer per frame
 
 
-ECHO = Rpc("t.echo", None, (Reply,), 32 * 2**20, 30.0, per_peer=4)
+ECHO = Rpc("t.echo", None, (Reply,), 32 * 2**20, 30.0, per_peer=4, max_replies=8)
+ENDLESS = Rpc("t.endless", None, (Reply,), 1024, 30.0, per_peer=4)  # one reply, by declaration
 REFUSE = Rpc("t.refuse", None, (Reply,), 1024, 5.0, per_peer=4)
 SLOW = Rpc("t.slow", None, (Reply,), 1024, 60.0, per_peer=1)
 
@@ -66,7 +67,12 @@ def test_streams_carry_large_payloads_errors_and_timeouts(swarm):
             await asyncio.sleep(30)
             yield b""
 
+        async def endless(request: bytes, peer: str):
+            while True:
+                yield b"more"
+
         await server.serve(ECHO, echo)
+        await server.serve(ENDLESS, endless)
         await server.serve(REFUSE, refuse)
         await server.serve(SLOW, slow)
         payload = os.urandom(20 * 2**20)
@@ -98,6 +104,10 @@ def test_streams_carry_large_payloads_errors_and_timeouts(swarm):
             await client.call(server.peer_id, Rpc("t.nobody_serves_this", None, (Reply,), 1024, 10.0, 1), b"x")
         with pytest.raises(TransportError, match="expected one reply"):
             await client.call_one(server.peer_id, ECHO, b"")
+        # A reply that never ends: the caller stops reading at the declared count.
+        with pytest.raises(TransportError, match="more than 1 replies"):
+            await client.call_one(server.peer_id, ENDLESS, b"")
+        assert client.errors["t.endless", "too_many_replies"] == 1
         # The server keeps serving after all of that.
         assert await client.call_one(server.peer_id, ECHO, b"still here") == b"still here"
 

@@ -13,6 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from echo_coordinator import web
+from echo_coordinator.ledger import Ledger
 from echo_coordinator.observe import RunView
 from echo_coordinator.report import read_report
 from protocols.signing import fingerprint, generate_key, public_bytes
@@ -148,6 +149,28 @@ def test_status_reads_the_live_dashboard(server):
     (path / "dashboard.txt").write_text("http://127.0.0.1:9/\n")  # a stale file: read the directory instead
     report = read_report(path)
     assert not report["live"] and report["progress"]["state"] == "stopped"
+    # A stopped run whose port another run now serves: that run's numbers are not this one's.
+    other = path / "other"
+    other.mkdir()
+    ledger = Ledger(other / "ledger.sqlite")
+    ledger.set_run(run_id="run-2", mode="sequential", version=0, steps=3, samples_per_step=4, staleness=1,
+                   model="tiny.gguf", task="arithmetic")
+    ledger.close()
+    (other / "dashboard.txt").write_text(base + "\n")
+    report = read_report(other)
+    assert not report["live"] and report["run_id"] == "run-2" and report["progress"]["steps"] == 3
+
+
+def test_the_api_answers_only_requests_for_its_own_address(server):
+    """DNS rebinding: a page on evil.example points its name at 127.0.0.1; the browser then sends
+    `Host: evil.example`, and the dashboard must not answer it."""
+    base = server[0]
+    request = urllib.request.Request(base + "api/peers", headers={"Host": "evil.example"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(request, timeout=5)
+    assert e.value.code == 400
+    assert get(base + "api/peers")[0] == 200
+    assert web.allowed_hosts("0.0.0.0") == ["*"] and "evil.example" not in web.allowed_hosts("127.0.0.1")
 
 
 def test_port_in_use_falls_back_to_a_free_one():
@@ -163,16 +186,18 @@ def test_port_in_use_falls_back_to_a_free_one():
         web.bind("203.0.113.1", 0)  # not an address of this machine
 
 
-def test_status_command_renders_the_directory(run_dir):
+def test_status_command_renders_the_directory(run_dir, service):  # noqa: F811
     from typer.testing import CliRunner
 
     from echo_coordinator.cli import app
 
     path, alice = run_dir
+    service.ledger.reject(fingerprint(public_bytes(generate_key())), "QmM", "[blink]mallory[/blink]", "bad_lease", 1)
     out = CliRunner().invoke(app, ["status", "--data-dir", str(path)], env={"COLUMNS": "200"})
     assert out.exit_code == 0, out.output
     assert "version 1 / 10" in out.output and "(not running)" in out.output
     assert "alice" in out.output and "bad_sampling 4" in out.output
+    assert "[blink]mallory[/blink]" in out.output  # a peer's name is text, never Rich markup
     report = json.loads(CliRunner().invoke(app, ["status", "--data-dir", str(path), "--json"]).output)
     assert {"run_id", "mode", "version", "steps", "peers"} <= set(report)  # the keys it always had, and more
     assert report["progress"]["capacity"]["bottleneck"] == "unknown" and not report["live"]

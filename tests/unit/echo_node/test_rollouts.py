@@ -1,6 +1,7 @@
 """A lease's batch: G samples of each prompt in order, each with its own noise seed (greedy: none),
 stamped with the version held, signed by the node; a multi-turn run needs its environment here."""
 
+import sys
 import threading
 
 import pytest
@@ -9,6 +10,7 @@ from echo_node.config import JoinRefused, Stopped
 from echo_node.rollouts import Rollouts, load_task
 from engines.backend import Completion, Interrupted
 from protocols import sampling
+from protocols.errors import InvalidValue
 from protocols.messages import TaskSpec
 from protocols.signing import verify_message
 from tests.support.envs import MoreE
@@ -18,6 +20,8 @@ from tests.unit.protocols import factories
 class Backend:
     """Records what it was asked to sample; `stop`: interrupted, as llama.cpp's backend is when
     the node's stop event is set."""
+
+    vocab_size = 100
 
     def __init__(self, stop: threading.Event | None = None):
         self.asked, self.stop = [], stop
@@ -58,7 +62,29 @@ def test_a_stop_ends_generation(session):
 
 
 def test_multi_turn_runs_need_the_environment_here():
-    assert load_task(factories.manifest(task=TaskSpec("tests.support.envs:MoreE", {"max_turns": 2}, max_turns=2))) \
-        == MoreE(max_turns=2)
+    more_e = factories.manifest(task=TaskSpec("tests.support.envs:MoreE", {"max_turns": 2}, max_turns=2))
+    assert load_task(more_e, frozenset({"tests.support.envs:MoreE"})) == MoreE(max_turns=2)
     with pytest.raises(JoinRefused, match="install the package that provides 'their_pkg.envs:Maze'"):
-        load_task(factories.manifest(task=TaskSpec("their_pkg.envs:Maze", {}, max_turns=3)))
+        load_task(factories.manifest(task=TaskSpec("their_pkg.envs:Maze", {}, max_turns=3)), frozenset({"their_pkg.envs:Maze"}))
+    assert load_task(factories.manifest(task=TaskSpec("sokoban", {}, max_turns=3))).max_turns > 1  # built in
+
+
+def test_a_coordinator_cannot_make_a_node_import_code_or_read_files():
+    """A hostile coordinator's task spec: an arbitrary module (importing runs its code) unless the
+    operator allowed it, or a single-turn task whose parameters name a file ("/dev/zero" would be
+    read until memory ran out), claimed multi-turn so the node would build it."""
+    with pytest.raises(JoinRefused, match="--allow-task this:Anything"):
+        load_task(factories.manifest(task=TaskSpec("this:Anything", {}, max_turns=2)))  # `this` prints on import
+    assert "this" not in sys.modules
+    with pytest.raises(JoinRefused, match="single-turn task 'math'"):
+        load_task(factories.manifest(task=TaskSpec("math", {"dataset": "/dev/zero"}, max_turns=2)))
+
+
+def test_a_prompt_token_outside_the_models_vocabulary_is_refused_before_generation(session):
+    """A coordinator's prompt ids go into llama.cpp's embedding lookup: one past the vocabulary
+    would be read out of bounds."""
+    backend = Backend()
+    lease = factories.lease(seeds=(5,), prompts=((1, 100),))
+    with pytest.raises(InvalidValue, match="outside this model's 100 ids"):
+        Rollouts(session, factories.manifest(group_size=2), backend).generate(lease, version=0)
+    assert backend.asked == []

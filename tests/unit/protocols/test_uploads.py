@@ -21,3 +21,15 @@ def test_accounts_are_per_update_and_unknown_updates_are_not_limited():
     assert budget.allow("y", "c", 0, 1)
     budget.forget("x")
     assert budget.allow("x", "z", 0, 5)
+
+
+def test_peers_that_claim_an_update_and_never_serve_it_delay_an_asker_only_so_long():
+    """Fresh keys fetch first and announce holding every version (or 10**9): while they do, the
+    trainer turns askers away to fetch from them; after `patience` an asker is let in anyway."""
+    budget = UploadBudget(copies=2, grace=3.0, patience=30.0)
+    budget.register("u")
+    assert budget.allow("u", "sybil1", 0, 0) and budget.allow("u", "sybil2", 0, 0)
+    assert not budget.allow("u", "honest", 1, peers_holding=2)
+    assert not budget.allow("u", "honest", 30, peers_holding=2)
+    assert budget.allow("u", "honest", 31, peers_holding=2)  # turned away since 1: 30 s
+    assert not budget.allow("u", "other", 31, peers_holding=2)  # each asker waits its own time

@@ -44,5 +44,6 @@ def test_only_announcements_of_nodes_that_talked_count_as_relays():
     live = factories.announcement(peer_id="QmLive", version=3, public_key=bytes(range(32)))
     claim = factories.announcement(peer_id="QmFake", version=99, throughput=1e9, public_key=bytes(range(1, 33)))
     moved = factories.announcement(peer_id="QmElsewhere", version=5, public_key=bytes(range(2, 34)))
-    talked = {live.node_id: "QmLive", moved.node_id: "QmOther"}  # moved: another peer spoke for that key
-    assert relay_holders([live, claim, moved], talked) == {"QmLive": 3}
+    future = factories.announcement(peer_id="QmFuture", version=10**9, public_key=bytes(range(3, 35)))
+    talked = {live.node_id: "QmLive", moved.node_id: "QmOther", future.node_id: "QmFuture"}  # moved: another peer spoke
+    assert relay_holders([live, claim, moved, future], talked, latest=3) == {"QmLive": 3}  # a version not yet published
