@@ -2,11 +2,13 @@
 
 Each handler decodes its request and hands it to the service: a lease and a push run on a
 thread of their own (a lease waits for its journal write, a push for its verification on the
-torch thread), so the event loop never waits for them."""
+torch thread), so the event loop never waits for them. Leases and pushes have separate pools:
+pushes can wait minutes for the torch thread, and must never hold the threads leases need."""
 
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 
 from echo_coordinator.display import Display
 from echo_coordinator.service import RunService
@@ -14,17 +16,25 @@ from protocols import rpc
 from protocols.messages import LeaseRequest, ReachRequest
 
 
+LEASE_THREADS = 4
+PUSH_THREADS = 16  # pushes in flight at once; more wait for a thread (each holds only its request bytes)
+
+
 async def register_handlers(endpoint, service: RunService, prober) -> None:
+    loop = asyncio.get_running_loop()
+    leases = ThreadPoolExecutor(LEASE_THREADS, thread_name_prefix="lease")
+    pushes = ThreadPoolExecutor(PUSH_THREADS, thread_name_prefix="push")
+
     async def manifest(request: bytes, peer: str):
         yield service.manifest.to_wire()
 
     async def lease(request: bytes, peer: str):
         # Off the loop: a lease waits for its journal write.
-        reply = await asyncio.to_thread(service.handle_lease, LeaseRequest.from_wire(request), peer)
+        reply = await loop.run_in_executor(leases, service.handle_lease, LeaseRequest.from_wire(request), peer)
         yield reply.to_wire()
 
     async def push(request: bytes, peer: str):
-        receipt = await asyncio.to_thread(service.handle_push, request, peer)
+        receipt = await loop.run_in_executor(pushes, service.handle_push, request, peer)
         yield receipt.to_wire()
 
     async def reach(request: bytes, peer: str, observed: str):

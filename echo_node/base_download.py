@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -32,6 +33,7 @@ BATCH_CHUNKS = 8  # chunks fetched (and held in memory) at once: 32 MiB at the d
 ATTEMPTS = 5  # fetch rounds in a row that may fail outright before the download gives up
 BUSY_RETRY = 0.3  # seconds; the trainer sent its share, peers will have it in a moment
 SETTLED = 2.0  # seconds since its last change before a file's hash is remembered
+DISK_MARGIN = 1 << 30  # bytes a download leaves free on the node's disk
 
 # (bytes done, bytes total, seconds since this session's start, bytes fetched this session) -> None
 Progress = Callable[[int, int, float, int], None]
@@ -74,6 +76,17 @@ def known_sha256(path: Path, directory: Path) -> str:
     return digest
 
 
+def check_room(size: int, partial: Path, directory: Path) -> None:
+    """Refuse a download the disk cannot hold (the size is the coordinator's word: it may say
+    512 GiB), keeping `DISK_MARGIN` free, before a byte is written. What a partial download
+    already holds counts as room."""
+    have = partial.stat().st_blocks * 512 if partial.exists() else 0  # sparse: the bytes it really holds
+    free = shutil.disk_usage(directory).free
+    if size - have > free - DISK_MARGIN:
+        raise UpdateError(f"the base model is {size / 2**30:.1f} GiB and {directory} has {free / 2**30:.1f} GiB free "
+                          f"(keeping {DISK_MARGIN / 2**30:.0f} GiB spare); free some space, or point --data-dir elsewhere")
+
+
 def held_chunks(path: Path, model_file: ModelFile) -> set[int]:
     """Indices of the chunks `path` already holds correctly (a partial download)."""
     if not path.is_file():
@@ -99,6 +112,7 @@ async def download(endpoint, trainer: str, peers: Callable[[], Awaitable[list[st
             return final, Counter()
         log.warning("the cached base model %s is damaged; repairing it", final.name)
         final.replace(partial)
+    check_room(model_file.size, partial, directory)
     held = await asyncio.to_thread(held_chunks, partial, model_file)
     missing = [i for i in range(len(model_file.chunks)) if i not in held]
     done = sum(model_file.span(i)[1] for i in held)

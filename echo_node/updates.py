@@ -161,11 +161,19 @@ async def catch_up(endpoint, trainer: str, peers: Callable[[int], list[str]], ru
     return chain
 
 
-def apply_update(held: dict[str, np.ndarray], update: WeightUpdate, payloads: dict[str, bytes]) -> dict[str, np.ndarray]:
+def apply_update(held: dict[str, np.ndarray], update: WeightUpdate, payloads: dict[str, bytes],
+                 max_elements: int | None = None) -> dict[str, np.ndarray]:
     """The weights after `update`: the whole new dict for a snapshot, else the tensors it touches.
     `held` itself is not modified, so a failure part-way leaves nothing half-applied. A snapshot
     must cover every tensor held; the first LoRA snapshot (nothing held yet) defines them, and
-    the backend checks the names when it loads the adapter. LoRA views are bf16 (`protocols.delta`)."""
+    the backend checks the names when it loads the adapter. Its shapes are all the coordinator's
+    word, and a few bytes of payload may declare gigabytes: in all it may hold at most
+    `max_elements` values (the base model's parameter count), checked before anything is decoded.
+    LoRA views are bf16 (`protocols.delta`)."""
+    declared = sum(int(np.prod(t.shape, dtype=np.int64)) for t in update.tensors)
+    if not held and max_elements is not None and declared > max_elements:
+        raise CodecError(f"update {update.to_version} declares {declared:,} values, more than the base model's "
+                         f"{max_elements:,} parameters")
     new = {}
     for t in update.tensors:
         if held and t.name not in held:

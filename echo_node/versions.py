@@ -83,7 +83,7 @@ class Versions:
         return f"updated to version {version} via {route} in {time.perf_counter() - started:.2f}s"
 
     async def _apply(self, update: WeightUpdate, store: dict[str, bytes], payloads: dict[str, bytes]) -> None:
-        new = await asyncio.to_thread(apply_update, self.master, update, payloads)
+        new = await asyncio.to_thread(apply_update, self.master, update, payloads, getattr(self.backend, "n_params", None))
         new = new if update.replaces else {**self.master, **new}
         if update.mode == "lora":
             await load_lora(new, update, self.backend, self.session.data_dir / "adapters")  # raises: nothing changed

@@ -55,6 +55,7 @@ class LlamaBackend:
         self.hardware = hardware_summary(f"GPU offload {offloaded}/{n_layers} layers" if self.gpu and gpu_layers else None,
                                          threads)
         self.vocab_size = self.llm.n_vocab()
+        self.n_params = int(llama_cpp.llama_model_n_params(self.llm.model))  # bounds what an adapter may declare
         self.eos = self.llm.token_eos()
         self.model_path = Path(model_path)
         self.hf_config = None  # full mode: the base's HF config, read with the master weights (`base_weights`)

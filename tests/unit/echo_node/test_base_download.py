@@ -56,3 +56,13 @@ def test_a_download_gives_up_after_attempts_failures(tmp_path):
     with pytest.raises(UpdateError, match="chunks unavailable"):
         fetch(tmp_path, endpoint, listed)
     assert endpoint.calls.count("echo.chunks") == base_download.ATTEMPTS
+
+
+def test_a_base_larger_than_the_free_disk_is_refused_before_a_byte_is_written(tmp_path):
+    """A coordinator may list a 512 GiB model: the node says so and writes nothing."""
+    endpoint, listed, _ = served_base(tmp_path)
+    huge = ModelFile(run_id="run-1", name="base.gguf", sha256="ab" * 32, size=512 * 2**30, chunk_size=listed.chunk_size,
+                     chunks=listed.chunks)
+    with pytest.raises(UpdateError, match="512.0 GiB .* free"):
+        fetch(tmp_path, endpoint, huge)
+    assert list((tmp_path / "models").iterdir()) == [] and endpoint.calls == []
