@@ -2,7 +2,8 @@
 
 A signature covers the *canonical* encoding of a message body: msgpack with every map's keys
 sorted and the `signature` field left out, so signer and verifier agree byte for byte whatever
-order fields were built in. Humans compare keys by `fingerprint` (26 base32 characters of the
+order fields were built in, after the protocol's domain and the message kind (a signature is
+only ever good for the kind it was made for). Humans compare keys by `fingerprint` (26 base32 characters of the
 public key's sha256: 130 bits, far beyond what a forger can grind).
 """
 
@@ -26,6 +27,7 @@ from protocols.errors import KeyFileError, MalformedMessage, SignatureError
 PUBLIC_KEY_BYTES = 32
 SIGNATURE_BYTES = 64
 FINGERPRINT_CHARS = 26
+SIGNING_DOMAIN = "echo-swarm/signed/2"  # what every signature covers first (`canonical`)
 
 M = TypeVar("M")
 
@@ -96,15 +98,17 @@ def _sorted(value: Any) -> Any:
     return value
 
 
-def canonical(body: dict[str, Any]) -> bytes:
-    """The bytes a signature covers: sorted-key msgpack of `body` without its signature."""
+def canonical(body: dict[str, Any], kind: str) -> bytes:
+    """The bytes a signature covers: this protocol's domain, the message kind, and sorted-key
+    msgpack of `body` without its signature. With the kind signed, a signature over one kind of
+    message can never pass as another's whose fields happen to match."""
     unsigned = {k: v for k, v in body.items() if k != "signature"}
-    return msgpack.packb(_sorted(unsigned), use_bin_type=True)
+    return msgpack.packb([SIGNING_DOMAIN, kind, _sorted(unsigned)], use_bin_type=True)
 
 
 def sign_message(message: M, key: Ed25519PrivateKey) -> M:
     """A copy of a frozen message dataclass with its `signature` field filled in."""
-    return dataclasses.replace(message, signature=key.sign(canonical(message.to_dict())))
+    return dataclasses.replace(message, signature=key.sign(canonical(message.to_dict(), message.KIND)))
 
 
 def verify_message(message: Any, public_key: bytes) -> None:
@@ -119,7 +123,7 @@ def verify_body(body: dict[str, Any], public_key: bytes, kind: str) -> None:
     if not isinstance(signature, bytes) or len(signature) != SIGNATURE_BYTES:
         raise SignatureError(f"{kind}: missing or truncated signature")
     try:
-        Ed25519PublicKey.from_public_bytes(public_key).verify(signature, canonical(body))
+        Ed25519PublicKey.from_public_bytes(public_key).verify(signature, canonical(body, kind))
     except (InvalidSignature, ValueError):
         raise SignatureError(f"{kind}: signature does not verify against key {fingerprint(public_key)}") from None
 

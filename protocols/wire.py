@@ -21,7 +21,7 @@ import numpy as np
 from protocols.errors import InvalidValue, MalformedMessage, MessageTooLarge, UnsupportedVersion
 from protocols.signing import SIGNATURE_BYTES
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: signatures cover the message kind (`protocols.signing.canonical`)
 # Anything bigger than this is refused before msgpack looks at it. Messages set tighter caps.
 MAX_MESSAGE_BYTES = 64 * 2**20
 MAX_NAME_CHARS = 256

@@ -8,7 +8,7 @@ from protocols.errors import KeyFileError, SignatureError
 from protocols.messages import RolloutBatch, RunManifest, WeightUpdate
 from protocols.signing import (
     FINGERPRINT_CHARS, canonical, fingerprint, generate_key, load_or_create_key, load_private_key, public_bytes,
-    save_private_key, sha256_file, sha256_hex, sign_message, verify_message,
+    save_private_key, sha256_file, sha256_hex, sign_message, verify_body, verify_message,
 )
 from tests.unit.protocols import factories
 
@@ -50,8 +50,18 @@ def test_wrong_key_missing_and_garbage_signatures():
     verify_message(WeightUpdate.from_wire(update.to_wire()), public_bytes(key))
 
 
+def test_a_signature_is_good_for_its_own_kind_only():
+    key = generate_key()
+    update = sign_message(factories.update(), key)
+    body = {**update.to_dict(), "signature": update.signature}
+    verify_body(body, public_bytes(key), update.KIND)
+    with pytest.raises(SignatureError):  # the same fields, read as another kind of message
+        verify_body(body, public_bytes(key), "run_manifest")
+
+
 def test_canonical_ignores_key_order_and_signature():
-    assert canonical({"b": 1, "a": {"y": 2, "x": 3}}) == canonical({"a": {"x": 3, "y": 2}, "b": 1, "signature": b"s"})
+    assert canonical({"b": 1, "a": {"y": 2, "x": 3}}, "k") == canonical({"a": {"x": 3, "y": 2}, "b": 1, "signature": b"s"}, "k")
+    assert canonical({"b": 1}, "k") != canonical({"b": 1}, "other_kind")
 
 
 def test_fingerprint_is_short_stable_and_distinct():
