@@ -111,12 +111,21 @@ class Leasing:
         return (self._train_lease(node_id, count, version, buffered, now, proven)
                 or rounds.lease(node_id, request, now, proven))
 
+    def _unproven_seeds(self) -> int:
+        """Seeds out in unproven keys' leases: those shorter than the book's standard ones."""
+        return sum(len(x.seeds) for x in self.book.outstanding if x.expires_at - x.issued_at < self.book.ttl)
+
     def _train_lease(self, node_id: str, count: int, version: int, buffered: int, now: float,
                      proven: bool) -> TaskLease | None:
         if not self.training:
             return None
         max_ahead = self.settings.max_ahead
         if self.mode is Mode.ASYNC and max_ahead is not None and buffered >= max_ahead:
+            return None
+        if self.mode is Mode.ASYNC and not proven and max_ahead is not None and self._unproven_seeds() >= max_ahead:
+            # Every async lease draws fresh seeds: a flood of free keys would grow the book (and
+            # the journal write every lease makes) without end. Unproven keys' leases count
+            # against `max_ahead`; a proven straggler's do not, so it never stops the others.
             return None
         if self.mode is Mode.ASYNC and self.book.pending_count < count:
             fresh = list(range(self.next_seed, self.next_seed + count))

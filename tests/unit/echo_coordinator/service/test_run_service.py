@@ -280,6 +280,18 @@ def advance(service, version):
     service.publish(lora_snapshot(version, adapter, service.run_key))
 
 
+def test_a_flood_of_fresh_keys_holds_at_most_max_ahead_seeds_in_async_mode(async_services):
+    """Each async lease draws fresh seeds, and every lease writes the lease book to the journal:
+    a thousand free keys must not grow it without end. A proven node still gets work."""
+    svc, honest = async_services(max_ahead=4), generate_key()
+    first = svc.handle_lease(lease_request(honest), now=NOW)
+    push(svc, answer_batch(svc, honest, first), "QmNode", now=NOW)
+    svc.take_batch()
+    leased = [svc.handle_lease(lease_request(generate_key()), now=NOW) for _ in range(1000)]
+    assert sum(isinstance(x, TaskLease) for x in leased) == 4 and len(svc.leasing.book.outstanding) == 4
+    assert isinstance(svc.handle_lease(lease_request(honest), now=NOW), TaskLease)
+
+
 def test_async_leases_never_run_dry_and_stale_groups_are_dropped_not_credited(async_service):
     svc, fast, slow = async_service, generate_key(), generate_key()
     leases = [svc.handle_lease(lease_request(fast, name="fast"), now=NOW) for _ in range(2)]
