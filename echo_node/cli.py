@@ -37,6 +37,9 @@ def join(
                                                   "coordinator is on 127.0.0.1, else 0.0.0.0)."),
     verbose: bool = typer.Option(False, "--verbose", help="A line per lease and update, and INFO logs, instead of "
                                                           "one live status line."),
+    upload_mib_per_s: float = typer.Option(8.0, help="What this node uploads to peers (the base model and "
+                                                     "updates it relays), MiB a second on average."),
+    upload_gib_per_hour: float = typer.Option(4.0, help="... and GiB in any hour."),
     allow_task: list[str] = typer.Option([], help="A run's environment named as module:Class that this node may "
                                                   "import and run (repeat for more). Importing runs the module's "
                                                   "code: allow only code you trust."),
@@ -49,7 +52,7 @@ def join(
         config = NodeConfig(
             address=address, run_key=run_key, model=model, name=name, data_dir=data_dir.expanduser(), threads=threads,
             backend=backend, gpu_layers=gpu_layers, parallel=parallel, host=host, verbose=verbose,
-            allow_tasks=frozenset(allow_task),
+            allow_tasks=frozenset(allow_task), upload_mib_per_s=upload_mib_per_s, upload_gib_per_hour=upload_gib_per_hour,
         )
     except ConfigError as e:
         raise typer.BadParameter(str(e)) from None

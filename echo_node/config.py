@@ -37,6 +37,10 @@ class NodeConfig:
     # Environments named as `module:Class` this node may import and run (importing runs the
     # module's code, so a coordinator alone cannot choose it); built-in and installed ones need not be.
     allow_tasks: frozenset[str] = frozenset()
+    # What this node uploads to peers (the base model and updates it relays), in all: anyone may
+    # ask, under any number of peer ids. MiB a second on average, and GiB in any hour.
+    upload_mib_per_s: float = 8.0
+    upload_gib_per_hour: float = 4.0
 
     def __post_init__(self):
         if "/p2p/" not in self.address:
@@ -47,5 +51,7 @@ class NodeConfig:
                               f"printed; got {self.run_key!r}")
         if self.parallel is not None and not 1 <= self.parallel <= MAX_PARALLEL:
             raise ConfigError(f"--parallel must be between 1 and {MAX_PARALLEL}, got {self.parallel}")
+        if not (self.upload_mib_per_s > 0 and self.upload_gib_per_hour > 0):
+            raise ConfigError("--upload-mib-per-s and --upload-gib-per-hour must be positive")
         if self.backend not in BACKENDS:
             raise ConfigError(f"--backend must be llama_cpp or transformers, got {self.backend!r}")

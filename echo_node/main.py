@@ -21,6 +21,7 @@ from protocols.errors import EchoError
 from protocols.messages import RunManifest
 from protocols.supervise import Supervisor
 from protocols.transport.relay import Relay
+from protocols.uploads import ByteQuota
 
 STOP_SECONDS = 5.0  # on Ctrl-C, how long the work gets to end before we leave anyway
 
@@ -70,9 +71,12 @@ async def _take_part(session: Session, presence: Presence, phases: join.Phases) 
     model = await join.base_model(session, endpoint, trainer, manifest, listed,
                                   lambda: presence.holders(manifest.base_sha256))
     phases.mark("base model")
-    relay = Relay()
+    config = session.config
+    # Bursts of one base-download batch (8 chunks of 4 MiB) at most, at the volunteer's rate.
+    relay = Relay(quota=ByteQuota(rate=config.upload_mib_per_s * 2**20, burst=32 * 2**20,
+                                  per_hour=config.upload_gib_per_hour * 2**30))
     relay.serve_file(listed, model)  # every node serves the base to later joiners
-    task = load_task(manifest, session.config.allow_tasks) if manifest.task.max_turns > 1 else None
+    task = load_task(manifest, config.allow_tasks) if manifest.task.max_turns > 1 else None
     session.waiting(f"loading {manifest.base_model} ...")
     backend, master = await asyncio.to_thread(_load_backend, session, manifest, model)
     await relay.serve(endpoint)

@@ -1,4 +1,5 @@
-"""How much of each update the trainer uploads itself (pure policy; the relay acts on it).
+"""How much a relay uploads (pure policy; the relay acts on it): the trainer's share of each
+update (`UploadBudget`), and a volunteer's bytes in all (`ByteQuota`).
 
 Nodes that verified an update serve it to others, so the trainer need send only a few copies.
 It hands each update whole to the first `copies` nodes that ask (a whole copy, so that node can
@@ -50,3 +51,27 @@ class UploadBudget:
 
     def forget(self, key: object) -> None:
         self._accounts.pop(key, None)
+
+
+@dataclass
+class ByteQuota:
+    """A volunteer's upload budget: `rate` bytes a second on average (bursts up to `burst`), and at
+    most `per_hour` bytes in any clock hour's window. Anyone can ask a node for chunks, under any
+    number of fresh peer ids, so the budget is the node's, not each asker's."""
+
+    rate: float
+    burst: float
+    per_hour: float
+    _tokens: float | None = None
+    _at: float = 0.0
+    _hour: list[tuple[float, int]] = field(default_factory=list)  # (when, bytes) sent in the last hour
+
+    def take(self, size: int, now: float) -> bool:
+        """Spend `size` bytes if the budget allows it now."""
+        tokens = self.burst if self._tokens is None else min(self.burst, self._tokens + (now - self._at) * self.rate)
+        self._hour = [(t, n) for t, n in self._hour if now - t < 3600]
+        allowed = tokens >= size and sum(n for _, n in self._hour) + size <= self.per_hour
+        self._tokens, self._at = (tokens - size if allowed else tokens), now
+        if allowed:
+            self._hour.append((now, size))
+        return allowed

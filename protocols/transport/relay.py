@@ -14,7 +14,7 @@ from pathlib import Path
 from protocols import rpc
 from protocols.errors import ProtocolError
 from protocols.messages import Chunk, ChunkRequest, ModelFile, UpdateIndex, UpdateInfo, UpdateRequest, WeightUpdate
-from protocols.uploads import UploadBudget
+from protocols.uploads import ByteQuota, UploadBudget
 
 
 class Busy(ProtocolError):
@@ -28,10 +28,12 @@ BASE_KEY = "base"  # the upload budget's account for the base model file
 
 class Relay:
     def __init__(self, keep_versions: int = 2, budget: UploadBudget | None = None,
-                 peers_holding: Callable[[int], int] = lambda version: 0):
+                 peers_holding: Callable[[int], int] = lambda version: 0, quota: ByteQuota | None = None):
         """`budget`: limit on what this relay uploads per update (the trainer's); None = no limit.
-        `peers_holding(version)`: how many other peers announced holding `version`."""
+        `peers_holding(version)`: how many other peers announced holding `version`. `quota`: the
+        bytes it uploads in all (a volunteer's); None = no limit."""
         self.keep_versions, self.budget, self.peers_holding = keep_versions, budget, peers_holding
+        self.quota = quota
         self.updates: dict[tuple[int, int], tuple[WeightUpdate, dict[str, bytes]]] = {}
         self.bytes_served = 0
         self.base: tuple[ModelFile, Path] | None = None  # the base model file and where it lies
@@ -82,6 +84,15 @@ class Relay:
         return UpdateIndex(self.latest_version, infos)
 
     def chunk(self, digest: str, peer: str = "", now: float | None = None) -> bytes | None:
+        data = self._chunk(digest, peer, now)
+        if data is not None and self.quota is not None and not self.quota.take(
+                len(data), time.monotonic() if now is None else now):
+            raise Busy("this node's upload budget is spent for now; fetch from others")
+        if data is not None:
+            self.bytes_served += len(data)
+        return data
+
+    def _chunk(self, digest: str, peer: str, now: float | None) -> bytes | None:
         for key, (update, store) in self.updates.items():
             if digest in store:
                 data = store[digest]
@@ -89,7 +100,6 @@ class Relay:
                     key, peer, time.monotonic() if now is None else now, self.peers_holding(key[1])
                 ):
                     raise Busy(f"sent its share of update {key[0]}->{key[1]}; fetch from peers holding it")
-                self.bytes_served += len(data)
                 return data
         if digest in self._base_spans:
             # Every node that holds any version holds the base: count them as holders of version 0.
@@ -101,7 +111,6 @@ class Relay:
             with self.base[1].open("rb") as f:  # a page-cache read, ~1 ms for 4 MiB
                 f.seek(offset)
                 data = f.read(length)
-            self.bytes_served += len(data)
             return data
         return None
 

@@ -1,4 +1,6 @@
-from protocols.uploads import UploadBudget
+import pytest
+
+from protocols.uploads import ByteQuota, UploadBudget
 
 
 def test_first_nodes_get_whole_copies_the_rest_fetch_from_peers():
@@ -33,3 +35,31 @@ def test_peers_that_claim_an_update_and_never_serve_it_delay_an_asker_only_so_lo
     assert not budget.allow("u", "honest", 30, peers_holding=2)
     assert budget.allow("u", "honest", 31, peers_holding=2)  # turned away since 1: 30 s
     assert not budget.allow("u", "other", 31, peers_holding=2)  # each asker waits its own time
+
+
+def test_a_volunteers_upload_quota_holds_whoever_asks():
+    quota = ByteQuota(rate=100.0, burst=300.0, per_hour=1000.0)
+    assert quota.take(300, now=0.0) and not quota.take(1, now=0.0)  # the burst is spent
+    assert not quota.take(200, now=1.0) and quota.take(200, now=2.0)  # 100 bytes a second
+    for t in range(3, 8):
+        quota.take(100, now=float(t))
+    assert not quota.take(100, now=100.0)  # 1000 bytes this hour already
+    assert quota.take(100, now=3601.0)  # the first sends left the hour's window
+
+
+def test_a_relay_past_its_quota_answers_busy(tmp_path):
+    from protocols.messages import ModelFile
+    from protocols.signing import sha256_hex
+    from protocols.transport.relay import Busy, Relay
+
+    data = bytes(range(256)) * 16
+    path = tmp_path / "base.gguf"
+    path.write_bytes(data)
+    listed = ModelFile(run_id="r", name="base.gguf", sha256=sha256_hex(data), size=len(data), chunk_size=len(data),
+                       chunks=(sha256_hex(data),))
+    relay = Relay(quota=ByteQuota(rate=1.0, burst=len(data), per_hour=10 * len(data)))
+    relay.serve_file(listed, path)
+    assert relay.chunk(listed.chunks[0], "QmA", now=0.0) == data
+    with pytest.raises(Busy, match="upload budget"):
+        relay.chunk(listed.chunks[0], "QmFresh", now=1.0)  # another peer id changes nothing
+    assert relay.bytes_served == len(data)
