@@ -109,7 +109,9 @@ class _Collector:
                                         labels=["node_id", "name"])
         refused = CounterMetricFamily("echo_peer_rejected_samples", "Samples refused, per node key and reason",
                                       labels=["node_id", "reason"])
-        for p in peers:
+        # A series per key that has contributed; keys that were only ever refused (free to make,
+        # any number) are in `echo_rejected_samples` alone, or /metrics would grow with each.
+        for p in (p for p in peers if p["accepted"] or p["eval_samples"]):
             accepted.add_metric([p["node_id"], p["name"]], p["accepted"])
             tokens.add_metric([p["node_id"], p["name"]], p["tokens"])
             evaluated.add_metric([p["node_id"], p["name"]], p["eval_samples"])

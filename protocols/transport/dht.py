@@ -42,6 +42,7 @@ from protocols.transport.streams import Endpoint  # noqa: E402
 # Every DHT call is pickled through a pipe to the DHT process; past ~15.6 KiB pickled that process
 # can die and a caller waits forever (measured). Our records are a few hundred bytes.
 MAX_RECORD_BYTES = 8 * 1024
+MAX_RECORD_TTL = 300.0  # seconds; our records are put for 60-120 s and refreshed well before
 PR_SET_PDEATHSIG = 1
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,11 @@ class RunRecords(RecordValidatorBase):
     def validate(self, record: DHTRecord) -> bool:
         if len(record.value) > MAX_RECORD_BYTES + 64:  # msgpack's bin header on our bytes
             return False
+        # Expirations are the storer's word: a replica could pin an old manifest, or a node's own
+        # signed `left`, for ever. No record lives past MAX_RECORD_TTL from now, and an
+        # announcement not past that from the time it was signed: a replay cannot outlive it.
+        if record.expiration_time > get_dht_time() + MAX_RECORD_TTL:
+            return False
         try:
             value = MSGPackSerializer.loads(record.value)
             if not isinstance(value, bytes):
@@ -104,7 +110,8 @@ class RunRecords(RecordValidatorBase):
             if record.key == self.peers_key and record.subkey != DHTProtocol.IS_REGULAR_VALUE:
                 announcement = PeerAnnouncement.from_wire(value)
                 verify_message(announcement, announcement.public_key)
-                return MSGPackSerializer.loads(record.subkey) == announcement.node_id
+                return (MSGPackSerializer.loads(record.subkey) == announcement.node_id
+                        and record.expiration_time <= announcement.time + MAX_RECORD_TTL)
         except (ProtocolError, ValueError, TypeError) as e:
             log.debug("DHT record refused: %s", e)
         return False

@@ -142,7 +142,7 @@ def test_push_decoder_checks_the_signature_first():
 def test_dht_record_validator():
     from hivemind.dht.protocol import DHTProtocol
     from hivemind.dht.validation import DHTRecord
-    from hivemind.utils import MSGPackSerializer
+    from hivemind.utils import MSGPackSerializer, get_dht_time
 
     from protocols.signing import fingerprint
     from protocols.transport.dht import RunRecords
@@ -152,6 +152,15 @@ def test_dht_record_validator():
     manifest = sign_message(factories.manifest(run_key=public_bytes(run_key)), run_key)
     assert validator.validate(DHTRecord(validator.manifest_key, DHTProtocol.IS_REGULAR_VALUE,
                                         MSGPackSerializer.dumps(manifest.to_wire()), 0.0))
+    # Pinned for a year: refused. A node's signed `left`, replayed long after it was signed: refused.
+    assert not validator.validate(DHTRecord(validator.manifest_key, DHTProtocol.IS_REGULAR_VALUE,
+                                            MSGPackSerializer.dumps(manifest.to_wire()), get_dht_time() + 3e7))
+    node_key = generate_key()
+    left = sign_message(factories.announcement(public_key=public_bytes(node_key), left=True, time=get_dht_time() - 3600),
+                        node_key)
+    record = lambda expires: DHTRecord(validator.peers_key, MSGPackSerializer.dumps(left.node_id),  # noqa: E731
+                                       MSGPackSerializer.dumps(left.to_wire()), expires)
+    assert validator.validate(record(left.time + 120)) and not validator.validate(record(get_dht_time() + 120))
     rng = random.Random(3)
     accepted = 0
     for i, (_, data) in enumerate(inputs(manifest, seed=3)):

@@ -138,6 +138,8 @@ def test_prometheus_text(server):
     assert accepted[alice] == 4
     refused = [s for s in families["echo_rejected_samples"].samples if s.name.endswith("_total")]
     assert [(s.labels["reason"], s.value) for s in refused] == [("bad_sampling", 4)]
+    # The refused key, never a contributor, has no series of its own.
+    assert {s.labels["node_id"] for f in families.values() for s in f.samples if "node_id" in s.labels} == {alice}
 
 
 def test_status_reads_the_live_dashboard(server):
