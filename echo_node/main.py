@@ -83,7 +83,7 @@ async def _take_part(session: Session, presence: Presence, phases: join.Phases) 
     phases.mark("model load")
     console.print(f"joined run {manifest.run_id} as {session.name} (node key {session.fingerprint}); "
                   f"task {manifest.task.name}, mode {manifest.mode}; {backend.hardware}")
-    presence.advertise(backend, manifest.base_sha256)
+    presence.advertise(backend, manifest.base_sha256, manifest.run_id)
     versions = Versions(session, presence, trainer, manifest, backend, master, relay)
     work = Work(session, endpoint, trainer, manifest, backend, versions, Rollouts(session, manifest, backend, task),
                 phases)

@@ -41,7 +41,7 @@ class Presence:
         self.peer_versions: dict[str, int] = {}  # libp2p peer id -> version it announced
         self.version = 0  # the version we announce holding
         self.endpoint = None  # our stream endpoint (see `open_endpoint`), sharing the DHT's daemon
-        self.backend = self.base_sha256 = None  # what we announce: see `advertise`
+        self.backend = self.base_sha256 = self.run_id = None  # what we announce: see `advertise`
         self._now = asyncio.Event()  # announce and re-read peers now, not at the next refresh
 
     @property
@@ -130,9 +130,9 @@ class Presence:
         self.endpoint = await self.dht.endpoint()
         return self.endpoint
 
-    def advertise(self, backend, base_sha256: str) -> None:
-        """What our announcements say from now on: our backend and base model."""
-        self.backend, self.base_sha256 = backend, base_sha256
+    def advertise(self, backend, base_sha256: str, run_id: str) -> None:
+        """What our announcements say from now on: our backend, base model and run."""
+        self.backend, self.base_sha256, self.run_id = backend, base_sha256, run_id
 
     def holding(self, version: int) -> None:
         """We hold `version` now: announce it at once, so peers fetch it from us."""
@@ -150,7 +150,7 @@ class Presence:
             try:
                 await self.dht.put(self.peers_key, self._announcement().to_wire(), ANNOUNCE_TTL,
                                    subkey=self.session.fingerprint)
-                announced = verified_announcements(await self.dht.get(self.peers_key))
+                announced = verified_announcements(await self.dht.get(self.peers_key), self.run_id)
                 self.peer_versions = {a.peer_id: a.version for a in announced}
                 self.endpoint.learn_relays(announced)
             except TransportError as e:
@@ -176,7 +176,7 @@ class Presence:
             peer_id=self.endpoint.peer_id, name=s.name, role="node", backend=self.backend.name,
             model_sha256=self.base_sha256, version=self.version, throughput=self.backend.throughput,
             public_key=s.node_key, time=time.time(), left=left, hardware=self.backend.hardware,
-            relay_addrs=self.relay_addrs,
+            relay_addrs=self.relay_addrs, run_id=self.run_id or "",
         ), s.key)
 
     def peers_holding(self, version: int) -> list[str]:
@@ -186,7 +186,7 @@ class Presence:
     async def holders(self, sha256: str) -> list[str]:
         """Peers announcing the base model `sha256`, newest version first (likeliest to be up)."""
         try:
-            announced = verified_announcements(await self.dht.get(self.peers_key))
+            announced = verified_announcements(await self.dht.get(self.peers_key), self.run_id)
         except TransportError:
             return []
         self.endpoint.learn_relays(announced)  # the whole set, as the announcer's refresh does

@@ -139,6 +139,7 @@ class PeerAnnouncement(WireMessage):
     # Where a peer that cannot be dialled directly (behind NAT) is reached: relay circuit
     # multiaddrs (".../p2p/RELAY/p2p-circuit"); empty for a directly reachable peer.
     relay_addrs: tuple[str, ...] = ()
+    run_id: str = ""  # the run it is part of: an announcement replayed into another run's record is not
     signature: bytes = b""
 
     @property
@@ -150,7 +151,7 @@ class PeerAnnouncement(WireMessage):
             "peer_id": self.peer_id, "name": self.name, "role": self.role, "backend": self.backend,
             "model_sha256": self.model_sha256, "version": self.version, "throughput": self.throughput,
             "public_key": self.public_key, "time": self.time, "left": self.left, "hardware": self.hardware,
-            "relay_addrs": list(self.relay_addrs), "signature": self.signature,
+            "relay_addrs": list(self.relay_addrs), "run_id": self.run_id, "signature": self.signature,
         }
 
     @classmethod
@@ -164,14 +165,16 @@ class PeerAnnouncement(WireMessage):
             time=f.number("time", 0.0), left=f.flag("left") if f.has("left") else False,
             hardware=f.text("hardware", 128) if f.has("hardware") else "",
             relay_addrs=tuple(f.texts("relay_addrs", MAX_RELAY_ADDRS, 256)) if f.has("relay_addrs") else (),
-            signature=f.signature(),
+            run_id=f.text("run_id", 128), signature=f.signature(),
         )
 
 
-def verified_announcements(records: Any) -> list[PeerAnnouncement]:
+def verified_announcements(records: Any, run_id: str | None = None) -> list[PeerAnnouncement]:
     """The current announcements among DHT records ({subkey: bytes}): each parses, verifies against
-    its own key and sits under that key's fingerprint. The run's record validator already refuses
-    anything else; this is the reader's own check. Withdrawals and junk are skipped."""
+    its own key and sits under that key's fingerprint, and (given `run_id`) is for that run: a
+    node's key may serve several runs, and its signed announcement from one could be replayed into
+    another's record. The run's record validator already refuses anything else; this is the
+    reader's own check. Withdrawals and junk are skipped."""
     found = []
     for subkey, value in records.items() if isinstance(records, dict) else ():
         try:
@@ -179,7 +182,7 @@ def verified_announcements(records: Any) -> list[PeerAnnouncement]:
             verify_message(announcement, announcement.public_key)
         except ProtocolError:
             continue
-        if announcement.node_id == subkey and not announcement.left:
+        if announcement.node_id == subkey and not announcement.left and run_id in (None, announcement.run_id):
             found.append(announcement)
     return found
 

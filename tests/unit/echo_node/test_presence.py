@@ -47,7 +47,7 @@ def peer(dht: Records, key: str, **kw):
 def announced(session, endpoint=None) -> tuple[Presence, Records]:
     presence = Presence(session)
     presence.dht, presence.endpoint = Records(), endpoint or Endpoint()
-    presence.advertise(Backend(), factories.SHA)
+    presence.advertise(Backend(), factories.SHA, "run-1")
     return presence, presence.dht
 
 
@@ -67,9 +67,9 @@ def test_a_new_version_is_announced_at_once_and_peers_versions_learned(session, 
     asyncio.run(go())
     assert dht.puts == 2
     ours = dht.records[presence.peers_key][session.fingerprint]  # under our own key's fingerprint
-    (mine,) = verified_announcements({session.fingerprint: ours})
-    assert (mine.peer_id, mine.version, mine.name, mine.model_sha256, mine.left) == \
-        ("QmSelf", 3, session.name, factories.SHA, False)
+    (mine,) = verified_announcements({session.fingerprint: ours}, "run-1")
+    assert (mine.peer_id, mine.version, mine.name, mine.model_sha256, mine.left, mine.run_id) == \
+        ("QmSelf", 3, session.name, factories.SHA, False, "run-1")
     assert presence.peer_versions == {"QmOther": 5, "QmSelf": 3}
     assert presence.endpoint.relays == {"QmOther": ("/ip4/9.9.9.9/tcp/1/p2p/QmC/p2p-circuit",)}
     assert presence.peers_holding(4) == ["QmOther"] and presence.peers_holding(6) == []  # never ourselves

@@ -43,7 +43,8 @@ def update(**kw) -> WeightUpdate:
 
 def announcement(**kw) -> PeerAnnouncement:
     fields = dict(peer_id="QmPeer", name="alice", role="node", backend="llama_cpp", model_sha256=SHA, version=2,
-                  throughput=91.5, public_key=KEY, time=4.0, hardware="x86_64, 2 cores, 23 GiB RAM, CPU only")
+                  throughput=91.5, public_key=KEY, time=4.0, hardware="x86_64, 2 cores, 23 GiB RAM, CPU only",
+                  run_id="run-1")
     return PeerAnnouncement(**{**fields, **kw})
 
 

@@ -259,6 +259,9 @@ def test_withdrawals_and_misfiled_announcements_are_not_live():
     assert verified_announcements({live.node_id: live.to_wire()}) == [live]
     assert verified_announcements({"someone-else": live.to_wire()}) == []  # under another node's subkey
     assert verified_announcements({gone.node_id: gone.to_wire()}) == []
+    ours = sign_message(factories.announcement(public_key=public_bytes(key), run_id="run-1"), key)
+    assert verified_announcements({ours.node_id: ours.to_wire()}, "run-1") == [ours]
+    assert verified_announcements({ours.node_id: ours.to_wire()}, "run-2") == []  # replayed from another run
     # Dropping the flag from a signed withdrawal does not bring the peer back: the signature covers it.
     body = gone.to_dict()
     del body["left"]
