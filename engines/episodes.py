@@ -4,7 +4,7 @@ After the trainer-rendered prompt the transcript alternates model turns (sampled
 logprobs; trained: loss mask 1) and environment turns (the observation written in the run's chat
 `TurnFormat`; logprob 0, loss mask 0). The trainer replays every episode from its seed and the
 model's turns (`score`) and refuses a transcript whose environment turns differ from what the
-environment replies, so `Game` and `score` share these rules:
+environment replies, token for token, so `Game` and `score` share these rules:
 
 - a model turn ends at its end-of-turn token or at its token limit (`max_new_tokens`, less when
   the context window is nearly full), nowhere else; its text, without a final end-of-turn token and
@@ -113,6 +113,7 @@ class Transcripts:
     """What replaying needs of the run: the tokenizer's decode and the chat format."""
 
     decode: Callable[[Sequence[int]], str]  # ids -> text, special tokens written out
+    encode: Callable[[str], Sequence[int]]  # text -> ids, as nodes tokenize an environment turn
     eos: int  # the end-of-turn token id
     turns: TurnFormat
     max_new_tokens: int  # per model turn
@@ -121,8 +122,9 @@ class Transcripts:
     @classmethod
     def of(cls, tokenizer, turns: TurnFormat, max_new_tokens: int, window: int) -> Transcripts:
         """The rules for an HF tokenizer: decode writes special tokens out, as nodes' backends do."""
-        return cls(decode=lambda ids: decode(tokenizer, ids), eos=tokenizer.eos_token_id, turns=turns,
-                   max_new_tokens=max_new_tokens, window=window)
+        return cls(decode=lambda ids: decode(tokenizer, ids),
+                   encode=lambda text: tokenizer(text, add_special_tokens=False).input_ids,
+                   eos=tokenizer.eos_token_id, turns=turns, max_new_tokens=max_new_tokens, window=window)
 
 
 def score(task: Task, sample: RolloutSample, rules: Transcripts) -> float:
@@ -142,8 +144,11 @@ def score(task: Task, sample: RolloutSample, rules: Transcripts) -> float:
         if segment.role == "env":
             if step.done or turns == task.max_turns:
                 raise TranscriptError(f"seed {sample.seed}: an environment turn after the episode ended")
-            if rules.decode(ids) != rules.turns.env_text(step.observation, stopped):
-                raise TranscriptError(f"seed {sample.seed}: environment turn {i} is not what the environment replied")
+            # Token for token, not text for text: written with other ids, the same text would
+            # shift every later noise position, and a node could search among outcomes.
+            if tuple(ids) != tuple(rules.encode(rules.turns.env_text(step.observation, stopped))):
+                raise TranscriptError(f"seed {sample.seed}: environment turn {i} is not what the environment replied, "
+                                      "tokenized as the run's tokenizer does")
             continue
         check_turn_end(sample.seed, ids, turn_limit(rules.max_new_tokens, rules.window, used), rules.eos)
         action, stopped = action_text(rules.decode, ids, rules.eos)

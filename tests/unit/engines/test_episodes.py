@@ -22,10 +22,7 @@ MAX_NEW = 12
 def setup(tmp_path_factory):
     path = build_tiny_gguf(tmp_path_factory.mktemp("m") / "tiny.gguf")
     tokenizer = load_tokenizer(path)
-    rules = Transcripts(
-        decode=lambda ids: decode(tokenizer, ids),
-        eos=tokenizer.eos_token_id, turns=turn_format(tokenizer), max_new_tokens=MAX_NEW, window=1024,
-    )
+    rules = Transcripts.of(tokenizer, turn_format(tokenizer), MAX_NEW, window=1024)
     return LlamaBackend(path, threads=1, n_ctx=1024), tokenizer, rules
 
 
@@ -104,6 +101,13 @@ def test_forged_or_misordered_transcripts_are_refused(setup):
             score(task, bad, rules)
 
     refused(forged, (m1, Segment("env", len(forged_obs)), m2), "not what the environment replied")
+    # The environment's own text, tokenized a character at a time: it decodes the same, but every
+    # later noise position moves, so a node could search among outcomes.
+    text = rules.decode(ids[m1.length : m1.length + env.length])
+    split = tuple(t for ch in text for t in tokenizer(ch, add_special_tokens=False).input_ids)
+    assert rules.decode(split) == text and split != ids[m1.length : m1.length + env.length]
+    refused(ids[: m1.length] + split + ids[m1.length + env.length :], (m1, Segment("env", len(split)), m2),
+            "tokenized as the run's tokenizer does")
     refused(ids, (Segment("env", m1.length), Segment("model", env.length), m2), "should be the model's")
     refused(ids[: m1.length + env.length], (m1, env), "must end with a model turn")
     refused(ids + ids[m1.length:], (m1, env, m2, env, m2), "after the episode ended")  # a third turn of two

@@ -26,7 +26,8 @@ NOW = 1000.0
 GROUP = 2
 # Token ids "decode" to their numbers, so a completion (7,) reads "7".
 EOS = 999  # a completion ends at it (or at 8 tokens)
-TRANSCRIPTS = Transcripts(decode=lambda ids: " ".join(str(i) for i in ids), eos=EOS, turns=TurnFormat(), max_new_tokens=8)
+TRANSCRIPTS = Transcripts(decode=lambda ids: " ".join(str(i) for i in ids), encode=lambda text: [int(t) for t in text.split()],
+                          eos=EOS, turns=TurnFormat(), max_new_tokens=8)
 
 
 def make_service(ledger: Ledger, settings: LeaseSettings, policing: Policing = Policing(None), **manifest) -> RunService:
