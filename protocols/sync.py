@@ -103,6 +103,7 @@ class Lease:
     version: int  # trainer version when issued
     expires_at: float  # same clock as the `now` passed to LeaseBook
     issued_at: float = 0.0
+    held: int | None = None  # the version the node said it held when it asked (`lease_admits`)
 
 
 class LeaseBook:
@@ -170,7 +171,7 @@ class LeaseBook:
         self._pending.extend(new)
 
     def issue(self, node_id: str, count: int, version: int, now: float, ttl: float | None = None,
-              proven: bool = True) -> Lease | None:
+              proven: bool = True, held: int | None = None) -> Lease | None:
         """Lease up to `count` seeds to `node_id` for `ttl` seconds (default: the book's); None when
         nothing is pending for it. A key that is not `proven` gets no seed returned less than
         `hold` seconds ago."""
@@ -178,8 +179,8 @@ class LeaseBook:
             raise InvalidValue(f"lease count must be an int >= 1, got {count!r}")
         _check_version("version", version)
         self.expire(now)
-        held = set() if proven else {s for s, at in self._returned.items() if now - at < self.hold}
-        seeds = tuple([s for s in self._pending if s not in held][:count])
+        reserved = set() if proven else {s for s, at in self._returned.items() if now - at < self.hold}
+        seeds = tuple([s for s in self._pending if s not in reserved][:count])
         if not seeds:
             return None
         taken = set(seeds)
@@ -187,7 +188,7 @@ class LeaseBook:
         for seed in seeds:
             self._returned.pop(seed, None)
         lease = Lease(f"{self._prefix}{self._next_id}", node_id, seeds, version, now + (self.ttl if ttl is None else ttl),
-                      now)
+                      now, held)
         self._next_id += 1
         self._outstanding[lease.lease_id] = lease
         return lease
@@ -266,7 +267,7 @@ class LeaseBook:
         refused all the same, and the caller must not add a completed seed again."""
         return {
             "ttl": self.ttl, "prefix": self._prefix, "next_id": self._next_id, "pending": list(self._pending),
-            "outstanding": [[x.lease_id, x.node_id, list(x.seeds), x.version, x.expires_at, x.issued_at]
+            "outstanding": [[x.lease_id, x.node_id, list(x.seeds), x.version, x.expires_at, x.issued_at, x.held]
                             for x in self._outstanding.values()],
         }
 
@@ -280,7 +281,8 @@ class LeaseBook:
             pending = list(data["pending"])
             # A book saved before leases carried their issue time: a standard lease's.
             leases = [Lease(x[0], x[1], tuple(x[2]), _check_version("lease version", x[3]), float(x[4]),
-                            float(x[5]) if len(x) > 5 else float(x[4]) - book.ttl)
+                            float(x[5]) if len(x) > 5 else float(x[4]) - book.ttl,
+                            _check_version("held version", x[6]) if len(x) > 6 and x[6] is not None else None)
                       for x in data["outstanding"]]
         except (KeyError, IndexError, TypeError, ValueError) as e:
             raise InvalidValue(f"lease book state is missing or has a bad field: {e!r}") from None
@@ -326,16 +328,19 @@ def judge_version(mode: Mode, current: int, staleness: int, version: int) -> Ver
     return Verdict.ACCEPT if current - version <= staleness else Verdict.STALE
 
 
-def lease_admits(mode: Mode, staleness: int, lease_version: int, version: int) -> bool:
+def lease_admits(mode: Mode, staleness: int, lease_version: int, version: int, held: int | None = None) -> bool:
     """May a batch for a lease issued at `lease_version` claim policy `version`? Sequential: only
-    the lease's. Async: a version the node could hold under its gate when it took the lease
-    (`lease_version - S < version <= lease_version`). The claim is then checked against the
-    weights of that version, so the node cannot pick among versions to suit its tokens."""
+    the lease's. Async: the lease's (the node updates to it first), or `held`, the version the node
+    said it held when it asked, if its gate lets it sample with that (an update that failed). The
+    claim is then checked against the weights of that version; with at most these two, a node
+    cannot sample under many versions and push the best. `held` None (a lease from before leases
+    kept it): any version the gate admits, `lease_version - S < version <= lease_version`."""
     _check_version("lease_version", lease_version)
     _check_version("version", version)
     if _check_mode(mode) is Mode.SEQUENTIAL:
         return version == lease_version
-    return lease_version - _check_staleness(staleness) < version <= lease_version
+    within = lease_version - _check_staleness(staleness) < version <= lease_version
+    return within if held is None else version == lease_version or (within and version == held)
 
 
 @dataclass(frozen=True)

@@ -36,20 +36,22 @@ def check_samples(batch: RolloutBatch, prompts: dict[int, tuple[int, ...]], grou
             raise InvalidValue(f"sample for seed {s.seed} does not use the leased prompt")
 
 
-def check_claimed_version(mode: Mode, staleness: int, lease_version: int, claimed: int, evaluation: bool) -> None:
+def check_claimed_version(mode: Mode, staleness: int, lease_version: int, claimed: int, evaluation: bool,
+                          held: int | None = None) -> None:
     """Refuse a batch whose claimed policy version its lease does not admit: an evaluation lease
     only its round's version; a training lease what `lease_admits` says (sequential: only its own;
-    async: the S versions up to it)."""
+    async: its own, or the one the node held when it asked)."""
     if evaluation:
         if claimed != lease_version:  # an evaluation is of exactly one version
             verdict = Verdict.FUTURE if claimed > lease_version else Verdict.WRONG_VERSION
             raise Refused(verdict, f"{verdict.value}: evaluation lease of version {lease_version}, "
                                    f"batch claims version {claimed}")
         return
-    if not lease_admits(mode, staleness, lease_version, claimed):
+    if not lease_admits(mode, staleness, lease_version, claimed, held):
         verdict = Verdict.FUTURE if claimed > lease_version else Verdict.WRONG_VERSION
+        admits = "only that" if mode is Mode.SEQUENTIAL else f"that or version {held}, held when the node asked"
         raise Refused(verdict, f"{verdict.value}: batch claims version {claimed}; its lease of version {lease_version} "
-                               f"admits {'only that' if mode is Mode.SEQUENTIAL else 'the S versions up to it'}")
+                               f"admits {admits}")
 
 
 def groups(batch: RolloutBatch, rewards: list[float], peer_id: str, name: str) -> list[Group]:

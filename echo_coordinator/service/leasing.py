@@ -107,15 +107,15 @@ class Leasing:
         holds_round = rounds.pending_at(request.version)
         if self.mode is Mode.ASYNC or (holds_round and request.version < version):
             return (rounds.lease(node_id, request, now, proven)
-                    or self._train_lease(node_id, count, version, buffered, now, proven))
-        return (self._train_lease(node_id, count, version, buffered, now, proven)
+                    or self._train_lease(request, count, version, buffered, now, proven))
+        return (self._train_lease(request, count, version, buffered, now, proven)
                 or rounds.lease(node_id, request, now, proven))
 
     def _unproven_seeds(self) -> int:
         """Seeds out in unproven keys' leases: those shorter than the book's standard ones."""
         return sum(len(x.seeds) for x in self.book.outstanding if x.expires_at - x.issued_at < self.book.ttl)
 
-    def _train_lease(self, node_id: str, count: int, version: int, buffered: int, now: float,
+    def _train_lease(self, request: LeaseRequest, count: int, version: int, buffered: int, now: float,
                      proven: bool) -> TaskLease | None:
         if not self.training:
             return None
@@ -132,7 +132,7 @@ class Leasing:
             self.next_seed += count
             self.add_seeds(fresh)
         ttl = None if proven else self.settings.first_lease_seconds
-        lease = self.book.issue(node_id, count, version, now, ttl, proven)
+        lease = self.book.issue(request.node_id, count, version, now, ttl, proven, held=request.version)
         if lease is None:
             return None
         return TaskLease(

@@ -150,7 +150,8 @@ class Pushes:
         if round_ is not None:
             judging.check_claimed_version(self.mode, staleness, round_.version, batch.version, evaluation=True)
             return lease
-        judging.check_claimed_version(self.mode, staleness, lease.version, batch.version, evaluation=False)
+        judging.check_claimed_version(self.mode, staleness, lease.version, batch.version, evaluation=False,
+                                      held=lease.held)
         if judge_version(self.mode, self.buffer.version, staleness, batch.version) is not Verdict.ACCEPT:
             self.buffer.offer(batch)  # already too old (or early): refuse now, before paying for replay and verification
         return lease

@@ -173,6 +173,13 @@ def test_a_batch_version_is_bound_to_its_lease(mode, lease, version, admitted):
     assert lease_admits(mode, 4, lease, version) is admitted
 
 
+def test_an_async_lease_admits_its_version_or_the_one_the_node_held_when_it_asked():
+    # S = 4, lease of version 5, the node held 3: it samples with 5 (updated) or 3 (update failed).
+    assert [v for v in range(8) if lease_admits(Mode.ASYNC, 4, 5, v, held=3)] == [3, 5]
+    assert [v for v in range(8) if lease_admits(Mode.ASYNC, 4, 5, v, held=1)] == [5]  # 1: past the bound
+    assert [v for v in range(8) if lease_admits(Mode.SEQUENTIAL, 4, 5, v, held=3)] == [5]
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.integers(0, 10**4), st.integers(0, 10**4), st.integers(1, 50))
 def test_lease_admits_exactly_what_the_node_gate_lets_a_node_start_with(lease, version, s):
@@ -609,7 +616,11 @@ def test_returned_seeds_go_to_proven_keys_first_and_lapses_are_counted_until_a_k
 def test_a_book_saved_before_leases_carried_their_issue_time_restores():
     state = {"ttl": 60.0, "prefix": "x-", "next_id": 1, "pending": [], "outstanding": [["x-0", "a", [1], 0, 100.0]]}
     (lease,) = LeaseBook.from_dict(state).outstanding
-    assert lease.issued_at == 40.0
+    assert lease.issued_at == 40.0 and lease.held is None
+    book = LeaseBook(60.0)
+    book.add_seeds([1])
+    held = book.issue("a", 1, 5, now=0.0, held=3)
+    assert LeaseBook.from_dict(json.loads(json.dumps(book.to_dict()))).outstanding == (held,) and held.held == 3
     with pytest.raises(InvalidValue):
         LeaseBook.from_dict({**state, "outstanding": [["x-0", "a"]]})
 
