@@ -199,8 +199,12 @@ async def load_lora(adapter: dict[str, np.ndarray], update: WeightUpdate, backen
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0:
         raise UpdateError(f"update {update.to_version} carries no positive LoRA alpha")
     path = adapter_dir / f"v{update.to_version}.gguf"
-    await asyncio.to_thread(write_lora_adapter, adapter, float(alpha), path, backend.layout)
-    await asyncio.to_thread(backend.set_adapter, path)
+    try:
+        await asyncio.to_thread(write_lora_adapter, adapter, float(alpha), path, backend.layout)
+        await asyncio.to_thread(backend.set_adapter, path)
+    except BaseException:
+        path.unlink(missing_ok=True)  # an adapter llama.cpp (or the writer) refused is no use on disk
+        raise
     for old in adapter_dir.glob("v*.gguf"):  # llama.cpp holds the adapter in memory: one file is enough
         if old != path:
             old.unlink(missing_ok=True)

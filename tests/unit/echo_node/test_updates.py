@@ -10,6 +10,7 @@ from echo_node.updates import apply_update
 from protocols import chunks, delta
 from protocols.errors import CodecError, IntegrityError
 from protocols.signing import generate_key
+from tests.unit.protocols import factories
 
 
 def payloads(update, store):
@@ -106,3 +107,22 @@ def test_a_first_snapshot_may_not_declare_more_values_than_the_base_model_holds(
     bomb = dataclasses.replace(update, tensors=(dataclasses.replace(update.tensors[0], shape=(2**20, 2**12)),))
     with pytest.raises(CodecError, match="more than the base model's 1,000 parameters"):
         apply_update({}, bomb, payloads(update, store), max_elements=1000)
+
+
+def test_an_adapter_llama_cpp_refuses_is_not_left_on_disk(tmp_path, monkeypatch):
+    import asyncio
+
+    from echo_node import updates
+
+    monkeypatch.setattr(updates, "write_lora_adapter", lambda adapter, alpha, path, layout: path.write_bytes(b"x" * 99))
+
+    class Refusing:
+        layout = None
+
+        def set_adapter(self, path):
+            raise ValueError("llama.cpp could not load the adapter")
+
+    update = dataclasses.replace(factories.update(), params={"alpha": 8.0})
+    with pytest.raises(ValueError, match="could not load"):
+        asyncio.run(updates.load_lora({}, update, Refusing(), tmp_path))
+    assert list(tmp_path.iterdir()) == []
