@@ -73,6 +73,12 @@ class Trust:
     samples: int = 0
     outliers: int = 0
 
+# Keys with nothing accepted keep their own rows up to this many: keys are free, so signed junk
+# from fresh keys would otherwise grow the ledger, and every dashboard read of it, without end.
+# Past it the least recently seen are folded into one row of rejection counts (node_id '').
+UNPROVEN_KEYS = 1000
+UNPROVEN = "accepted = 0 AND node_id NOT IN (SELECT node_id FROM evaluations)"
+
 # Columns added since the table was first shipped: a ledger from an older version gains them.
 TRUST_ADDED = {"samples": "INTEGER NOT NULL DEFAULT 0", "outliers": "INTEGER NOT NULL DEFAULT 0"}
 
@@ -261,6 +267,24 @@ class Ledger:
                 "ON CONFLICT(node_id, reason) DO UPDATE SET count = count + excluded.count",
                 (node_id, reason, samples),
             )
+            self._fold_unproven()
+
+    def _fold_unproven(self) -> None:
+        """Keep UNPROVEN_KEYS keys with nothing accepted; fold older ones' rejections into node_id ''
+        (totals stay whole) and forget them. A folded key that comes back starts as a new key
+        does, which any key may do with a fresh key anyway."""
+        (count,) = self.db.execute(f"SELECT COUNT(*) FROM peers WHERE {UNPROVEN}").fetchone()
+        if count <= UNPROVEN_KEYS:
+            return
+        folded = [row[0] for row in self.db.execute(
+            f"SELECT node_id FROM peers WHERE {UNPROVEN} ORDER BY last_seen LIMIT ?", (count - UNPROVEN_KEYS,))]
+        marks = ", ".join("?" * len(folded))
+        self.db.execute(
+            f"INSERT INTO rejections (node_id, reason, count) SELECT '', reason, SUM(count) FROM rejections "
+            f"WHERE node_id IN ({marks}) GROUP BY reason ON CONFLICT(node_id, reason) DO UPDATE SET count = count + excluded.count",
+            folded)
+        for table in ("rejections", "trust", "peers"):
+            self.db.execute(f"DELETE FROM {table} WHERE node_id IN ({marks})", folded)
 
     @_owned
     def rejection_totals(self) -> dict[str, int]:

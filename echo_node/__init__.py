@@ -13,6 +13,7 @@ Its models and generation are `engines/`; this package is the process around the
 - `rollouts`       a lease's batch: samples with their noise seeds, signed
 - `updates`        plan a catch-up chain, fetch (peers first), verify, apply or stay put
 - `base_download`  the base model GGUF as signed, content-addressed chunks from the coordinator and peers
+- `disk`           the data dir under --max-disk: every write checked first, old cached bases make room
 
 Trust: the join line pins the run key's fingerprint. The manifest, every WeightUpdate and
 (through their hashes) every chunk are checked against it before use; a failed update leaves

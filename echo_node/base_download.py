@@ -14,12 +14,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import shutil
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from echo_node.disk import Disk, touch
 from echo_node.updates import UpdateError, fetch_chunks
 from protocols import rpc
 from protocols.errors import IntegrityError
@@ -33,7 +33,6 @@ BATCH_CHUNKS = 8  # chunks fetched (and held in memory) at once: 32 MiB at the d
 ATTEMPTS = 5  # fetch rounds in a row that may fail outright before the download gives up
 BUSY_RETRY = 0.3  # seconds; the trainer sent its share, peers will have it in a moment
 SETTLED = 2.0  # seconds since its last change before a file's hash is remembered
-DISK_MARGIN = 1 << 30  # bytes a download leaves free on the node's disk
 
 # (bytes done, bytes total, seconds since this session's start, bytes fetched this session) -> None
 Progress = Callable[[int, int, float, int], None]
@@ -76,17 +75,6 @@ def known_sha256(path: Path, directory: Path) -> str:
     return digest
 
 
-def check_room(size: int, partial: Path, directory: Path) -> None:
-    """Refuse a download the disk cannot hold (the size is the coordinator's word: it may say
-    512 GiB), keeping `DISK_MARGIN` free, before a byte is written. What a partial download
-    already holds counts as room."""
-    have = partial.stat().st_blocks * 512 if partial.exists() else 0  # sparse: the bytes it really holds
-    free = shutil.disk_usage(directory).free
-    if size - have > free - DISK_MARGIN:
-        raise UpdateError(f"the base model is {size / 2**30:.1f} GiB and {directory} has {free / 2**30:.1f} GiB free "
-                          f"(keeping {DISK_MARGIN / 2**30:.0f} GiB spare); free some space, or point --data-dir elsewhere")
-
-
 def held_chunks(path: Path, model_file: ModelFile) -> set[int]:
     """Indices of the chunks `path` already holds correctly (a partial download)."""
     if not path.is_file():
@@ -102,17 +90,21 @@ def held_chunks(path: Path, model_file: ModelFile) -> set[int]:
 
 
 async def download(endpoint, trainer: str, peers: Callable[[], Awaitable[list[str]]], model_file: ModelFile,
-                   directory: Path, progress: Progress, timeout: float) -> tuple[Path, Counter]:
-    """The base model at `directory/SHA.gguf`, and the bytes each provider sent this time."""
+                   disk: Disk, progress: Progress, timeout: float) -> tuple[Path, Counter]:
+    """The base model at `models/SHA.gguf` in the node's data dir, and the bytes each provider
+    sent this time. The size is the coordinator's word (it may say 512 GiB): `disk` makes room,
+    or refuses, before a byte is written."""
+    directory = disk.root / "models"
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / f"{model_file.sha256}.gguf"
     partial = final.with_name(final.name + ".partial")
     if final.is_file():
         if await asyncio.to_thread(known_sha256, final, directory) == model_file.sha256:
+            touch(final)
             return final, Counter()
         log.warning("the cached base model %s is damaged; repairing it", final.name)
         final.replace(partial)
-    check_room(model_file.size, partial, directory)
+    disk.make_room(model_file.size, "the base model", replacing=partial)
     held = await asyncio.to_thread(held_chunks, partial, model_file)
     missing = [i for i in range(len(model_file.chunks)) if i not in held]
     done = sum(model_file.span(i)[1] for i in held)
@@ -136,6 +128,7 @@ async def download(endpoint, trainer: str, peers: Callable[[], Awaitable[list[st
         partial.unlink()  # every chunk checked out, so the list itself was wrong: start over
         raise IntegrityError(f"the assembled base model does not hash to {model_file.sha256[:12]}")
     partial.replace(final)
+    touch(final)
     return final, sources
 
 

@@ -40,6 +40,8 @@ def join(
     upload_mib_per_s: float = typer.Option(8.0, help="What this node uploads to peers (the base model and "
                                                      "updates it relays), MiB a second on average."),
     upload_gib_per_hour: float = typer.Option(4.0, help="... and GiB in any hour."),
+    max_disk: float = typer.Option(100.0, help="GiB that --data-dir may hold: cached base models (the least "
+                                               "recently used go first), adapters and full-mode weights."),
     allow_task: list[str] = typer.Option([], help="A run's environment named as module:Class that this node may "
                                                   "import and run (repeat for more). Importing runs the module's "
                                                   "code: allow only code you trust."),
@@ -53,6 +55,7 @@ def join(
             address=address, run_key=run_key, model=model, name=name, data_dir=data_dir.expanduser(), threads=threads,
             backend=backend, gpu_layers=gpu_layers, parallel=parallel, host=host, verbose=verbose,
             allow_tasks=frozenset(allow_task), upload_mib_per_s=upload_mib_per_s, upload_gib_per_hour=upload_gib_per_hour,
+            max_disk_gib=max_disk,
         )
     except ConfigError as e:
         raise typer.BadParameter(str(e)) from None

@@ -41,6 +41,9 @@ class NodeConfig:
     # ask, under any number of peer ids. MiB a second on average, and GiB in any hour.
     upload_mib_per_s: float = 8.0
     upload_gib_per_hour: float = 4.0
+    # GiB the data dir may hold (cached base models, adapters, full-mode exports): whatever sizes a
+    # coordinator states, the node writes no more (`echo_node.disk`). None: the disk's free space.
+    max_disk_gib: float | None = 100.0
 
     def __post_init__(self):
         if "/p2p/" not in self.address:
@@ -53,5 +56,7 @@ class NodeConfig:
             raise ConfigError(f"--parallel must be between 1 and {MAX_PARALLEL}, got {self.parallel}")
         if not (self.upload_mib_per_s > 0 and self.upload_gib_per_hour > 0):
             raise ConfigError("--upload-mib-per-s and --upload-gib-per-hour must be positive")
+        if self.max_disk_gib is not None and not self.max_disk_gib > 0:
+            raise ConfigError(f"--max-disk must be a positive number of GiB, got {self.max_disk_gib}")
         if self.backend not in BACKENDS:
             raise ConfigError(f"--backend must be llama_cpp or transformers, got {self.backend!r}")

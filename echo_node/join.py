@@ -153,8 +153,7 @@ async def _base_model(session: Session, endpoint, trainer: str, manifest: RunMan
             console.print(line)
 
     try:
-        path, sources = await download(endpoint, trainer, holders, listed, session.data_dir / "models", show,
-                                       CALL_TIMEOUT)
+        path, sources = await download(endpoint, trainer, holders, listed, session.disk, show, CALL_TIMEOUT)
     except (UpdateError, ProtocolError, TransportError) as e:
         raise EchoError(f"could not fetch the base model: {e}; run the same command to resume") from None
     if sources:

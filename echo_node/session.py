@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from echo_node.config import NodeConfig, Stopped
+from echo_node.disk import Disk
 from protocols.signing import fingerprint, load_or_create_key, public_bytes
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,8 @@ class Session:
         self.config = config
         self.data_dir = Path(config.data_dir).expanduser()
         (self.data_dir / "adapters").mkdir(parents=True, exist_ok=True)
+        limit = config.max_disk_gib
+        self.disk = Disk(self.data_dir, None if limit is None else int(limit * 2**30))
         self.key = load_or_create_key(self.data_dir / "node.key")
         self.node_key = public_bytes(self.key)
         self.fingerprint = fingerprint(self.node_key)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from echo_node.disk import Disk
 from engines.gguf_io import write_lora_adapter
 from protocols import catchup, chunks, delta, rpc
 from protocols.errors import CodecError, EchoError, ProtocolError, TransportError
@@ -193,12 +194,17 @@ def apply_update(held: dict[str, np.ndarray], update: WeightUpdate, payloads: di
     return new
 
 
-async def load_lora(adapter: dict[str, np.ndarray], update: WeightUpdate, backend, adapter_dir: Path) -> Path:
-    """LoRA mode: write the adapter nodes now hold as a GGUF adapter and hot-swap it in."""
+async def load_lora(adapter: dict[str, np.ndarray], update: WeightUpdate, backend, disk: Disk) -> Path:
+    """LoRA mode: write the adapter nodes now hold as a GGUF adapter (float32, in the data dir's
+    `adapters`, room made first) and hot-swap it in."""
     alpha = update.params.get("alpha")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0:
         raise UpdateError(f"update {update.to_version} carries no positive LoRA alpha")
+    adapter_dir = disk.root / "adapters"
+    adapter_dir.mkdir(parents=True, exist_ok=True)
     path = adapter_dir / f"v{update.to_version}.gguf"
+    disk.make_room(4 * sum(a.size for a in adapter.values()), f"update {update.to_version}'s LoRA adapter",
+                   keep=[backend.model_path] if getattr(backend, "model_path", None) else [])
     try:
         await asyncio.to_thread(write_lora_adapter, adapter, float(alpha), path, backend.layout)
         await asyncio.to_thread(backend.set_adapter, path)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from pathlib import Path
 
 from echo_node.presence import Presence
 from echo_node.session import Session
@@ -86,13 +87,17 @@ class Versions:
         new = await asyncio.to_thread(apply_update, self.master, update, payloads, getattr(self.backend, "n_params", None))
         new = new if update.replaces else {**self.master, **new}
         if update.mode == "lora":
-            await load_lora(new, update, self.backend, self.session.data_dir / "adapters")  # raises: nothing changed
+            await load_lora(new, update, self.backend, self.session.disk)  # raises: nothing changed
         self.master = new
         self.version = update.to_version
         self.relay.remember(update, store)
         self.presence.holding(self.version)
 
     def _load_full_weights(self) -> None:
-        """Full mode: bring the backend to the master weights (after a whole chain, once)."""
+        """Full mode: bring the backend to the master weights (after a whole chain, once). A
+        llama.cpp node writes them as a GGUF as large as its base file first."""
+        base = getattr(self.backend, "model_path", None)
+        if base is not None:
+            self.session.disk.make_room(Path(base).stat().st_size, f"version {self.version}'s weights", keep=[base])
         self.backend.load_weights(self.master, self.version, self.session.data_dir / "weights")
         self.loaded = self.version

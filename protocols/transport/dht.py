@@ -30,6 +30,7 @@ os.environ.setdefault("GOLOG_LOG_LEVEL", "error")
 import hivemind  # noqa: E402
 from hivemind.dht.protocol import DHTProtocol  # noqa: E402
 from hivemind.dht.routing import DHTID  # noqa: E402
+from hivemind.dht.storage import DictionaryDHTValue  # noqa: E402
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase  # noqa: E402
 from hivemind.p2p import P2P  # noqa: E402
 from hivemind.utils import MSGPackSerializer, get_dht_time  # noqa: E402
@@ -43,6 +44,7 @@ from protocols.transport.streams import Endpoint  # noqa: E402
 # can die and a caller waits forever (measured). Our records are a few hundred bytes.
 MAX_RECORD_BYTES = 8 * 1024
 MAX_RECORD_TTL = 300.0  # seconds; our records are put for 60-120 s and refreshed well before
+MAX_SUBKEYS = 4096  # entries a dictionary record (the peers record) holds; see `_capped`
 PR_SET_PDEATHSIG = 1
 log = logging.getLogger(__name__)
 
@@ -76,6 +78,24 @@ def _static_relays_only(make_process_args):
 
 
 P2P._make_process_args = staticmethod(_static_relays_only(P2P._make_process_args))
+
+
+def _capped(init):
+    """hivemind's dictionary values (our peers record) take any number of subkeys, and keys are
+    free: a flood of fresh-key announcements, each valid, would grow every replica's memory and
+    what every reader fetches and verifies without end. Capped at MAX_SUBKEYS, whatever size a
+    replica's reply claims; past it hivemind drops the entries soonest to expire. A flood can so
+    push honest announcements out, and what nodes then lose is peers to fetch updates from: they
+    fetch from the trainer. hivemind 1.1.12 has no parameter for it; its DHT process is a fork,
+    so this patch holds there too."""
+
+    def capped(self, maxsize=None):
+        init(self, min(maxsize or MAX_SUBKEYS, MAX_SUBKEYS))
+
+    return capped
+
+
+DictionaryDHTValue.__init__ = _capped(DictionaryDHTValue.__init__)
 
 
 def record_key(run_fingerprint: str, name: str) -> str:

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from echo_coordinator.base_model import model_file
+from echo_node.disk import Disk
 from echo_node.base_download import download, fetch_model_file, progress_line
 from echo_node.updates import UpdateError
 from protocols.errors import SignatureError
@@ -66,27 +67,28 @@ def test_download_from_the_trainer_resume_and_cache(swarm, base, tmp_path):
         endpoint = await swarm[2].endpoint()
         assert await fetch_model_file(endpoint, trainer, run, 10) == listing
         seen = []
-        got, sources = await download(endpoint, trainer, _none, listing, tmp_path / "node", lambda *a: seen.append(a), 10)
+        got, sources = await download(endpoint, trainer, _none, listing, Disk(tmp_path / "node", None), lambda *a: seen.append(a), 10)
         assert sha256_file(got) == listing.sha256 and got.name == f"{listing.sha256}.gguf"
         assert sources == {trainer: SIZE} and seen[-1][:2] == (SIZE, SIZE)
 
         # A partial file: 3 good chunks, one corrupt, the rest never written. Only the missing
         # and corrupt chunks are fetched again.
-        partial = tmp_path / "again" / f"{listing.sha256}.gguf.partial"
-        partial.parent.mkdir()
+        again = Disk(tmp_path / "again", None)
+        partial = again.root / "models" / f"{listing.sha256}.gguf.partial"
+        partial.parent.mkdir(parents=True)
         data = bytearray(path.read_bytes()[: 4 * CHUNK])
         data[3 * CHUNK] ^= 0xFF
         partial.write_bytes(bytes(data))
-        got, sources = await download(endpoint, trainer, _none, listing, partial.parent, lambda *a: None, 10)
+        got, sources = await download(endpoint, trainer, _none, listing, again, lambda *a: None, 10)
         assert sha256_file(got) == listing.sha256 and sum(sources.values()) == SIZE - 3 * CHUNK
         assert not partial.exists()
 
         # A finished file is used as it is; a damaged one is repaired chunk by chunk.
-        assert (await download(endpoint, trainer, _none, listing, partial.parent, lambda *a: None, 10))[1] == {}
+        assert (await download(endpoint, trainer, _none, listing, again, lambda *a: None, 10))[1] == {}
         damaged = bytearray(got.read_bytes())
         damaged[5] ^= 1
         got.write_bytes(bytes(damaged))
-        got, sources = await download(endpoint, trainer, _none, listing, partial.parent, lambda *a: None, 10)
+        got, sources = await download(endpoint, trainer, _none, listing, again, lambda *a: None, 10)
         assert sha256_file(got) == listing.sha256 and sum(sources.values()) == CHUNK
 
     asyncio.run(go())
@@ -107,7 +109,7 @@ def test_a_corrupt_peer_is_dropped_and_the_busy_trainer_points_to_honest_peers(s
         budget.allow("base", "someone-else", 0.0, 0)  # the one copy went to another node
         honest = await provider(swarm[1], listing, path)
         endpoint = await swarm[2].endpoint()
-        got, sources = await download(endpoint, trainer, lambda: _list([honest]), listing, tmp_path / "a",
+        got, sources = await download(endpoint, trainer, lambda: _list([honest]), listing, Disk(tmp_path / "a", None),
                                       lambda *a: None, 10)
         assert sha256_file(got) == listing.sha256 and sources == {honest: SIZE}
         assert trainer_relay.bytes_served == 0
@@ -117,7 +119,7 @@ def test_a_corrupt_peer_is_dropped_and_the_busy_trainer_points_to_honest_peers(s
         liar_dht = SwarmDHT.start("127.0.0.1", 0, initial_peers=swarm[0].addresses())
         try:
             liar = await provider(liar_dht, listing, path, Corrupt())
-            got, sources = await download(endpoint, trainer, lambda: _list([liar]), listing, tmp_path / "b",
+            got, sources = await download(endpoint, trainer, lambda: _list([liar]), listing, Disk(tmp_path / "b", None),
                                           lambda *a: None, 10)
             assert sha256_file(got) == listing.sha256 and sources == {trainer: SIZE}
         finally:

@@ -102,3 +102,28 @@ def test_a_ledger_from_before_outlier_budgets_gains_their_columns(tmp_path):
     assert ledger.record_outlier("k", lambda samples, outliers: outliers > 1, lambda strikes: 10.0, 100.0).failed == 1
     assert ledger.record_check("k", True, lambda strikes: 10.0, 100.0, samples=16).samples == 16
     ledger.close()
+
+
+def test_keys_with_nothing_accepted_are_kept_to_a_bound_and_their_rejections_folded(tmp_path, monkeypatch):
+    """Keys are free: signed junk from fresh keys may not grow the ledger without end. Past the
+    bound the least recently seen unproven keys go, their rejections counted in one row; keys
+    with accepted or evaluation samples stay whatever they did."""
+    from echo_coordinator import ledger as ledger_module
+
+    monkeypatch.setattr(ledger_module, "UNPROVEN_KEYS", 5)
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    ban = lambda strikes: 100.0  # noqa: E731
+    ledger.credit("honest", "peer-h", "honest", samples=8, tokens=40, now=1.0, version=1)
+    ledger.reject("honest", "peer-h", "honest", "stale", now=2.0)
+    ledger.credit_eval("evaluator", "peer-e", "evaluator", samples=2, tokens=10, now=2.5)
+    for i in range(20):
+        ledger.reject(f"junk-{i}", f"peer-{i}", "junk", "bad_sampling", samples=2, now=3.0 + i)
+        ledger.record_check(f"junk-{i}", False, ban, now=3.0 + i)
+    peers = {p["node_id"]: p for p in ledger.peers()}
+    assert set(peers) == {"honest", "evaluator"} | {f"junk-{i}" for i in range(15, 20)}
+    assert ledger.rejection_totals() == {"stale": 1, "bad_sampling": 40}  # nothing lost from the totals
+    assert ledger.trust("junk-0").failed == 0 and ledger.trust("junk-19").failed == 1
+    assert peers["honest"]["rejected_by_reason"] == {"stale": 1}
+    (rows,) = ledger.submit(lambda: ledger.db.execute("SELECT COUNT(*) FROM rejections").fetchone()).result()
+    assert rows == 1 + 5 + 1  # honest's, the five kept, the folded row
+    ledger.close()

@@ -7,6 +7,7 @@ import random
 import pytest
 
 from echo_node import base_download
+from echo_node.disk import Disk, DiskFull
 from echo_node.updates import UpdateError
 from protocols.errors import RemoteError, TransportError
 from protocols.messages import ModelFile
@@ -34,7 +35,7 @@ async def no_peers():
 
 
 def fetch(tmp_path, endpoint, listed):
-    return asyncio.run(base_download.download(endpoint, "QmTrainer", no_peers, listed, tmp_path / "models",
+    return asyncio.run(base_download.download(endpoint, "QmTrainer", no_peers, listed, Disk(tmp_path, None),
                                               lambda *a: None, 10.0))
 
 
@@ -63,6 +64,6 @@ def test_a_base_larger_than_the_free_disk_is_refused_before_a_byte_is_written(tm
     endpoint, listed, _ = served_base(tmp_path)
     huge = ModelFile(run_id="run-1", name="base.gguf", sha256="ab" * 32, size=512 * 2**30, chunk_size=listed.chunk_size,
                      chunks=listed.chunks)
-    with pytest.raises(UpdateError, match="512.0 GiB .* free"):
+    with pytest.raises(DiskFull, match="512.00 GiB.* free"):
         fetch(tmp_path, endpoint, huge)
     assert list((tmp_path / "models").iterdir()) == [] and endpoint.calls == []

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from echo_coordinator.publish import Publisher
+from echo_node.disk import Disk
 from echo_node.updates import apply_update
 from protocols import chunks, delta
 from protocols.errors import CodecError, IntegrityError
@@ -124,5 +125,5 @@ def test_an_adapter_llama_cpp_refuses_is_not_left_on_disk(tmp_path, monkeypatch)
 
     update = dataclasses.replace(factories.update(), params={"alpha": 8.0})
     with pytest.raises(ValueError, match="could not load"):
-        asyncio.run(updates.load_lora({}, update, Refusing(), tmp_path))
-    assert list(tmp_path.iterdir()) == []
+        asyncio.run(updates.load_lora({}, update, Refusing(), Disk(tmp_path, None)))
+    assert list((tmp_path / "adapters").iterdir()) == []

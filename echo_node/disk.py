@@ -1,0 +1,76 @@
+"""What a node may keep on disk: its data dir under the volunteer's limit (`--max-disk`).
+
+The coordinator states the size of what a node writes: the base model (it may say 512 GiB), LoRA
+adapters and full-mode weight exports. Each is checked here before a byte is written, against the
+disk's free space (keeping `MARGIN` spare) and against the limit on the data dir. Cached base models
+of other runs go first, least recently used first (a base's access time is set when a node joins
+with it), before a write is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from protocols.errors import EchoError
+
+MARGIN = 1 << 30  # bytes left free on the disk whatever the limit
+
+
+class DiskFull(EchoError):
+    """A write this node was asked to make does not fit its disk or its `--max-disk`."""
+
+
+def held_bytes(path: Path) -> int:
+    """Bytes a file really holds on disk (a partial download is sparse); 0 if it is gone."""
+    try:
+        return path.stat().st_blocks * 512
+    except FileNotFoundError:
+        return 0
+
+
+def touch(path: Path) -> None:
+    """Mark a cached base model used now: its access time only (its modification time keys the
+    remembered hash, `base_download.known_sha256`)."""
+    stat = path.stat()
+    os.utime(path, ns=(time.time_ns(), stat.st_mtime_ns))
+
+
+@dataclass(frozen=True)
+class Disk:
+    root: Path  # the node's data dir
+    limit: int | None  # bytes it may hold; None: only the disk's free space limits it
+
+    def used(self) -> int:
+        return sum(held_bytes(p) for p in self.root.rglob("*") if p.is_file())
+
+    def cached_bases(self) -> list[Path]:
+        """Cached base models and partial downloads, least recently used first."""
+        found = [p for p in (self.root / "models").glob("*.gguf*") if p.is_file()]
+        return sorted(found, key=lambda p: p.stat().st_atime_ns)
+
+    def make_room(self, size: int, what: str, replacing: Path | None = None, keep: Iterable[Path] = ()) -> None:
+        """Room for `size` more bytes (`what`, for the message), less what `replacing` holds (a
+        partial file it completes); cached bases not in `keep` are removed to make it. Raises
+        `DiskFull`, having removed nothing, when even that would not do."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        keep = {p.resolve() for p in (*keep, *([replacing] if replacing else []))}
+        need = max(size - (held_bytes(replacing) if replacing else 0), 0)
+        free = shutil.disk_usage(self.root).free - MARGIN
+        over_limit = self.used() + need - self.limit if self.limit is not None else 0
+        spare = [p for p in self.cached_bases() if p.resolve() not in keep]
+        if max(need - free, over_limit) > sum(held_bytes(p) for p in spare):
+            limit = f"--max-disk {self.limit / 2**30:.1f} GiB, " if self.limit is not None else ""
+            raise DiskFull(f"{what} needs {size / 2**30:.2f} GiB; {self.root} holds {self.used() / 2**30:.2f} GiB "
+                           f"({limit}{max(free, 0) / 2**30:.1f} GiB free on its disk, keeping {MARGIN >> 30} GiB "
+                           "spare): free some space, raise --max-disk or point --data-dir elsewhere")
+        for path in spare:
+            free = shutil.disk_usage(self.root).free - MARGIN
+            over_limit = self.used() + need - self.limit if self.limit is not None else 0
+            if need <= free and over_limit <= 0:
+                return
+            path.unlink(missing_ok=True)

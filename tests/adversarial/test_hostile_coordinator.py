@@ -1,0 +1,53 @@
+"""A malicious coordinator against a real node (`echo-node join` over real DHT and streams): it
+signs what it likes, and the volunteer's machine must come to no harm. Each case ends the node
+with a clear message and the exit code for it, having written, imported and read nothing the
+coordinator chose."""
+
+import asyncio
+import os
+
+from protocols.messages import TaskSpec
+from tests.support.hostile_coordinator import HostileCoordinator
+
+GIB = 2**30
+
+
+def test_sizes_a_coordinator_states_are_checked_before_a_byte_is_written(tmp_path):
+    async def go():
+        async with HostileCoordinator(size=400 * GIB) as coordinator:  # more than this disk holds
+            code, out = await coordinator.join(tmp_path / "node")
+            assert code == 1 and "the base model needs 400.00 GiB" in out and "free on its disk" in out, out
+            # Within the disk, but past the volunteer's own limit.
+            async with HostileCoordinator(size=2 * GIB) as small:
+                code, limited = await small.join(tmp_path / "node", "--max-disk", "1")
+            assert code == 1 and "needs 2.00 GiB" in limited and "--max-disk 1.0 GiB" in limited, limited
+        models = tmp_path / "node" / "models"
+        assert not models.exists() or list(models.iterdir()) == []
+
+    asyncio.run(go())
+
+
+def test_a_coordinator_cannot_make_a_node_import_or_read_what_it_names(tmp_path):
+    own = tmp_path / "base.gguf"  # --model: checked by its hash, so its bytes are the run's base
+    own.write_bytes(b"not a model, and the node never loads it")
+    from protocols.signing import sha256_file
+
+    marker = tmp_path / "imported"
+    os.environ["ECHO_EVIL_MARKER"] = str(marker)
+
+    async def go():
+        named = TaskSpec("tests.support.evil_env:Env", {}, max_turns=2)
+        async with HostileCoordinator(task=named, base_sha256=sha256_file(own)) as coordinator:
+            code, out = await coordinator.join(tmp_path / "a", "--model", str(own))
+        assert code == 3 and "--allow-task tests.support.evil_env:Env" in out, out
+        # A single-turn task dressed as multi-turn, with a path to read until memory runs out.
+        reader = TaskSpec("math", {"dataset": "/dev/zero"}, max_turns=2)
+        async with HostileCoordinator(task=reader, base_sha256=sha256_file(own)) as coordinator:
+            code, out = await coordinator.join(tmp_path / "b", "--model", str(own))
+        assert code == 3 and "single-turn task 'math'" in out, out
+
+    try:
+        asyncio.run(go())
+    finally:
+        del os.environ["ECHO_EVIL_MARKER"]
+    assert not marker.exists()
