@@ -13,7 +13,6 @@ from echo_node.session import Session
 from echo_node.updates import Shunned, UpdateError, apply_update, catch_up, load_lora
 from protocols.messages import RunManifest, TaskLease, WeightUpdate
 from protocols.supervise import retry
-from protocols.sync import must_update
 from protocols.transport.relay import Relay
 
 log = logging.getLogger(__name__)
@@ -38,23 +37,13 @@ class Versions:
         self.shunned = Shunned()  # providers that failed us, skipped for a while
 
     async def prepare(self, lease: TaskLease) -> str | None:
-        """Move to the lease's version (the trainer's newest) before sampling, in both modes: in
-        async mode fresh rollouts keep staleness near one step, and the bound S is there for
-        stragglers. If an async update fails, sample with what we hold while the bound admits it
-        (the node-side staleness gate); sequential pull, and every evaluation, needs exactly the
-        lease's version (the trainer gives evaluation leases only to nodes not past it).
-        Returns what `bring_to` does."""
+        """Move to the lease's version before sampling: a lease fixes the one version its batch
+        is sampled with (the trainer's newest, or in async mode ours once our update failed,
+        `protocols.sync.lease_version`; an evaluation, its round's, given only to nodes not
+        past it). Returns what `bring_to` does."""
         if lease.evaluation and lease.version < self.version:
             raise UpdateError(f"evaluation of version {lease.version}, but this node holds version {self.version}")
-        try:
-            return await self.bring_to(lease.version)
-        except UpdateError as e:
-            strict = self.manifest.mode == "sequential" or lease.evaluation
-            if strict or must_update(self.version, lease.version, self.manifest.staleness):
-                raise
-            log.warning("could not update to version %d (%s); sampling with version %d, within the bound",
-                        lease.version, e, self.version)
-            return None
+        return await self.bring_to(lease.version)
 
     async def bring_to(self, version: int) -> str | None:
         """Catch up to `version`; a line saying how (None when already there). On failure, the

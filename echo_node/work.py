@@ -40,6 +40,7 @@ class Work:
         self.backend, self.versions, self.rollouts, self.phases = backend, versions, rollouts, phases
         self.accepted = 0  # samples the trainer accepted from us since we joined
         self.latest = 0  # the newest version the trainer told us of
+        self.update_failed = False  # our last update to `latest` failed: lease requests say so
         self.pushing: asyncio.Task | None = None
 
     def say(self, event: str) -> None:
@@ -95,8 +96,28 @@ class Work:
                 await self._finish(reply.latest_version)
                 return None
             self.latest = max(self.latest, reply.latest_version)
+            if self.manifest.mode == "async" and self.latest > self.versions.version:
+                # Async leases are of the trainer's version, or of ours once we say our update
+                # failed (`protocols.sync.lease_version`): update, or say so, and ask again at once.
+                said_failed = self.update_failed
+                if await self._update() or not said_failed:
+                    continue
             self.say("waiting for work")
             await asyncio.sleep(reply.retry_after)
+
+    async def _update(self) -> bool:
+        """Move to the latest version between leases; False (and said in lease requests) if it failed."""
+        try:
+            moved = await self.versions.bring_to(self.latest)
+        except UpdateError as e:
+            log.warning("could not update to version %d (%s); asking for work at version %d",
+                        self.latest, e, self.versions.version)
+            self.update_failed = True
+            return False
+        self.update_failed = False
+        if moved is not None:
+            self.say(moved)
+        return True
 
     async def _request_lease(self) -> TaskLease | NoWork:
         s = self.session
@@ -104,6 +125,7 @@ class Work:
             run_id=self.manifest.run_id, node_key=s.node_key, peer_id=self.endpoint.peer_id, name=s.name,
             version=self.versions.version, max_seeds=64 if self.accepted else FIRST_LEASE_SEEDS, time=time.time(),
             backend=self.backend.name, parallel=self.backend.parallel,
+            update_failed=self.update_failed and self.latest > self.versions.version,
         ), s.key)
         raw = await self.endpoint.call_one(self.trainer, rpc.LEASE, request.to_wire())
         return decode_one_of(raw, (TaskLease, NoWork))

@@ -16,8 +16,8 @@ Invariants
 - Node gate, staleness bound S >= 1: a node whose version is `node` must update before it
   starts new work when `latest - node >= S`. Work therefore starts at `node >= latest - S + 1`,
   which leaves room for one more publish while it generates.
-- A batch's version is bound to its lease (`lease_admits`): the lease's version in sequential mode,
-  one the node may hold under its gate in async mode.
+- A batch's version is its lease's, one version fixed when the lease is issued (`lease_version`):
+  the trainer's, or in async mode the node's own when its update failed and its gate admits it.
 - Trainer, async mode: a rollout tagged `version` is accepted iff `current - S <= version <=
   current`; older is STALE (an honest straggler: dropped and counted), newer is FUTURE (no
   honest peer can hold a version the trainer has not published).
@@ -100,10 +100,9 @@ class Lease:
     lease_id: str
     node_id: str
     seeds: tuple[int, ...]
-    version: int  # trainer version when issued
+    version: int  # the version its batch must be sampled with (`lease_version`)
     expires_at: float  # same clock as the `now` passed to LeaseBook
     issued_at: float = 0.0
-    held: int | None = None  # the version the node said it held when it asked (`lease_admits`)
 
 
 class LeaseBook:
@@ -144,6 +143,12 @@ class LeaseBook:
     def pending_count(self) -> int:
         return len(self._pending)
 
+    def leasable(self, now: float, proven: bool) -> int:
+        """Pending seeds a key may be leased now: an unproven key not those returned lately (`issue`)."""
+        if proven:
+            return len(self._pending)
+        return sum(1 for s in self._pending if now - self._returned.get(s, -math.inf) >= self.hold)
+
     @property
     def pending_seeds(self) -> tuple[int, ...]:
         return tuple(self._pending)
@@ -171,7 +176,7 @@ class LeaseBook:
         self._pending.extend(new)
 
     def issue(self, node_id: str, count: int, version: int, now: float, ttl: float | None = None,
-              proven: bool = True, held: int | None = None) -> Lease | None:
+              proven: bool = True) -> Lease | None:
         """Lease up to `count` seeds to `node_id` for `ttl` seconds (default: the book's); None when
         nothing is pending for it. A key that is not `proven` gets no seed returned less than
         `hold` seconds ago."""
@@ -179,7 +184,7 @@ class LeaseBook:
             raise InvalidValue(f"lease count must be an int >= 1, got {count!r}")
         _check_version("version", version)
         self.expire(now)
-        reserved = set() if proven else {s for s, at in self._returned.items() if now - at < self.hold}
+        reserved = set() if proven else {s for s, at in self._returned.items() if now - at < self.hold}  # see `leasable`
         seeds = tuple([s for s in self._pending if s not in reserved][:count])
         if not seeds:
             return None
@@ -188,7 +193,7 @@ class LeaseBook:
         for seed in seeds:
             self._returned.pop(seed, None)
         lease = Lease(f"{self._prefix}{self._next_id}", node_id, seeds, version, now + (self.ttl if ttl is None else ttl),
-                      now, held)
+                      now)
         self._next_id += 1
         self._outstanding[lease.lease_id] = lease
         return lease
@@ -267,7 +272,7 @@ class LeaseBook:
         refused all the same, and the caller must not add a completed seed again."""
         return {
             "ttl": self.ttl, "prefix": self._prefix, "next_id": self._next_id, "pending": list(self._pending),
-            "outstanding": [[x.lease_id, x.node_id, list(x.seeds), x.version, x.expires_at, x.issued_at, x.held]
+            "outstanding": [[x.lease_id, x.node_id, list(x.seeds), x.version, x.expires_at, x.issued_at]
                             for x in self._outstanding.values()],
         }
 
@@ -281,8 +286,7 @@ class LeaseBook:
             pending = list(data["pending"])
             # A book saved before leases carried their issue time: a standard lease's.
             leases = [Lease(x[0], x[1], tuple(x[2]), _check_version("lease version", x[3]), float(x[4]),
-                            float(x[5]) if len(x) > 5 else float(x[4]) - book.ttl,
-                            _check_version("held version", x[6]) if len(x) > 6 and x[6] is not None else None)
+                            float(x[5]) if len(x) > 5 else float(x[4]) - book.ttl)
                       for x in data["outstanding"]]
         except (KeyError, IndexError, TypeError, ValueError) as e:
             raise InvalidValue(f"lease book state is missing or has a bad field: {e!r}") from None
@@ -328,19 +332,20 @@ def judge_version(mode: Mode, current: int, staleness: int, version: int) -> Ver
     return Verdict.ACCEPT if current - version <= staleness else Verdict.STALE
 
 
-def lease_admits(mode: Mode, staleness: int, lease_version: int, version: int, held: int | None = None) -> bool:
-    """May a batch for a lease issued at `lease_version` claim policy `version`? Sequential: only
-    the lease's. Async: the lease's (the node updates to it first), or `held`, the version the node
-    said it held when it asked, if its gate lets it sample with that (an update that failed). The
-    claim is then checked against the weights of that version; with at most these two, a node
-    cannot sample under many versions and push the best. `held` None (a lease from before leases
-    kept it): any version the gate admits, `lease_version - S < version <= lease_version`."""
-    _check_version("lease_version", lease_version)
-    _check_version("version", version)
-    if _check_mode(mode) is Mode.SEQUENTIAL:
-        return version == lease_version
-    within = lease_version - _check_staleness(staleness) < version <= lease_version
-    return within if held is None else version == lease_version or (within and version == held)
+def lease_version(mode: Mode, staleness: int, current: int, held: int, update_failed: bool) -> int | None:
+    """The one version a training lease binds its batch to, for a node that holds `held` when the
+    trainer is at `current`; None: the node must update first. Fixed when the lease is issued, so a
+    node cannot sample under several versions and push the best. Sequential: `current` (the node
+    updates before it samples). Async: `current` for a node that holds it; a node behind is sent
+    to update first, unless it says its update failed (`update_failed`) and its own gate still
+    lets it sample (`must_update`): then `held`, and nothing else."""
+    _check_version("current", current)
+    _check_version("held", held)
+    if _check_mode(mode) is Mode.SEQUENTIAL or held >= current:
+        return current
+    if update_failed and not must_update(held, current, staleness):
+        return held
+    return None
 
 
 @dataclass(frozen=True)

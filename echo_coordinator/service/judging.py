@@ -12,7 +12,7 @@ from echo_coordinator.journal import Group
 from echo_coordinator.trainer.samples import TrainSample
 from protocols.errors import InvalidValue, ProtocolError
 from protocols.messages import RolloutBatch
-from protocols.sync import Mode, Verdict, lease_admits
+from protocols.sync import Verdict
 
 
 class Refused(ProtocolError):
@@ -36,22 +36,13 @@ def check_samples(batch: RolloutBatch, prompts: dict[int, tuple[int, ...]], grou
             raise InvalidValue(f"sample for seed {s.seed} does not use the leased prompt")
 
 
-def check_claimed_version(mode: Mode, staleness: int, lease_version: int, claimed: int, evaluation: bool,
-                          held: int | None = None) -> None:
-    """Refuse a batch whose claimed policy version its lease does not admit: an evaluation lease
-    only its round's version; a training lease what `lease_admits` says (sequential: only its own;
-    async: its own, or the one the node held when it asked)."""
-    if evaluation:
-        if claimed != lease_version:  # an evaluation is of exactly one version
-            verdict = Verdict.FUTURE if claimed > lease_version else Verdict.WRONG_VERSION
-            raise Refused(verdict, f"{verdict.value}: evaluation lease of version {lease_version}, "
-                                   f"batch claims version {claimed}")
-        return
-    if not lease_admits(mode, staleness, lease_version, claimed, held):
+def check_claimed_version(lease_version: int, claimed: int) -> None:
+    """Refuse a batch that claims another policy version than its lease's: each lease fixes the
+    one version its batch is sampled with (`protocols.sync.lease_version`; an evaluation, its
+    round's), so a node cannot sample under several and push the best."""
+    if claimed != lease_version:
         verdict = Verdict.FUTURE if claimed > lease_version else Verdict.WRONG_VERSION
-        admits = "only that" if mode is Mode.SEQUENTIAL else f"that or version {held}, held when the node asked"
-        raise Refused(verdict, f"{verdict.value}: batch claims version {claimed}; its lease of version {lease_version} "
-                               f"admits {admits}")
+        raise Refused(verdict, f"{verdict.value}: batch claims version {claimed}; its lease is of version {lease_version}")
 
 
 def groups(batch: RolloutBatch, rewards: list[float], peer_id: str, name: str) -> list[Group]:

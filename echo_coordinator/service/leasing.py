@@ -13,7 +13,7 @@ from echo_coordinator.service.evaluating import EvalRounds
 from echo_coordinator.service.settings import LeaseSettings
 from protocols.errors import PeerRefused
 from protocols.messages import LeaseRequest, RunManifest, TaskLease
-from protocols.sync import LeaseBook, Mode
+from protocols.sync import LeaseBook, Mode, lease_version
 
 MAX_LEASES_PER_KEY = 2  # outstanding at once: one in generation, one whose push is being retried
 LAPSE_LONGEST = 3600.0  # the longest a key whose leases lapsed waits for its next one, seconds
@@ -42,6 +42,7 @@ class Leasing:
     def __init__(self, manifest: RunManifest, render_prompt: Callable[[int], tuple[int, ...]],
                  settings: LeaseSettings, id_prefix: str):
         self.run_id, self.mode, self.group_size = manifest.run_id, Mode(manifest.mode), manifest.group_size
+        self.staleness = manifest.staleness
         self.render_prompt, self.settings = render_prompt, settings
         self.book = LeaseBook(ttl=settings.lease_seconds, id_prefix=id_prefix, hold=settings.first_lease_seconds)
         self.next_seed = settings.first_seed  # async mode draws fresh seeds from here as leases drain them
@@ -119,6 +120,9 @@ class Leasing:
                      proven: bool) -> TaskLease | None:
         if not self.training:
             return None
+        bound = lease_version(self.mode, self.staleness, version, request.version, request.update_failed)
+        if bound is None:
+            return None  # the node is behind: it updates on hearing the latest version, and asks again
         max_ahead = self.settings.max_ahead
         if self.mode is Mode.ASYNC and max_ahead is not None and buffered >= max_ahead:
             return None
@@ -127,12 +131,12 @@ class Leasing:
             # the journal write every lease makes) without end. Unproven keys' leases count
             # against `max_ahead`; a proven straggler's do not, so it never stops the others.
             return None
-        if self.mode is Mode.ASYNC and self.book.pending_count < count:
+        if self.mode is Mode.ASYNC and self.book.leasable(now, proven) < count:
             fresh = list(range(self.next_seed, self.next_seed + count))
             self.next_seed += count
             self.add_seeds(fresh)
         ttl = None if proven else self.settings.first_lease_seconds
-        lease = self.book.issue(request.node_id, count, version, now, ttl, proven, held=request.version)
+        lease = self.book.issue(request.node_id, count, bound, now, ttl, proven)
         if lease is None:
             return None
         return TaskLease(

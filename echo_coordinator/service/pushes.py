@@ -146,12 +146,9 @@ class Pushes:
             raise LeaseError(f"lease {batch.lease_id} is not outstanding")
         if lease.node_id != batch.node_id:
             raise LeaseError(f"lease {batch.lease_id} belongs to another node")
-        staleness = self.manifest.staleness
+        judging.check_claimed_version(lease.version if round_ is None else round_.version, batch.version)
         if round_ is not None:
-            judging.check_claimed_version(self.mode, staleness, round_.version, batch.version, evaluation=True)
             return lease
-        judging.check_claimed_version(self.mode, staleness, lease.version, batch.version, evaluation=False,
-                                      held=lease.held)
-        if judge_version(self.mode, self.buffer.version, staleness, batch.version) is not Verdict.ACCEPT:
+        if judge_version(self.mode, self.buffer.version, self.manifest.staleness, batch.version) is not Verdict.ACCEPT:
             self.buffer.offer(batch)  # already too old (or early): refuse now, before paying for replay and verification
         return lease

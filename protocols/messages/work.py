@@ -37,6 +37,7 @@ class LeaseRequest(WireMessage):
     signature: bytes = b""
     backend: str = ""  # what the node samples with, e.g. "llama.cpp Q4_1": shown on the dashboard, never trusted
     parallel: int = 1  # sequences the node decodes at once; leases are sized to fill them (`Leasing`)
+    update_failed: bool = False  # it could not update past `version` (`protocols.sync.lease_version`)
 
     @property
     def node_id(self) -> str:
@@ -48,6 +49,7 @@ class LeaseRequest(WireMessage):
             "version": self.version, "max_seeds": self.max_seeds, "time": self.time, "signature": self.signature,
             **({"backend": self.backend} if self.backend else {}),  # optional: older nodes signed without it
             **({"parallel": self.parallel} if self.parallel != 1 else {}),  # the same
+            **({"update_failed": True} if self.update_failed else {}),
         }
 
     @classmethod
@@ -59,6 +61,7 @@ class LeaseRequest(WireMessage):
             max_seeds=f.integer("max_seeds", 1, MAX_SEEDS), time=f.number("time", 0.0), signature=f.signature(),
             backend=f.text("backend", 64) if f.has("backend") else "",
             parallel=f.integer("parallel", 1, MAX_PARALLEL) if f.has("parallel") else 1,
+            update_failed=f.flag("update_failed") if f.has("update_failed") else False,
         )
 
 

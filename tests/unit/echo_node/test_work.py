@@ -170,3 +170,44 @@ def test_the_live_line_shows_version_lag_accepted_batch_and_throughput(tmp_path)
     work.latest, work.accepted = 3, 16
     work.say("waiting for work")
     assert shown == ["carol: version 0 (lag 3) · 16 samples accepted · batch 8 · 12 tok/s · waiting for work"]
+
+
+class Behind:
+    """An async trainer at version 2: a node behind that did not say its update failed is told
+    the latest version (no work); one that did gets a lease of its own version. Then the run ends."""
+
+    peer_id = "QmNode"
+
+    def __init__(self):
+        self.requests: list[LeaseRequest] = []
+
+    async def call_one(self, peer, handler, payload):
+        if handler == rpc.PUSH:
+            return PushReceipt(accepted=2, rejected=0, reasons={}, latest_version=2).to_wire()
+        request = LeaseRequest.from_wire(payload)
+        self.requests.append(request)
+        if len(self.requests) > 2:
+            return NoWork(latest_version=2, retry_after=0.0, finished=True).to_wire()
+        if request.version < 2 and not request.update_failed:
+            return NoWork(latest_version=2, retry_after=30.0).to_wire()  # never waited out: the node updates
+        return factories.lease(lease_id="L", version=request.version, expires_at=time.time() + 60).to_wire()
+
+
+class Stuck(Held):
+    """Versions whose every update fails."""
+
+    async def bring_to(self, version):
+        from echo_node.updates import UpdateError
+
+        self.finished_at.append(version)
+        raise UpdateError(f"update to version {version} stopped at version 0")
+
+
+def test_a_node_behind_updates_between_leases_and_says_so_when_it_cannot(session):
+    trainer, events = Behind(), []
+    work = Work(session, trainer, "trainer", factories.manifest(mode="async"), Backend(), Stuck(), Recorder(events),
+                Phases())
+    asyncio.run(asyncio.wait_for(work.run(), 10))
+    assert [(r.version, r.update_failed) for r in trainer.requests] == [(0, False), (0, True), (0, True)]
+    assert events == [("generate", "L")]  # the lease of its own version, sampled as it was
+    assert work.versions.finished_at[0] == 2  # it tried to update first, between leases

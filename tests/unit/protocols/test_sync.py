@@ -13,7 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from protocols.errors import InvalidValue, LeaseError
 from protocols.sync import (
     ReplayBuffer,
-    lease_admits,
+    lease_version,
     COUNTERS,
     Lease,
     LeaseBook,
@@ -164,28 +164,29 @@ def test_must_update_boundaries(node, latest, s, expected):
     assert must_update(node, latest, s) is expected
 
 
-@pytest.mark.parametrize(("mode", "lease", "version", "admitted"), [
-    (Mode.SEQUENTIAL, 5, 5, True), (Mode.SEQUENTIAL, 5, 4, False), (Mode.SEQUENTIAL, 5, 6, False),
-    (Mode.ASYNC, 5, 5, True), (Mode.ASYNC, 5, 3, True), (Mode.ASYNC, 5, 2, True), (Mode.ASYNC, 5, 1, False),
-    (Mode.ASYNC, 5, 6, False), (Mode.ASYNC, 0, 0, True),
+@pytest.mark.parametrize(("mode", "current", "held", "failed", "bound"), [
+    (Mode.SEQUENTIAL, 5, 3, False, 5), (Mode.SEQUENTIAL, 5, 3, True, 5),  # sequential: always the trainer's
+    (Mode.ASYNC, 5, 5, False, 5),  # holds the newest
+    (Mode.ASYNC, 5, 3, False, None),  # behind and did not try: update first
+    (Mode.ASYNC, 5, 3, True, 3), (Mode.ASYNC, 5, 2, True, 2),  # its update failed; within S = 4
+    (Mode.ASYNC, 5, 1, True, None),  # past the bound: it must update
+    (Mode.ASYNC, 5, 7, False, 5),  # claims a version the trainer has not published: the trainer's
 ])
-def test_a_batch_version_is_bound_to_its_lease(mode, lease, version, admitted):
-    assert lease_admits(mode, 4, lease, version) is admitted
-
-
-def test_an_async_lease_admits_its_version_or_the_one_the_node_held_when_it_asked():
-    # S = 4, lease of version 5, the node held 3: it samples with 5 (updated) or 3 (update failed).
-    assert [v for v in range(8) if lease_admits(Mode.ASYNC, 4, 5, v, held=3)] == [3, 5]
-    assert [v for v in range(8) if lease_admits(Mode.ASYNC, 4, 5, v, held=1)] == [5]  # 1: past the bound
-    assert [v for v in range(8) if lease_admits(Mode.SEQUENTIAL, 4, 5, v, held=3)] == [5]
+def test_a_lease_fixes_one_version(mode, current, held, failed, bound):
+    assert lease_version(mode, 4, current, held, failed) == bound
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.integers(0, 10**4), st.integers(0, 10**4), st.integers(1, 50))
-def test_lease_admits_exactly_what_the_node_gate_lets_a_node_start_with(lease, version, s):
-    """A node that obeys `must_update` against the lease's version holds an admitted version."""
-    may_start = version <= lease and not must_update(version, lease, s)
-    assert lease_admits(Mode.ASYNC, s, lease, version) is may_start
+@given(st.integers(0, 10**4), st.integers(0, 10**4), st.integers(1, 50), st.booleans())
+def test_an_async_lease_is_of_a_version_the_node_gate_lets_it_start_with(current, held, s, failed):
+    """Whatever the node says, its lease is of a version the trainer admits, one it holds (or the
+    trainer's, which it then fetches), and its own older one only when it says its update failed."""
+    bound = lease_version(Mode.ASYNC, s, current, held, failed)
+    if bound is None:
+        assert held < current and (not failed or must_update(held, current, s))
+    else:
+        assert bound in (held, current) and not must_update(bound, current, s)
+        assert bound == current or failed
 
 
 @pytest.mark.parametrize(("node", "latest", "s"), [(0, 0, 0), (0, 0, -1), (-1, 0, 1), (0, 0, True)])
@@ -616,11 +617,11 @@ def test_returned_seeds_go_to_proven_keys_first_and_lapses_are_counted_until_a_k
 def test_a_book_saved_before_leases_carried_their_issue_time_restores():
     state = {"ttl": 60.0, "prefix": "x-", "next_id": 1, "pending": [], "outstanding": [["x-0", "a", [1], 0, 100.0]]}
     (lease,) = LeaseBook.from_dict(state).outstanding
-    assert lease.issued_at == 40.0 and lease.held is None
+    assert lease.issued_at == 40.0
     book = LeaseBook(60.0)
     book.add_seeds([1])
-    held = book.issue("a", 1, 5, now=0.0, held=3)
-    assert LeaseBook.from_dict(json.loads(json.dumps(book.to_dict()))).outstanding == (held,) and held.held == 3
+    issued = book.issue("a", 1, 5, now=0.0)
+    assert LeaseBook.from_dict(json.loads(json.dumps(book.to_dict()))).outstanding == (issued,)
     with pytest.raises(InvalidValue):
         LeaseBook.from_dict({**state, "outstanding": [["x-0", "a"]]})
 

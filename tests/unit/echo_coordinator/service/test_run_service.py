@@ -293,13 +293,31 @@ def test_a_flood_of_fresh_keys_holds_at_most_max_ahead_seeds_in_async_mode(async
     assert isinstance(svc.handle_lease(lease_request(honest), now=NOW), TaskLease)
 
 
+def test_an_async_lease_fixes_one_version_for_a_node_behind(tmp_path, made):
+    """A node behind is sent to update first; once it says its update failed, it gets a lease of
+    its own version (within S), and only that version is accepted for it, not the newest: it
+    cannot sample under both and push the better."""
+    svc = make_service(Ledger(tmp_path / "ledger.sqlite"), LeaseSettings(lease_seconds=60, seeds_per_lease=1,
+                                                                         first_seed=100), mode="async", staleness=2)
+    made.append(svc)
+    node = generate_key()
+    advance(svc, 1)
+    assert isinstance(svc.handle_lease(lease_request(node, version=0), now=NOW), NoWork)  # update first
+    lease = svc.handle_lease(lease_request(node, version=0, update_failed=True), now=NOW)
+    assert isinstance(lease, TaskLease) and lease.version == 0
+    with pytest.raises(Refused) as e:
+        push(svc, answer_batch(svc, node, lease, version=1), "QmNode", now=NOW)
+    assert e.value.code == "future"  # newer than its lease's
+    assert svc.handle_lease(lease_request(node, version=1), now=NOW).version == 1
+
+
 def test_async_leases_never_run_dry_and_stale_groups_are_dropped_not_credited(async_service):
     svc, fast, slow = async_service, generate_key(), generate_key()
     leases = [svc.handle_lease(lease_request(fast, name="fast"), now=NOW) for _ in range(2)]
     push(svc, answer_batch(svc, fast, leases[0]), "QmFast", now=NOW)  # version 0, buffered
     leases.append(svc.handle_lease(lease_request(fast, name="fast"), now=NOW))
     advance(svc, 1)
-    slow_lease = svc.handle_lease(lease_request(slow, name="slow"), now=NOW)  # at version 1
+    slow_lease = svc.handle_lease(lease_request(slow, name="slow", version=1), now=NOW)  # at version 1
     assert [x.seeds for x in [*leases, slow_lease]] == [(100,), (101,), (102,), (103,)]  # fresh seeds on demand
     push(svc, answer_batch(svc, slow, slow_lease), "QmSlow", now=NOW)  # generated with v1
     advance(svc, 2)
@@ -346,7 +364,7 @@ def test_a_restart_keeps_the_gate_the_buffer_and_the_leases(async_service, tmp_p
     svc, node = async_service, generate_key()
     advance(svc, 1)
     advance(svc, 2)
-    leases = [svc.handle_lease(lease_request(node), now=NOW) for _ in range(2)]
+    leases = [svc.handle_lease(lease_request(node, version=2), now=NOW) for _ in range(2)]
     first = answer_batch(svc, node, leases[0])
     push(svc, first, "QmNode", now=NOW)  # acknowledged, buffered: never trained on before the crash
     svc.ledger.close()
@@ -359,7 +377,7 @@ def test_a_restart_keeps_the_gate_the_buffer_and_the_leases(async_service, tmp_p
     assert again.gate.offer(first.node_id, "new-lease", 0).value == "stale"  # ... and the bound holds
     # The lease the node held at the crash is still its own: what it generated is accepted.
     assert push(again, answer_batch(again, node, leases[1]), "QmNode", now=NOW + 1).accepted == GROUP
-    fresh = again.handle_lease(lease_request(node), now=NOW + 1)
+    fresh = again.handle_lease(lease_request(node, version=2), now=NOW + 1)
     assert fresh.lease_id not in {x.lease_id for x in leases} and fresh.seeds[0] not in leases[0].seeds + leases[1].seeds
     batch = again.take_batch()
     assert [s.group for s in batch.samples] == [leases[0].seeds[0]] * GROUP + [leases[1].seeds[0]] * GROUP
