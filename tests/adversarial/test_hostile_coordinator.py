@@ -5,6 +5,7 @@ coordinator chose."""
 
 import asyncio
 import os
+import time
 
 from protocols.messages import TaskSpec
 from tests.support.hostile_coordinator import HostileCoordinator
@@ -51,3 +52,26 @@ def test_a_coordinator_cannot_make_a_node_import_or_read_what_it_names(tmp_path)
     finally:
         del os.environ["ECHO_EVIL_MARKER"]
     assert not marker.exists()
+
+
+def test_prompt_ids_past_the_vocabulary_are_refused_and_the_node_goes_on(tmp_path, tiny_model):
+    """llama.cpp would read past its embedding table: the node refuses each such lease before
+    the model sees it, keeps asking, and leaves when the run ends."""
+    from protocols.messages import NoWork, TaskLease
+    from protocols.signing import sha256_file
+
+    def lease(request):
+        if len(coordinator.requests) > 3:
+            return NoWork(latest_version=0, retry_after=0.0, finished=True)
+        return TaskLease(lease_id=f"L{len(coordinator.requests)}", run_id="hostile", node_id=request.node_id,
+                         seeds=(1,), prompts=((1, 2, 10**6),), version=0, expires_at=time.time() + 60)
+
+    coordinator = HostileCoordinator(base_sha256=sha256_file(tiny_model), lease=lease)
+
+    async def go():
+        async with coordinator:
+            return await coordinator.join(tmp_path / "node", "--model", str(tiny_model), "--verbose", timeout=120)
+
+    code, out = asyncio.run(go())
+    assert code == 0 and "the run is finished" in out, out
+    assert out.count("outside this model's") == 3 and len(coordinator.requests) == 4, out

@@ -1,16 +1,17 @@
 """A coordinator that signs whatever it likes: a real DHT peer and streams on 127.0.0.1 serving a
-run manifest and a base-model list of the test's choosing, signed by its own run key. What a
-volunteer who pasted a malicious join line is up against; the tests run a real node against it."""
+run manifest, a base-model list and leases of the test's choosing, signed by its own run key. What
+a volunteer who pasted a malicious join line is up against; the tests run a real node against it."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from protocols import rpc
-from protocols.messages import ModelFile, RunManifest, TaskSpec, TurnFormat
+from protocols.messages import LeaseRequest, ModelFile, NoWork, RunManifest, TaskLease, TaskSpec, TurnFormat
 from protocols.signing import fingerprint, generate_key, public_bytes, sha256_hex, sign_message
 from protocols.transport.dht import SwarmDHT
 
@@ -20,9 +21,11 @@ VENV_BIN = Path(sys.executable).parent
 class HostileCoordinator:
     """`async with HostileCoordinator(task=..., size=...) as c:` then `await c.join(tmp_path, ...)`."""
 
-    def __init__(self, task: TaskSpec = TaskSpec("arithmetic"), size: int = 10_000, base_sha256: str = "ab" * 32):
+    def __init__(self, task: TaskSpec = TaskSpec("arithmetic"), size: int = 10_000, base_sha256: str = "ab" * 32,
+                 lease: Callable[[LeaseRequest], TaskLease | NoWork] | None = None):
         self.key = generate_key()
-        self.task, self.size, self.base_sha256 = task, size, base_sha256
+        self.task, self.size, self.base_sha256, self.lease = task, size, base_sha256, lease
+        self.requests: list[LeaseRequest] = []
 
     async def __aenter__(self) -> HostileCoordinator:
         self.dht = SwarmDHT.start("127.0.0.1", 0, [])
@@ -45,6 +48,13 @@ class HostileCoordinator:
 
         await endpoint.serve(rpc.MANIFEST, lambda request, peer: answer("manifest", manifest.to_wire()))
         await endpoint.serve(rpc.BASE, lambda request, peer: answer("base", listed.to_wire()))
+
+        async def lease(request: bytes, peer: str):
+            self.requests.append(LeaseRequest.from_wire(request))
+            yield self.lease(self.requests[-1]).to_wire()
+
+        if self.lease is not None:
+            await endpoint.serve(rpc.LEASE, lease)
         return self
 
     async def __aexit__(self, *exc) -> None:
