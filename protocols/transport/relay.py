@@ -84,30 +84,30 @@ class Relay:
         return UpdateIndex(self.latest_version, infos)
 
     def chunk(self, digest: str, peer: str = "", now: float | None = None) -> bytes | None:
-        data = self._chunk(digest, peer, now)
-        if data is not None and self.quota is not None and not self.quota.take(
-                len(data), time.monotonic() if now is None else now):
-            raise Busy("this node's upload budget is spent for now; fetch from others")
+        data = self._chunk(digest, peer, time.monotonic() if now is None else now)
         if data is not None:
             self.bytes_served += len(data)
         return data
 
-    def _chunk(self, digest: str, peer: str, now: float | None) -> bytes | None:
+    def _spend(self, length: int, now: float) -> None:
+        """Take `length` bytes from this node's upload quota, before a byte is read."""
+        if self.quota is not None and not self.quota.take(length, now):
+            raise Busy("this node's upload budget is spent for now; fetch from others")
+
+    def _chunk(self, digest: str, peer: str, now: float) -> bytes | None:
         for key, (update, store) in self.updates.items():
             if digest in store:
                 data = store[digest]
-                if self.budget is not None and not self.budget.allow(
-                    key, peer, time.monotonic() if now is None else now, self.peers_holding(key[1])
-                ):
+                if self.budget is not None and not self.budget.allow(key, peer, now, self.peers_holding(key[1])):
                     raise Busy(f"sent its share of update {key[0]}->{key[1]}; fetch from peers holding it")
+                self._spend(len(data), now)
                 return data
         if digest in self._base_spans:
             # Every node that holds any version holds the base: count them as holders of version 0.
-            if self.budget is not None and not self.budget.allow(
-                BASE_KEY, peer, time.monotonic() if now is None else now, self.peers_holding(0)
-            ):
+            if self.budget is not None and not self.budget.allow(BASE_KEY, peer, now, self.peers_holding(0)):
                 raise Busy("sent its share of the base model; fetch from peers holding it")
             offset, length = self._base_spans[digest]
+            self._spend(length, now)
             with self.base[1].open("rb") as f:  # a page-cache read, ~1 ms for 4 MiB
                 f.seek(offset)
                 data = f.read(length)

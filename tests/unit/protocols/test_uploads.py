@@ -60,6 +60,7 @@ def test_a_relay_past_its_quota_answers_busy(tmp_path):
     relay = Relay(quota=ByteQuota(rate=1.0, burst=len(data), per_hour=10 * len(data)))
     relay.serve_file(listed, path)
     assert relay.chunk(listed.chunks[0], "QmA", now=0.0) == data
+    path.unlink()  # past the budget the file is not even read
     with pytest.raises(Busy, match="upload budget"):
         relay.chunk(listed.chunks[0], "QmFresh", now=1.0)  # another peer id changes nothing
     assert relay.bytes_served == len(data)
