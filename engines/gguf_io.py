@@ -2,8 +2,10 @@
 (the coordinator converts HF checkpoints; full-parameter mode re-exports master weights; tests
 build tiny ones), and requantizing them with llama.cpp's own quantizer.
 
-Three dense architectures: Llama, Qwen2 (q/k/v biases) and Qwen3 (q/k RMS norms, explicit head
-size). HF names map to GGUF names through the `gguf` package's table for each architecture.
+Three dense architectures, Llama, Qwen2 (q/k/v biases) and Qwen3 (q/k RMS norms, explicit head
+size), and Qwen3's mixture of experts (`qwen3moe`: a router per layer, experts stored as one 3-D
+tensor per projection). HF names map to GGUF names through the `gguf` package's table for each
+architecture.
 The one subtle part is RoPE layout: HF Llama checkpoints use the rotate-half layout, llama.cpp's
 `llama` architecture the interleaved one, so convert_hf_to_gguf.py permutes the rows of q_proj and
 k_proj, and a LoRA update B @ A of those matrices must be permuted the same way (a row
@@ -30,18 +32,24 @@ from engines.hf import is_tied_head
 
 @dataclass(frozen=True)
 class Arch:
-    name: str  # HF `model_type` and GGUF `general.architecture`
+    name: str  # GGUF `general.architecture`
     hf_class: str  # HF `architectures[0]`
     gguf_arch: gguf.MODEL_ARCH
     permute_qk: bool  # HF rotate-half rows -> llama.cpp interleaved rows (Llama only)
+    model_type: str = ""  # HF `model_type`, where it is not `name`
+
+    @property
+    def hf_type(self) -> str:
+        return self.model_type or self.name
 
 
-ARCHS = {
-    "llama": Arch("llama", "LlamaForCausalLM", gguf.MODEL_ARCH.LLAMA, permute_qk=True),
-    "qwen2": Arch("qwen2", "Qwen2ForCausalLM", gguf.MODEL_ARCH.QWEN2, permute_qk=False),
-    "qwen3": Arch("qwen3", "Qwen3ForCausalLM", gguf.MODEL_ARCH.QWEN3, permute_qk=False),
-}
-SUPPORTED = ", ".join(f"{a.hf_class} ({a.name})" for a in ARCHS.values())
+ARCHS = {a.hf_type: a for a in (
+    Arch("llama", "LlamaForCausalLM", gguf.MODEL_ARCH.LLAMA, permute_qk=True),
+    Arch("qwen2", "Qwen2ForCausalLM", gguf.MODEL_ARCH.QWEN2, permute_qk=False),
+    Arch("qwen3", "Qwen3ForCausalLM", gguf.MODEL_ARCH.QWEN3, permute_qk=False),
+    Arch("qwen3moe", "Qwen3MoeForCausalLM", gguf.MODEL_ARCH.QWEN3MOE, permute_qk=False, model_type="qwen3_moe"),
+)}
+SUPPORTED = ", ".join(f"{a.hf_class} ({a.hf_type})" for a in ARCHS.values())
 
 # llama.cpp file types (`general.file_type`, the quantizer's target): the node quants a run offers.
 FILE_TYPES = {"f32": 0, "f16": 1, "q4_1": 3, "q8_0": 7, "q4_k_m": 15}
@@ -52,9 +60,11 @@ class UnsupportedModel(ValueError):
 
 
 def arch_of(name: str) -> Arch:
-    if name not in ARCHS:
-        raise UnsupportedModel(f"architecture {name!r} is not supported; supported: {SUPPORTED}")
-    return ARCHS[name]
+    """The architecture an HF `model_type` or a GGUF `general.architecture` names."""
+    for arch in ARCHS.values():
+        if name in (arch.hf_type, arch.name):
+            return arch
+    raise UnsupportedModel(f"architecture {name!r} is not supported; supported: {SUPPORTED}")
 
 
 @dataclass(frozen=True)
@@ -65,13 +75,17 @@ class Layout:
     n_layers: int
     n_head: int
     n_head_kv: int
+    n_embd: int = 0
+    n_expert: int = 0  # mixture of experts: experts per layer, and each one's hidden width
+    n_ff_exp: int = 0
 
     @classmethod
     def of_metadata(cls, meta: dict[str, str]) -> Layout:
         arch = arch_of(meta.get("general.architecture", "")).name
         n_head = int(meta[f"{arch}.attention.head_count"])
         return cls(arch, int(meta[f"{arch}.block_count"]), n_head,
-                   int(meta.get(f"{arch}.attention.head_count_kv", n_head)))
+                   int(meta.get(f"{arch}.attention.head_count_kv", n_head)), int(meta.get(f"{arch}.embedding_length", 0)),
+                   int(meta.get(f"{arch}.expert_count", 0)), int(meta.get(f"{arch}.expert_feed_forward_length", 0)))
 
 
 def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -119,21 +133,49 @@ def lora_pairs(adapter: dict[str, np.ndarray]) -> dict[str, tuple[np.ndarray, np
 def write_lora_adapter(adapter: dict[str, np.ndarray], alpha: float, path: Path, layout: Layout) -> None:
     """Write a llama.cpp LoRA adapter (as convert_lora_to_gguf.py does): `blk.N.attn_q.weight.lora_a`
     holds A as (r, in), `.lora_b` holds B as (out, r); llama.cpp scales by alpha / r. llama.cpp
-    refuses an adapter whose architecture is not its model's."""
+    refuses an adapter whose architecture is not its model's. Experts: `_expert_lora`."""
     arch = arch_of(layout.arch)
     tmap = gguf.get_tensor_name_map(arch.gguf_arch, layout.n_layers)
     writer = gguf.GGUFWriter(str(path), arch=arch.name)
     writer.add_type(gguf.GGUFType.ADAPTER)
     writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
     writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(alpha))
-    for hf_name, (a, b) in sorted(lora_pairs(adapter).items()):
-        heads = _rope_heads(arch, hf_name, layout.n_head, layout.n_head_kv)
-        if heads is not None:
-            b = permute_qk(b, heads)
-        name = _gguf_name(tmap, hf_name)
-        writer.add_tensor(name + ".lora_a", np.ascontiguousarray(a, dtype=np.float32))
-        writer.add_tensor(name + ".lora_b", np.ascontiguousarray(b, dtype=np.float32))
+    pairs = lora_pairs(adapter)
+    rank = min((a.shape[0] for k, (a, _) in pairs.items() if ".mlp.experts." not in k), default=0)
+    for hf_name, (a, b) in sorted(pairs.items()):
+        if ".mlp.experts." in hf_name:
+            tensors = _expert_lora(tmap, hf_name, a, b, rank, layout)
+        else:
+            heads = _rope_heads(arch, hf_name, layout.n_head, layout.n_head_kv)
+            tensors = [(_gguf_name(tmap, hf_name), a, permute_qk(b, heads) if heads is not None else b)]
+        for name, a, b in tensors:
+            writer.add_tensor(name + ".lora_a", np.ascontiguousarray(a, dtype=np.float32))
+            writer.add_tensor(name + ".lora_b", np.ascontiguousarray(b, dtype=np.float32))
     _finish(writer)
+
+
+def _expert_lora(tmap: gguf.TensorNameMap, hf_name: str, a: np.ndarray, b: np.ndarray, rank: int,
+                 layout: Layout) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    """peft's LoRA of one layer's fused experts (transformers 5 keeps them as `gate_up_proj`
+    (E, 2I, H) and `down_proj` (E, H, I); peft names the two `mlp.experts(.base_layer)`, in no fixed
+    order) as llama.cpp's 3-D LoRA of each `ffn_*_exps`: A (E*r, in) -> (E, r, in), B (out, r*E) ->
+    (E, out, r). Which one it is shows in the shapes: gate_up reads H and writes 2I, down the
+    reverse. peft gives gate_up rank 2r with alpha 2*alpha, the same alpha / r scale as the rest,
+    where llama.cpp scales every tensor by alpha / (its own rank): B is scaled to make up for it."""
+    experts = layout.n_expert
+    if not (experts and rank and a.shape[0] % experts == 0 and b.shape[1] == a.shape[0]):
+        raise UnsupportedModel(f"LoRA tensors {hf_name!r} of shapes {a.shape}, {b.shape} are not a layout's experts")
+    r = a.shape[0] // experts
+    a3 = a.reshape(experts, r, a.shape[1])
+    b3 = b.reshape(b.shape[0], r, experts).transpose(2, 0, 1) * np.float32(r / rank)
+    layer = hf_name.split(".mlp.experts.")[0] + ".mlp.experts."
+    if a.shape[1] == layout.n_embd and b.shape[0] == 2 * layout.n_ff_exp:
+        gate, up = np.split(b3, 2, axis=1)
+        return [(_gguf_name(tmap, layer + "gate_proj") + ".weight", a3, gate),
+                (_gguf_name(tmap, layer + "up_proj") + ".weight", a3, up)]
+    if a.shape[1] == layout.n_ff_exp and b.shape[0] == layout.n_embd:
+        return [(_gguf_name(tmap, layer + "down_proj") + ".weight", a3, b3)]
+    raise UnsupportedModel(f"LoRA tensors {hf_name!r} of shapes {a.shape}, {b.shape} fit neither expert projection")
 
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -230,6 +272,16 @@ def add_hparams(writer: gguf.GGUFWriter, config: Any) -> None:
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_dimension_count(head_dim)
     writer.add_vocab_size(config.vocab_size)
+    if getattr(config, "num_experts", 0):
+        # llama.cpp's qwen3moe renormalises the top-k routing weights and has experts in every layer.
+        if not getattr(config, "norm_topk_prob", True):
+            raise UnsupportedModel("a mixture of experts with norm_topk_prob = false is not supported")
+        if getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) != 1:
+            raise UnsupportedModel("a mixture of experts with dense layers (mlp_only_layers, decoder_sparse_step) "
+                                   "is not supported")
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
 
 
 def write_model(config: Any, tensors: dict[str, np.ndarray], path: Path, tokenizer: Path | Any,
@@ -250,11 +302,23 @@ def write_model(config: Any, tensors: dict[str, np.ndarray], path: Path, tokeniz
     for hf_name, value in tensors.items():
         if is_tied_head(config, hf_name):
             continue  # llama.cpp reuses token_embd when output.weight is absent
-        heads = _rope_heads(arch, hf_name, config.num_attention_heads, config.num_key_value_heads)
-        if heads is not None:
-            value = permute_qk(value, heads)
-        writer.add_tensor(_gguf_name(tmap, hf_name), np.ascontiguousarray(value, dtype=np.float32))
+        for name, value in _model_tensors(arch, tmap, config, hf_name, value):
+            writer.add_tensor(name, np.ascontiguousarray(value, dtype=np.float32))
     _finish(writer)
+
+
+def _model_tensors(arch: Arch, tmap: gguf.TensorNameMap, config: Any, hf_name: str, value: np.ndarray):
+    """The GGUF tensors of one HF tensor: itself, renamed (q/k rows permuted for Llama), or for
+    fused experts llama.cpp's `ffn_*_exps` (the table names them without `.weight`)."""
+    if hf_name.endswith(".mlp.experts.gate_up_proj"):  # (E, 2I, H): the gate's rows, then the up's
+        layer = hf_name.removesuffix("gate_up_proj")
+        gate, up = np.split(value, 2, axis=1)
+        return [(_gguf_name(tmap, layer + "gate_proj") + ".weight", gate),
+                (_gguf_name(tmap, layer + "up_proj") + ".weight", up)]
+    if hf_name.endswith(".mlp.experts.down_proj"):
+        return [(_gguf_name(tmap, hf_name) + ".weight", value)]
+    heads = _rope_heads(arch, hf_name, config.num_attention_heads, config.num_key_value_heads)
+    return [(_gguf_name(tmap, hf_name), permute_qk(value, heads) if heads is not None else value)]
 
 
 def quantize(source: Path, out: Path, quant: str) -> Path:

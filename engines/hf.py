@@ -60,7 +60,8 @@ def gguf_checkpoint(path: Path) -> Path:
     makers (two nodes starting) each build in a scratch directory; the first rename wins and the
     others use its result.
     transformers' GGUF reader ignores an explicit head size (`{arch}.attention.key_length`:
-    Qwen3's differs from hidden / heads), so the config gets it here."""
+    Qwen3's differs from hidden / heads) and a mixture of experts' expert width, so the config
+    gets them here."""
     import torch
     from safetensors.torch import save_model
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -76,9 +77,13 @@ def gguf_checkpoint(path: Path) -> Path:
         with _one_gguf_parse():
             config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
             fields = gguf.GGUFReader(str(path)).fields
-            key_length = fields.get(f"{fields['general.architecture'].contents()}.attention.key_length")
+            arch = fields["general.architecture"].contents()
+            key_length = fields.get(f"{arch}.attention.key_length")
             if key_length is not None:
                 config.head_dim = int(key_length.contents())
+            expert_width = fields.get(f"{arch}.expert_feed_forward_length")
+            if expert_width is not None:
+                config.moe_intermediate_size = int(expert_width.contents())
             model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config,
                                                          dtype=torch.float32)
             tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

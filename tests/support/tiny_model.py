@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config
-from transformers import Qwen3ForCausalLM
+from transformers import Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from engines.gguf_io import write_model
 
@@ -23,7 +23,11 @@ ARCHITECTURES = {
     "llama": (LlamaConfig, LlamaForCausalLM, {}),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),  # q/k/v biases
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(head_dim=32)),  # q/k norms; head size != hidden / heads
+    # A mixture of experts: 4 experts of width 32 in every layer, the top 2 of each token mixed.
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(head_dim=32, num_experts=4, num_experts_per_tok=2,
+                                                            moe_intermediate_size=32, norm_topk_prob=True)),
 }
+ROUTER_SCALE = 3.0  # tiny random routers have near ties that quantization flips; trained ones fewer
 
 
 def smollm2_gguf() -> Path:
@@ -45,6 +49,11 @@ def tiny_model(arch: str = "llama", seed: int = 0, init_std: float = 0.02, **sha
             for name, p in model.named_parameters():
                 if name.endswith("bias"):
                     p.normal_(0, init_std)
+    if arch == "qwen3_moe":
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("mlp.gate.weight"):
+                    p.mul_(ROUTER_SCALE)
     return model
 
 
