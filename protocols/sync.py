@@ -144,10 +144,13 @@ class LeaseBook:
         return len(self._pending)
 
     def leasable(self, now: float, proven: bool) -> int:
-        """Pending seeds a key may be leased now: an unproven key not those returned lately (`issue`)."""
-        if proven:
-            return len(self._pending)
-        return sum(1 for s in self._pending if now - self._returned.get(s, -math.inf) >= self.hold)
+        """Pending seeds a key may be leased now (`issue`)."""
+        held_back = set() if proven else self._held_back(now)
+        return sum(1 for s in self._pending if s not in held_back)
+
+    def _held_back(self, now: float) -> set[int]:
+        """Seeds returned less than `hold` seconds ago: for proven keys only."""
+        return {s for s, at in self._returned.items() if now - at < self.hold}
 
     @property
     def pending_seeds(self) -> tuple[int, ...]:
@@ -184,7 +187,7 @@ class LeaseBook:
             raise InvalidValue(f"lease count must be an int >= 1, got {count!r}")
         _check_version("version", version)
         self.expire(now)
-        reserved = set() if proven else {s for s, at in self._returned.items() if now - at < self.hold}  # see `leasable`
+        reserved = set() if proven else self._held_back(now)
         seeds = tuple([s for s in self._pending if s not in reserved][:count])
         if not seeds:
             return None
