@@ -20,8 +20,9 @@ decodes a lease's samples together, so `q4_1@1` is one sequence at a time.
 Samples are judged a lease at a time (`--lease-seeds` prompts of G samples, as the demo leases),
 because the rule has per-batch parts.
 
-Prints, per node kind, the distribution of the largest margin and of the logprob error per sample
-and the false rejections under the shipped rule; per cheat, the share of cheated samples rejected;
+Prints, per node kind, the distribution of the largest margin and of the logprob error per sample,
+the share of tokens whose logprob error is large (past `LARGE_LOGPROB_ERROR`; `--large-error X`
+counts past X instead) overall and in the worst lease, and the false rejections under the shipped rule; per cheat, the share of cheated samples rejected;
 the verification cost beside the training step; and a final JSON line.
 """
 
@@ -159,6 +160,17 @@ def cheats(trainer, node, lease: str, honest: list[RolloutSample], task, tempera
     out["one sample copied G times"] = [honest[i - i % group] for i in range(len(honest))]
     out["logprobs shaded down 0.3"] = [dataclasses.replace(s, logprobs=tuple(x - 0.3 for x in s.logprobs))
                                        for s in honest]
+    # Concentrated: every 40th token of the batch shaded just under the per-token limit, so the
+    # pooled mean stays near an honest one while those tokens train at the TIS cap.
+    count = 0
+    concentrated = []
+    for s in honest:
+        shaded = []
+        for x in s.logprobs:
+            count += 1
+            shaded.append(x - 2.4 if count % 40 == 0 else x)
+        concentrated.append(dataclasses.replace(s, logprobs=tuple(shaded)))
+    out["2.5 % of tokens shaded down 2.4"] = concentrated
     for factor in (0.5, 2.0):
         out[f"honest sampling at T x {factor}"] = sample_lease(node, lease, prompts, group, temperature * factor)
     out["another sampler (top-k 40, top-p 0.95)"] = other_sampler(node, honest, temperature, adapter)
@@ -220,7 +232,7 @@ def summarize(records: list[dict], lease_size: int, rule: SamplingRule) -> dict:
     for r in records:
         by_kind.setdefault(r["kind"], []).append(r)
     print(f"\n{'honest node':<14}{'samples':>8}{'tokens':>8}{'flip %':>8}  max margin p50/p99/p99.9/max"
-          f"        logprob err mean p50/p99/p99.9/max   rejected")
+          f"        logprob err mean p50/p99/p99.9/max   large errors %  worst lease  rejected")
     false_rejections, detection = {}, {}
     cheat_rows = []
     for kind, rows in by_kind.items():
@@ -229,7 +241,8 @@ def summarize(records: list[dict], lease_size: int, rule: SamplingRule) -> dict:
             changed = [r["changed"] for r in rows]
             # A lease of cheated samples (the unchanged originals of a copied group stay in it).
             judged = verdicts(evidence, lease_size, rule)
-            tokens_only = verdicts([dataclasses.replace(e, max_logprob_error=0.0, mean_logprob_error=0.0)
+            tokens_only = verdicts([dataclasses.replace(e, max_logprob_error=0.0, mean_logprob_error=0.0,
+                                                        large_errors=0)
                                     for e in evidence], lease_size, rule)
             n = sum(changed)
             rate = sum(v is not None for v, c in zip(judged, changed) if c) / max(n, 1)
@@ -241,9 +254,13 @@ def summarize(records: list[dict], lease_size: int, rule: SamplingRule) -> dict:
         flips = sum(e.flips for e in evidence)
         size = rows[0].get("lease_size", lease_size)  # a node's lease fills its batch
         false_rejections[kind] = sum(v is not None for v in verdicts(evidence, size, rule))
+        large = sum(e.large_errors for e in evidence)
+        per_lease = max(sum(e.large_errors for e in evidence[a : a + size]) / sum(e.tokens for e in evidence[a : a + size])
+                        for a in range(0, len(evidence), size))
         print(f"{kind:<14}{len(rows):>8}{tokens:>8}{100 * flips / max(tokens, 1):>7.2f}%  "
               f"{quantiles([e.max_margin for e in evidence]):<34}"
-              f"{quantiles([e.mean_logprob_error for e in evidence]):<38}{false_rejections[kind]}")
+              f"{quantiles([e.mean_logprob_error for e in evidence]):<38}"
+              f"{100 * large / max(tokens, 1):>6.3f} %  {100 * per_lease:>8.2f} %   {false_rejections[kind]}")
     print(f"\n{'cheat':<45}{'samples':>8}{'rejected':>10}{'by tokens':>11}")
     for name, n, rate, by_tokens in cheat_rows:
         print(f"{name:<45}{n:>8}{100 * rate:>9.1f}%{100 * by_tokens:>10.1f}%")
@@ -271,7 +288,13 @@ def main() -> None:
                         help="the run's GGUF (default: the shipped Q4_1); node kind 'file' runs it")
     parser.add_argument("--evidence", type=Path, default=None, help="write every sample's evidence here (JSONL)")
     parser.add_argument("--summarize", type=Path, default=None, help="only re-judge the evidence in this file")
+    parser.add_argument("--large-error", type=float, default=None,
+                        help="count logprob errors past this as large (`large_errors`), to calibrate the threshold")
     args = parser.parse_args()
+    if args.large_error is not None:
+        import protocols.sampling
+
+        protocols.sampling.LARGE_LOGPROB_ERROR = args.large_error
     rule, lease_size = SamplingRule(), args.lease_seeds * args.group
     if args.summarize:
         records = [json.loads(line) for line in args.summarize.read_text().splitlines()]

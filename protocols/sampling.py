@@ -29,6 +29,12 @@ import numpy as np
 
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 OUTLIER_FLIPS = 0.25  # a lone outlier (`judge`) with more of its tokens flipped than this share is written
+# A logprob error past this is a "large" one (`SampleEvidence.large_errors`): shading a token's
+# logprob by more raises its TIS weight past e^0.5 = 1.65x, so a batch may hold only a few
+# (`SamplingRule.max_large_error_fraction`). At 0.25 honest nodes made 1.3-2.7 % of their tokens
+# large, too many to tell a shaded handful from (docs/verification.md).
+LARGE_LOGPROB_ERROR = 0.5
+LARGE_ERRORS_FREE = 3  # large errors any batch may hold besides its share: small leases'
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 _S30, _S27, _S31, _S11 = np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(11)
 
@@ -118,13 +124,17 @@ class SamplingRule:
     # Per token: about twice the p99.9 honest Q4_1, Q8_0 and transformers nodes showed against the
     # fp32 trainer (SmolLM2-135M, T = 1; docs/verification.md), the rare larger one a lone
     # outlier (`OutlierBudget`); per batch: about twice the honest rates. Well below every cheat's.
+    # Large logprob errors: honest nodes made 0.04-0.12 % of tokens large, at most 0.45 % of a
+    # lease's; LARGE_ERRORS_FREE + 1 % leaves an honest 16-sample lease 5e-7 odds of a refusal.
     max_margin: float = 1.5
     max_logprob_error: float = 2.5
     max_flip_fraction: float = 0.10
     mean_logprob_error: float = 0.12
+    max_large_error_fraction: float = 0.01
 
     def __post_init__(self):
-        for name in ("max_margin", "max_logprob_error", "max_flip_fraction", "mean_logprob_error"):
+        for name in ("max_margin", "max_logprob_error", "max_flip_fraction", "mean_logprob_error",
+                     "max_large_error_fraction"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and np.isfinite(value) and value > 0):
                 raise ValueError(f"sampling rule {name} must be a positive number, got {value!r}")
@@ -139,6 +149,7 @@ class SampleEvidence:
     flips: int  # tokens with a non-zero margin
     max_logprob_error: float
     mean_logprob_error: float
+    large_errors: int = 0  # tokens whose logprob error is past LARGE_LOGPROB_ERROR
 
     @classmethod
     def of(cls, margins: np.ndarray, trainer_logprobs: np.ndarray, behaviour: np.ndarray) -> SampleEvidence:
@@ -148,12 +159,15 @@ class SampleEvidence:
         error = np.abs(np.asarray(behaviour, np.float64) - np.asarray(trainer_logprobs, np.float64))
         return cls(tokens=len(m), max_margin=float(m.max(initial=0.0)), flips=int((m > 0).sum()),
                    max_logprob_error=float(error.max(initial=0.0)),
-                   mean_logprob_error=float(error.mean()) if len(m) else 0.0)
+                   mean_logprob_error=float(error.mean()) if len(m) else 0.0,
+                   large_errors=int((error > LARGE_LOGPROB_ERROR).sum()))
 
 
 def judge(batch: list[SampleEvidence], rule: SamplingRule) -> str | None:
     """None for a batch an honest node could have produced, else the reason code.
 
+    A batch whose tokens' logprob errors are small on average but with more than a few past
+    LARGE_LOGPROB_ERROR is shading chosen tokens: `bad_logprobs`, as a shaded mean is.
     A sample with a token past `max_margin` or `max_logprob_error` is an *outlier*. Honest nodes
     make one in about 5,000 samples (an activation outlier that llama.cpp's 8-bit activation blocks
     round badly, docs/verification.md), never two in one batch, and never with more than a quarter
@@ -171,6 +185,9 @@ def judge(batch: list[SampleEvidence], rule: SamplingRule) -> str | None:
     if len(outliers) > 1 or any(e.flips > 1 + OUTLIER_FLIPS * e.tokens for e in outliers):
         return "bad_sampling" if any(e.max_margin > rule.max_margin for e in outliers) else "bad_logprobs"
     if mean_error > rule.mean_logprob_error:
+        return "bad_logprobs"
+    # The mean alone lets a few tokens be shaded far, each to the TIS cap (docs/verification.md).
+    if sum(e.large_errors for e in batch) > LARGE_ERRORS_FREE + rule.max_large_error_fraction * tokens:
         return "bad_logprobs"
     return "outlier" if outliers else None
 

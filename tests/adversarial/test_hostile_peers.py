@@ -42,7 +42,8 @@ from tests.support.tiny_model import build_tiny_gguf
 
 T = 1.0
 TOKEN_CHEATS = ("gold answer, made-up logprobs", "gold answer, teacher-forced logprobs", "another temperature",
-                "one sample copied G times", "another model's text", "logprobs shaded down")
+                "one sample copied G times", "another model's text", "logprobs shaded down",
+                "every 8th logprob shaded far")
 # Honest tokens cut to shape: refused and struck; one written token in one sample: refused, and a
 # strike only past the key's outlier budget (protocols.sampling.OutlierBudget).
 SHAPE_CHEATS = ("honest tokens, cut short", "one sample's answer edited")
@@ -150,6 +151,13 @@ class Attacker:
             return self.honest(lease, backend=self.other)
         if name == "logprobs shaded down":
             return [dataclasses.replace(s, logprobs=tuple(x - 1.0 for x in s.logprobs)) for s in honest]
+        if name == "every 8th logprob shaded far":  # the pooled mean stays honest-looking; these train at the TIS cap
+            flat = [x - 0.6 if i % 8 == 7 else x for i, x in enumerate(x for s in honest for x in s.logprobs)]
+            out, start = [], 0
+            for s in honest:
+                out.append(dataclasses.replace(s, logprobs=tuple(flat[start : start + len(s.logprobs)])))
+                start += len(s.logprobs)
+            return out
         if name == "honest tokens, cut short":  # e.g. right after the gold number
             return [dataclasses.replace(s, completion_ids=s.completion_ids[:2], logprobs=s.logprobs[:2]) for s in honest]
         if name == "one sample's answer edited":
@@ -328,7 +336,7 @@ threads = 1
     for name in TOKEN_CHEATS:
         assert results[name] in ("bad_sampling", "bad_logprobs"), (name, results[name])
         assert results[name + " / then"] == "banned"
-    assert results["logprobs shaded down"] == "bad_logprobs"
+    assert results["logprobs shaded down"] == results["every 8th logprob shaded far"] == "bad_logprobs"
     assert (results["honest tokens, cut short"], results["honest tokens, cut short / then"]) == ("truncated", "banned")
     assert (results["one sample's answer edited"], results["one sample's answer edited / then"]) == ("outlier", "served")
     assert results["gold answer, teacher-forced logprobs"] == "bad_sampling"

@@ -48,8 +48,8 @@ def test_margins_are_zero_for_what_the_logits_sample_and_positive_otherwise():
     assert (margins(logits, noise, other) > 0).all()
 
 
-def evidence(max_margin=0.0, flips=0, tokens=20, max_err=0.01, mean_err=0.005):
-    return SampleEvidence(tokens, max_margin, flips, max_err, mean_err)
+def evidence(max_margin=0.0, flips=0, tokens=20, max_err=0.01, mean_err=0.005, large=0):
+    return SampleEvidence(tokens, max_margin, flips, max_err, mean_err, large)
 
 
 @pytest.mark.parametrize("batch, verdict", [
@@ -65,6 +65,9 @@ def evidence(max_margin=0.0, flips=0, tokens=20, max_err=0.01, mean_err=0.005):
     ([evidence(mean_err=0.3, max_err=0.4)] * 4, "bad_logprobs"),  # every logprob shaded down a little
     ([evidence(max_margin=0.4, flips=1, tokens=1)], None),  # a one-token answer may hinge on one near tie
     ([evidence(mean_err=0.3, max_err=0.4, tokens=2)] + [evidence(tokens=40)] * 3, None),  # the mean is per token
+    # Concentrated shading: a few tokens shaded far (each to the TIS cap), the mean still honest-looking.
+    ([evidence(tokens=100, max_err=2.4, mean_err=0.07, large=3)] * 4, "bad_logprobs"),
+    ([evidence(tokens=100, max_err=0.9, mean_err=0.05, large=1)] * 2 + [evidence(tokens=100)] * 2, None),  # honest: rare
 ])
 def test_judge(batch, verdict):
     assert judge(batch, SamplingRule()) == verdict
