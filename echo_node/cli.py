@@ -33,6 +33,10 @@ def join(
     parallel: Optional[int] = typer.Option(None, help="Sequences to decode at once (default: 8 with llama.cpp, "
                                                       "1.9x one at a time on a 2-core CPU; GPUs do well at 32-64). "
                                                       "The KV cache holds this many context windows."),
+    cpu_moe: bool = typer.Option(False, "--cpu-moe", help="Mixture-of-experts models: keep every expert tensor in "
+                                                           "system RAM, the rest on the GPU (a 30B-A3B model on an "
+                                                           "8 GB GPU)."),
+    n_cpu_moe: int = typer.Option(0, help="... or only the first N layers' experts."),
     host: Optional[str] = typer.Option(None, help="Listen address for peers (default: 127.0.0.1 when the "
                                                   "coordinator is on 127.0.0.1, else 0.0.0.0)."),
     verbose: bool = typer.Option(False, "--verbose", help="A line per lease and update, and INFO logs, instead of "
@@ -55,7 +59,7 @@ def join(
             address=address, run_key=run_key, model=model, name=name, data_dir=data_dir.expanduser(), threads=threads,
             backend=backend, gpu_layers=gpu_layers, parallel=parallel, host=host, verbose=verbose,
             allow_tasks=frozenset(allow_task), upload_mib_per_s=upload_mib_per_s, upload_gib_per_hour=upload_gib_per_hour,
-            max_disk_gib=max_disk,
+            max_disk_gib=max_disk, cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe,
         )
     except ConfigError as e:
         raise typer.BadParameter(str(e)) from None

@@ -32,6 +32,8 @@ class NodeConfig:
     backend: str = "llama_cpp"  # "llama_cpp" (GGUF, any machine) or "transformers" (full mode, CUDA if present)
     gpu_layers: int | None = None  # llama.cpp layers to offload; None: all when llama.cpp has a GPU backend
     parallel: int | None = None  # sequences decoded at once; None: the backend's default (llama.cpp: 8)
+    cpu_moe: bool = False  # a mixture of experts' expert tensors stay in system RAM (llama.cpp) ...
+    n_cpu_moe: int = 0  # ... or those of the first N layers
     host: str | None = None  # listen address; None: loopback for a coordinator on loopback, else every interface
     verbose: bool = False  # a line per lease and update, and INFO logs, instead of one live status line
     # Environments named as `module:Class` this node may import and run (importing runs the
@@ -58,5 +60,9 @@ class NodeConfig:
             raise ConfigError("--upload-mib-per-s and --upload-gib-per-hour must be positive")
         if self.max_disk_gib is not None and not self.max_disk_gib > 0:
             raise ConfigError(f"--max-disk must be a positive number of GiB, got {self.max_disk_gib}")
+        if self.n_cpu_moe < 0 or (self.cpu_moe and self.n_cpu_moe):
+            raise ConfigError("--n-cpu-moe must be a number of layers >= 0, and not given with --cpu-moe")
+        if (self.cpu_moe or self.n_cpu_moe) and self.backend != "llama_cpp":
+            raise ConfigError("--cpu-moe and --n-cpu-moe place llama.cpp's expert tensors: use the llama_cpp backend")
         if self.backend not in BACKENDS:
             raise ConfigError(f"--backend must be llama_cpp or transformers, got {self.backend!r}")

@@ -124,6 +124,7 @@ def _load_backend(session: Session, manifest: RunManifest, model: Path):
         from engines.llama_backend import LlamaBackend
 
         backend = LlamaBackend(model, config.threads, window, interrupt=session.stop_requested,
-                               gpu_layers=config.gpu_layers, **({"parallel": config.parallel} if config.parallel else {}))
+                               gpu_layers=config.gpu_layers, cpu_moe=config.cpu_moe, n_cpu_moe=config.n_cpu_moe,
+                               **({"parallel": config.parallel} if config.parallel else {}))
     master = backend.base_weights()[1] if manifest.update == "full" else {}
     return backend, master

@@ -16,7 +16,7 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
-from engines import llama_batch
+from engines import llama_batch, llama_overrides
 from engines.backend import Completion, Follow, Meter, Request, hardware_summary
 from engines.full_weights import export_quantized
 from engines.gguf_io import Layout
@@ -32,17 +32,21 @@ class LlamaBackend:
     name = "llama_cpp"
 
     def __init__(self, model_path: Path, threads: int = 0, n_ctx: int = 2048, interrupt: threading.Event | None = None,
-                 gpu_layers: int | None = None, parallel: int = DEFAULT_PARALLEL):
+                 gpu_layers: int | None = None, parallel: int = DEFAULT_PARALLEL, cpu_moe: bool = False,
+                 n_cpu_moe: int = 0):
         """`n_ctx`: each sequence's window, tokens. `parallel`: sequences decoded at once; the KV
         cache holds `parallel x n_ctx` tokens. `interrupt`: when set (the node stopping),
         generation stops at the next step. `gpu_layers`: layers to offload; None: all of them
-        when llama.cpp was built with a GPU backend."""
+        when llama.cpp was built with a GPU backend. `cpu_moe`: a mixture of experts' expert
+        tensors stay in system RAM; `n_cpu_moe`: those of the first N layers (`llama_overrides`)."""
         if parallel < 1:
             raise ValueError(f"parallel must be at least 1, got {parallel}")
         self.gpu = bool(llama_cpp.llama_supports_gpu_offload())
         if gpu_layers is None:
             gpu_layers = -1 if self.gpu else 0
         self.threads, self.n_ctx, self.gpu_layers, self.parallel = threads, n_ctx, gpu_layers, parallel
+        patterns = llama_overrides.expert_patterns(None if cpu_moe else n_cpu_moe) if cpu_moe or n_cpu_moe else []
+        self._overrides = llama_overrides.cpu_overrides(patterns) if patterns else None  # read at every load
         use_threads(threads)
         self.batch: llama_batch.BatchContext | None = None
         self.interrupt = interrupt or threading.Event()
@@ -54,6 +58,8 @@ class LlamaBackend:
         offloaded = n_layers if gpu_layers < 0 else min(gpu_layers, n_layers)
         self.hardware = hardware_summary(f"GPU offload {offloaded}/{n_layers} layers" if self.gpu and gpu_layers else None,
                                          threads)
+        if patterns and self.layout.n_expert:
+            self.hardware += f", experts in RAM ({'every layer' if cpu_moe else f'first {min(n_cpu_moe, n_layers)} of {n_layers} layers'})"
         self.vocab_size = self.llm.n_vocab()
         self.n_params = int(llama_cpp.llama_model_n_params(self.llm.model))  # bounds what an adapter may declare
         self.eos = self.llm.token_eos()
@@ -64,7 +70,8 @@ class LlamaBackend:
 
     def _load(self, path: Path) -> llama_cpp.Llama:
         """The model, and its generation context. The `Llama` object's own context only tokenizes."""
-        llm = llama_cpp.Llama(str(path), n_ctx=MIN_CONTEXT, verbose=False, n_gpu_layers=self.gpu_layers)
+        with llama_overrides.loading_with(self._overrides):
+            llm = llama_cpp.Llama(str(path), n_ctx=MIN_CONTEXT, verbose=False, n_gpu_layers=self.gpu_layers)
         batch = llama_batch.BatchContext(llm.model, self.parallel, self.n_ctx, self.threads)
         if self.batch is not None:
             self.batch.close()

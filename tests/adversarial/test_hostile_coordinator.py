@@ -15,17 +15,16 @@ GIB = 2**30
 
 def test_sizes_a_coordinator_states_are_checked_before_a_byte_is_written(tmp_path):
     async def go():
-        async with HostileCoordinator(size=400 * GIB) as coordinator:  # more than this disk holds
-            code, out = await coordinator.join(tmp_path / "node")
-            assert code == 1 and "the base model needs 400.00 GiB" in out and "free on its disk" in out, out
-            # Within the disk, but past the volunteer's own limit.
-            async with HostileCoordinator(size=2 * GIB) as small:
-                code, limited = await small.join(tmp_path / "node", "--max-disk", "1")
-            assert code == 1 and "needs 2.00 GiB" in limited and "--max-disk 1.0 GiB" in limited, limited
-        models = tmp_path / "node" / "models"
-        assert not models.exists() or list(models.iterdir()) == []
+        # More than this disk holds; and within the disk, but past the volunteer's own limit.
+        async with HostileCoordinator(size=400 * GIB) as huge, HostileCoordinator(size=2 * GIB) as small:
+            return await asyncio.gather(huge.join(tmp_path / "a"), small.join(tmp_path / "b", "--max-disk", "1"))
 
-    asyncio.run(go())
+    (code, out), (limited_code, limited) = asyncio.run(go())
+    assert code == 1 and "the base model needs 400.00 GiB" in out and "free on its disk" in out, out
+    assert limited_code == 1 and "needs 2.00 GiB" in limited and "--max-disk 1.0 GiB" in limited, limited
+    for node in ("a", "b"):
+        models = tmp_path / node / "models"
+        assert not models.exists() or list(models.iterdir()) == []
 
 
 def test_a_coordinator_cannot_make_a_node_import_or_read_what_it_names(tmp_path):
@@ -36,21 +35,22 @@ def test_a_coordinator_cannot_make_a_node_import_or_read_what_it_names(tmp_path)
     marker = tmp_path / "imported"
     os.environ["ECHO_EVIL_MARKER"] = str(marker)
 
+    named = TaskSpec("tests.support.evil_env:Env", {}, max_turns=2)
+    # A single-turn task dressed as multi-turn, with a path to read until memory runs out.
+    reader = TaskSpec("math", {"dataset": "/dev/zero"}, max_turns=2)
+
     async def go():
-        named = TaskSpec("tests.support.evil_env:Env", {}, max_turns=2)
-        async with HostileCoordinator(task=named, base_sha256=sha256_file(own)) as coordinator:
-            code, out = await coordinator.join(tmp_path / "a", "--model", str(own))
-        assert code == 3 and "--allow-task tests.support.evil_env:Env" in out, out
-        # A single-turn task dressed as multi-turn, with a path to read until memory runs out.
-        reader = TaskSpec("math", {"dataset": "/dev/zero"}, max_turns=2)
-        async with HostileCoordinator(task=reader, base_sha256=sha256_file(own)) as coordinator:
-            code, out = await coordinator.join(tmp_path / "b", "--model", str(own))
-        assert code == 3 and "single-turn task 'math'" in out, out
+        async with (HostileCoordinator(task=named, base_sha256=sha256_file(own)) as importer,
+                    HostileCoordinator(task=reader, base_sha256=sha256_file(own)) as reading):
+            return await asyncio.gather(importer.join(tmp_path / "a", "--model", str(own)),
+                                        reading.join(tmp_path / "b", "--model", str(own)))
 
     try:
-        asyncio.run(go())
+        (code, out), (read_code, read_out) = asyncio.run(go())
     finally:
         del os.environ["ECHO_EVIL_MARKER"]
+    assert code == 3 and "--allow-task tests.support.evil_env:Env" in out, out
+    assert read_code == 3 and "single-turn task 'math'" in read_out, read_out
     assert not marker.exists()
 
 
