@@ -120,7 +120,9 @@ ADVERSARIAL = [
 def test_adversarial_text_is_fast_and_never_a_wrong_answer(text):
     start = time.perf_counter()
     found = extract_answer(text)
-    assert time.perf_counter() - start < 0.5  # linear patterns: no catastrophic backtracking
+    # Linear patterns: no catastrophic backtracking, which takes seconds to forever on these. The
+    # bound leaves room for a loaded machine (0.5 s failed once beside two benches).
+    assert time.perf_counter() - start < 2.0
     # Only what is literally written: "1 or 1 ...", "1,1,...", one digit of "7\u200b2", the 27 under RTL.
     assert found in (None, 1, 2, 7, 27)
     assert not is_correct(text, "72")
