@@ -21,7 +21,8 @@ def payloads(update, store):
 @pytest.mark.parametrize("encoding, density", [("topk-int8", 0.05), ("dense-bf16", 1.0), ("dense-fp16", 1.0)])
 def test_node_weights_equal_the_broadcast_view_after_20_lossy_updates(encoding, density):
     rng = np.random.default_rng(0)
-    base = {"a": rng.standard_normal((64, 32)).astype(np.float32), "b": rng.standard_normal(100).astype(np.float32)}
+    base = {"a": rng.standard_normal((64, 32)).astype(np.float32), "b": rng.standard_normal(100).astype(np.float32),
+            "experts": rng.standard_normal((4, 16, 8)).astype(np.float32)}  # a mixture of experts' 3-D tensor
     publisher = Publisher("run", generate_key(), "full", base, encoding, density, snapshot_every=5, chunk_size=1000)
     node = {k: v.copy() for k, v in base.items()}
     trainer = {k: v.copy() for k, v in base.items()}
