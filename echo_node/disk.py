@@ -60,17 +60,20 @@ class Disk:
         self.root.mkdir(parents=True, exist_ok=True)
         keep = {p.resolve() for p in (*keep, *([replacing] if replacing else []))}
         need = max(size - (held_bytes(replacing) if replacing else 0), 0)
-        free = shutil.disk_usage(self.root).free - MARGIN
-        over_limit = self.used() + need - self.limit if self.limit is not None else 0
         spare = [p for p in self.cached_bases() if p.resolve() not in keep]
-        if max(need - free, over_limit) > sum(held_bytes(p) for p in spare):
+        if self._shortfall(need) > sum(held_bytes(p) for p in spare):
             limit = f"--max-disk {self.limit / 2**30:.1f} GiB, " if self.limit is not None else ""
+            free = max(shutil.disk_usage(self.root).free - MARGIN, 0)
             raise DiskFull(f"{what} needs {size / 2**30:.2f} GiB; {self.root} holds {self.used() / 2**30:.2f} GiB "
-                           f"({limit}{max(free, 0) / 2**30:.1f} GiB free on its disk, keeping {MARGIN >> 30} GiB "
+                           f"({limit}{free / 2**30:.1f} GiB free on its disk, keeping {MARGIN >> 30} GiB "
                            "spare): free some space, raise --max-disk or point --data-dir elsewhere")
         for path in spare:
-            free = shutil.disk_usage(self.root).free - MARGIN
-            over_limit = self.used() + need - self.limit if self.limit is not None else 0
-            if need <= free and over_limit <= 0:
+            if self._shortfall(need) <= 0:
                 return
             path.unlink(missing_ok=True)
+
+    def _shortfall(self, need: int) -> int:
+        """Bytes missing for `need` more: past the disk's free space or past the limit."""
+        past_free = need - (shutil.disk_usage(self.root).free - MARGIN)
+        past_limit = self.used() + need - self.limit if self.limit is not None else 0
+        return max(past_free, past_limit, 0)

@@ -45,7 +45,7 @@ class LlamaBackend:
         if gpu_layers is None:
             gpu_layers = -1 if self.gpu else 0
         self.threads, self.n_ctx, self.gpu_layers, self.parallel = threads, n_ctx, gpu_layers, parallel
-        patterns = llama_overrides.expert_patterns(None if cpu_moe else n_cpu_moe) if cpu_moe or n_cpu_moe else []
+        patterns = llama_overrides.expert_patterns(None if cpu_moe else n_cpu_moe)  # [] for neither
         self._overrides = llama_overrides.cpu_overrides(patterns) if patterns else None  # read at every load
         use_threads(threads)
         self.batch: llama_batch.BatchContext | None = None
