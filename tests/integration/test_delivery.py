@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from echo_coordinator.publish import Publisher
-from echo_node.updates import Shunned, UpdateError, apply_update, catch_up, fetch_chunks
+from echo_node.updates import UpdateError, apply_update, catch_up
 from protocols import rpc
 from protocols.transport.relay import Relay
 from protocols.signing import generate_key, public_bytes, sign_message
@@ -90,35 +90,6 @@ async def stalling_chunk_server(dht) -> str:
 
     await endpoint.p2p.add_binary_stream_handler(rpc.CHUNKS.name, stall)
     return endpoint.peer_id
-
-
-def test_a_provider_that_never_answers_costs_one_stall_and_is_then_skipped(swarm):
-    """Fake holders sort first; one that takes the request and sends nothing held the whole fetch
-    round until the call's timeout. Now its share goes elsewhere after `stall` seconds, and the
-    node remembers it (`Shunned`): the next fetch does not ask it."""
-    _, updates, _ = published_updates()
-    update, store = updates[0]
-    digests = list(store)
-
-    async def go():
-        trainer = await serve(swarm[0], updates)
-        asked = []
-        endpoint = await swarm[1].endpoint()
-
-        async def stall(info, reader, writer):
-            asked.append(1)
-            await reader.read(8)
-            await asyncio.sleep(3600)
-
-        await endpoint.p2p.add_binary_stream_handler(rpc.CHUNKS.name, stall)
-        node, shunned = await swarm[3].endpoint(), Shunned()
-        fetch = fetch_chunks(node, [endpoint.peer_id, trainer], digests, timeout=60, shunned=shunned, stall=1.0)
-        assert set(await asyncio.wait_for(fetch, 20)) == set(digests)  # not the 60 s call timeout
-        assert asked == [1]
-        again = await fetch_chunks(node, [endpoint.peer_id, trainer], digests, timeout=60, shunned=shunned, stall=1.0)
-        assert set(again) == set(digests) and asked == [1]  # not asked again
-
-    asyncio.run(go())
 
 
 def test_relay_peer_first_then_trainer_for_what_the_peer_lacks(swarm):

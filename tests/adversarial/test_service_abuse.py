@@ -1,0 +1,110 @@
+"""Hostile peers against the coordinator's service over the real transport (a real RunService,
+its handlers and DHT on 127.0.0.1: tests/support/live_service.py): what free keys and a flood of
+pushes cost it, and what the honest node still gets (issue 23 items 4 and 5)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+
+from echo_coordinator.service import LeaseSettings
+from protocols.errors import RemoteError, TransportError
+from protocols.messages import NoWork, PushReceipt, TaskLease
+from protocols import rpc
+from protocols.signing import generate_key
+from tests.support.live_service import LiveService, Peer, sampled_batch
+
+
+async def until(predicate, timeout: float, what: str) -> None:
+    try:
+        async with asyncio.timeout(timeout):
+            while not predicate():
+                await asyncio.sleep(0.05)
+    except TimeoutError:
+        raise AssertionError(f"timed out after {timeout} s waiting for {what}") from None
+
+
+def test_a_flood_of_fresh_keys_holds_at_most_max_ahead_seeds_in_async_mode(tmp_path):
+    """Keys are free, and every async lease draws fresh seeds and writes the lease book to the
+    journal: 150 fresh keys over one peer get at most `max_ahead` seeds between them, and the
+    proven node still gets work."""
+    async def go():
+        settings = LeaseSettings(lease_seconds=60, seeds_per_lease=1, first_seed=100, max_ahead=4)
+        async with LiveService(tmp_path, mode="async", settings=settings) as coordinator:
+            honest, attacker = await Peer.many(coordinator.address, 2)
+            try:
+                node = generate_key()
+                lease = await honest.ask(coordinator, node, name="honest")
+                receipt = PushReceipt.from_wire(await honest.endpoint.call_one(
+                    coordinator.peer, rpc.PUSH, sampled_batch(coordinator.manifest.run_id, node, lease).to_wire()))
+                assert receipt.accepted == 2
+                coordinator.service.take_batch()  # the trainer takes it: the node is proven
+                replies = []
+                for _ in range(150):
+                    try:
+                        replies.append(await attacker.ask(coordinator, generate_key()))
+                    except TransportError as e:  # a fresh loopback stream now and then resets (Endpoint.call_one)
+                        replies.append(e)
+                book = coordinator.service.leasing.book
+                return replies, len(book.outstanding), await honest.ask(coordinator, node, name="honest")
+            finally:
+                await asyncio.gather(honest.shutdown(), attacker.shutdown())
+
+    replies, outstanding, again = asyncio.run(go())
+    leased = [r for r in replies if isinstance(r, TaskLease)]
+    assert 0 < len(leased) <= 4 and sum(len(x.seeds) for x in leased) <= 4, len(leased)
+    assert sum(isinstance(r, NoWork) for r in replies) >= 100  # the rest were told to wait
+    assert outstanding <= 4
+    assert isinstance(again, TaskLease)
+
+
+def test_a_lease_is_answered_while_pushes_fill_every_thread_waiting_for_verification(tmp_path):
+    """Pushes wait for verification on the torch thread, which a training step holds for minutes.
+    Hostile keys push valid-looking batches from several peers (two pushes in flight each, the
+    per-peer limit) until more wait than Python's default thread pool has threads: the honest
+    node's lease request must still be answered at once, not after the step."""
+    default_pool = min(32, (os.cpu_count() or 1) + 4)  # asyncio's default executor
+    pushes = default_pool + 2
+
+    async def go():
+        async with LiveService(tmp_path) as coordinator:
+            attackers = await Peer.many(coordinator.address, (pushes + 1) // 2)
+            honest = await Peer.start(coordinator.address)
+            step = threading.Event()
+            training = asyncio.ensure_future(coordinator.torch.call(step.wait, 60))  # a training step holds it
+            try:
+                batches = []
+                for i in range(pushes):
+                    peer, lease = attackers[i // 2], None
+                    while lease is None:
+                        key = generate_key()
+                        try:
+                            lease = await peer.ask(coordinator, key)
+                        except TransportError:  # a fresh loopback stream now and then resets: a new key
+                            continue
+                    assert isinstance(lease, TaskLease), lease
+                    batches.append((peer, sampled_batch(coordinator.manifest.run_id, key, lease)))
+                pushing = [asyncio.ensure_future(peer.endpoint.call_one(coordinator.peer, rpc.PUSH, batch.to_wire()))
+                           for peer, batch in batches]
+                # Every thread that can take a push holds one, waiting for the torch thread
+                # (16: echo_coordinator.handlers' push pool, when it is the smaller).
+                await until(lambda: coordinator.verifying >= min(default_pool, 16), 20,
+                            "pushes to wait for verification")
+                try:
+                    answer = await honest.ask(coordinator, generate_key(), timeout=5, name="honest")
+                except (TransportError, RemoteError) as e:
+                    answer = e
+                step.set()
+                await training
+                receipts = await asyncio.gather(*pushing, return_exceptions=True)
+                return answer, receipts
+            finally:
+                step.set()
+                await asyncio.gather(honest.shutdown(), *(a.shutdown() for a in attackers))
+
+    answer, receipts = asyncio.run(go())
+    assert isinstance(answer, TaskLease), f"the honest node's lease request waited behind the pushes: {answer!r}"
+    # The pushes were judged once the step let go of the torch thread: honest toy samples, accepted.
+    assert all(PushReceipt.from_wire(r).accepted == 2 for r in receipts if isinstance(r, bytes)), receipts
+    assert sum(isinstance(r, bytes) for r in receipts) >= len(receipts) - 1, receipts

@@ -1,0 +1,166 @@
+"""Who may make whom upload what, over the real transport (issue 23 items 2 and 13).
+
+The trainer's upload budget (`protocols.uploads.UploadBudget`) sends each update whole to the
+first askers and turns later ones away while peers announce holding it: fresh keys that fetch
+first and then claim the version (or any version) and never serve it must not keep honest nodes
+waiting. A volunteer's node serves whoever asks, under any number of fresh peer ids: what it
+uploads in all is the volunteer's budget (`ByteQuota`), not each asker's."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from echo_node.updates import UpdateError, catch_up
+from protocols import rpc
+from protocols.errors import RemoteError, TransportError
+from protocols.messages import ChunkRequest, NoWork, PeerAnnouncement, verified_announcements
+from protocols.signing import fingerprint, generate_key, public_bytes, sign_message
+from protocols.transport.dht import SwarmDHT, record_key
+from protocols.uploads import UploadBudget
+from tests.support.hostile_coordinator import HostileCoordinator
+from tests.support.live_service import LiveService, Peer
+
+MIB = 2**20
+
+
+async def sybils_fetch_then_claim(coordinator: LiveService, claim: int) -> tuple[list[Peer], SwarmDHT]:
+    """Two fresh keys, each on its own peer, ask for work (so their announcements count), fetch
+    version 1 from the trainer (taking its copies), then announce holding version `claim` and
+    serve nothing. Returns their peers (and the DHT peer they wrote through) once the
+    coordinator has read the announcements."""
+    chunks = coordinator.publish(1)
+    dht = SwarmDHT.start("127.0.0.1", 0, [coordinator.address])  # theirs: it stores what they like
+    sybils: list[Peer] = []
+    try:
+        sybils += await Peer.many(coordinator.address, 2)
+        keys = [generate_key() for _ in sybils]
+        for sybil, key in zip(sybils, keys):
+            await sybil.ask(coordinator, key)
+            got = await sybil.endpoint.call(coordinator.peer, rpc.CHUNKS, ChunkRequest(tuple(chunks)).to_wire())
+            assert len(got) == len(chunks)  # the trainer's copies went to them
+            claimed = sign_message(PeerAnnouncement(
+                sybil.peer_id, "sybil", "node", "llama_cpp", coordinator.manifest.base_sha256, claim, 0.0,
+                public_bytes(key), time.time(), run_id=coordinator.manifest.run_id), key)
+            await dht.put(record_key(coordinator.fp, "peers"), claimed.to_wire(), 60, subkey=claimed.node_id)
+        ids = {fingerprint(public_bytes(k)) for k in keys}
+        async with asyncio.timeout(15):  # the coordinator reads announcements every second
+            while not ids <= coordinator.service.nodes.announced:
+                await asyncio.sleep(0.1)
+        return sybils, dht
+    except BaseException:
+        await asyncio.gather(*(s.shutdown() for s in sybils))
+        dht.shutdown()
+        raise
+
+
+async def honest_catch_up(coordinator: LiveService, holders: list[str], within: float) -> tuple[float, int]:
+    """A node's catch-up to version 1, retried while the trainer says busy as a node does (every
+    0.3 s): how long it took, and how often it was turned away. Announced holders are asked first."""
+    node = await Peer.start(coordinator.address)
+    applied, busy, started = [], 0, time.monotonic()
+
+    async def apply(update, store, payloads):
+        applied.append(update.to_version)
+
+    try:
+        async with asyncio.timeout(within):
+            while not applied:
+                try:
+                    await catch_up(node.endpoint, coordinator.peer, lambda version: list(holders),
+                                   coordinator.manifest, 0, 1, apply, 10.0)
+                except UpdateError as e:
+                    assert e.busy, e
+                    busy += 1
+                    await asyncio.sleep(0.3)
+    except TimeoutError:
+        raise AssertionError(f"the honest node was turned away for {within} s ({busy} times)") from None
+    finally:
+        await node.shutdown()
+    return time.monotonic() - started, busy
+
+
+def test_claims_of_a_version_not_yet_published_hold_no_one_back(tmp_path):
+    """Sybils take the trainer's copies of version 1, then claim version 10**9: no such claim
+    counts as holding version 1, so the trainer lets the honest node in within its grace (3 s)."""
+    async def go():
+        async with LiveService(tmp_path) as coordinator:  # the budget as the coordinator builds it
+            sybils, dht = await sybils_fetch_then_claim(coordinator, claim=10**9)
+            try:
+                return await honest_catch_up(coordinator, [s.peer_id for s in sybils], within=10)
+            finally:
+                await asyncio.gather(*(s.shutdown() for s in sybils))
+                dht.shutdown()
+
+    seconds, busy = asyncio.run(go())
+    assert seconds < 10
+
+
+def test_peers_that_claim_the_version_and_never_serve_it_delay_a_node_only_for_the_patience(tmp_path):
+    """Sybils take the trainer's copies of version 1 and claim holding it (true enough) but
+    serve nothing: the honest node is turned away to fetch from them, fails there, and is let
+    in by the trainer after `patience` seconds whatever they claim."""
+    async def go():
+        async with LiveService(tmp_path, budget=UploadBudget(2, patience=3.0)) as coordinator:
+            sybils, dht = await sybils_fetch_then_claim(coordinator, claim=1)
+            try:
+                return await honest_catch_up(coordinator, [s.peer_id for s in sybils], within=12)
+            finally:
+                await asyncio.gather(*(s.shutdown() for s in sybils))
+                dht.shutdown()
+
+    seconds, busy = asyncio.run(go())
+    assert busy > 0 and seconds >= 2.5, (seconds, busy)  # turned away while the claims stood, then let in
+
+
+def test_a_volunteers_node_uploads_within_its_budget_whoever_asks(tmp_path, tiny_model):
+    """A real node serves its base model file to peers. Fresh peer ids (each a new asker to
+    whom nothing was sent yet) pull it again and again: together they get the node's burst and
+    its rate (the defaults: 32 MiB, 8 MiB/s), then `busy`, each of them."""
+    done = False
+    coordinator = HostileCoordinator(model=tiny_model, lease=lambda request: NoWork(
+        latest_version=0, retry_after=0.2, finished=done))
+    size = tiny_model.stat().st_size
+    stop_at = 200 * MIB  # an unbudgeted node would serve it all
+
+    async def go():
+        nonlocal done
+        async with coordinator:
+            joining = asyncio.ensure_future(coordinator.join(tmp_path / "node", "--model", str(tiny_model),
+                                                             timeout=120))
+            key = record_key(fingerprint(public_bytes(coordinator.key)), "peers")
+            async with asyncio.timeout(90):
+                while not (announced := verified_announcements(await coordinator.dht.get(key))):
+                    assert not joining.done(), joining.result()
+                    await asyncio.sleep(0.2)
+            node = announced[0].peer_id  # it announces once it serves
+            askers = await Peer.many(coordinator.address, 3)
+            served, refused = [0] * len(askers), [0] * len(askers)
+            request = ChunkRequest(coordinator.listed.chunks).to_wire()
+
+            async def pull(i: int) -> None:
+                while not refused[i] and sum(served) < stop_at:
+                    try:
+                        for reply in await askers[i].endpoint.call(node, rpc.CHUNKS, request):
+                            served[i] += len(reply)
+                    except RemoteError as e:
+                        assert e.code == "busy", e
+                        refused[i] += 1
+                    except TransportError:  # a fresh loopback stream now and then resets
+                        pass
+
+            try:
+                started = time.monotonic()
+                await asyncio.gather(*(pull(i) for i in range(len(askers))))
+                seconds = time.monotonic() - started
+            finally:
+                await asyncio.gather(*(a.shutdown() for a in askers))
+            done = True
+            code, out = await joining
+            return served, refused, seconds, code, out
+
+    served, refused, seconds, code, out = asyncio.run(go())
+    assert all(refused), f"served {sum(served) / MIB:.0f} MiB in {seconds:.1f} s and never said busy"
+    # The burst and the rate over the time it took, and what was in flight (one file per asker).
+    assert sum(served) <= 32 * MIB + 8 * MIB * seconds + len(served) * (size + 4096), (sum(served), seconds)
+    assert code == 0 and "the run is finished" in out, out
