@@ -134,22 +134,6 @@ def source_hash(directory: Path) -> str:
     return digest.hexdigest()
 
 
-# Architectures the converter and nodes handle but whose verification is not calibrated yet: a
-# quantized node's expert routing can flip where a dense model's tokens would not (an honest tiny
-# q4_k_m MoE node showed a token 3.9 from the trainer's choice in 64 samples), so honest nodes
-# could be struck. Runs on them are refused until the rule is measured on them (issue 24).
-UNVERIFIED = {"qwen3moe": "mixture-of-experts"}
-
-
-def check_verifiable(model: str) -> None:
-    """Refuse a run whose model verification is not calibrated for (`UNVERIFIED`)."""
-    source = resolve(model)
-    arch = gguf_arch(source) if source.is_file() else checkpoint_arch(source)
-    if arch in UNVERIFIED:
-        raise ModelError(f"{source.name} is a {UNVERIFIED[arch]} model ({arch}): nodes can run it, but verifying "
-                         "their samples is not calibrated for it yet, and honest nodes could be banned")
-
-
 def prepare(model: str, quant: str, cache: Path) -> BaseModel:
     """Resolve `--model` and, for an HF checkpoint, make (or reuse) the nodes' GGUF."""
     source = resolve(model)

@@ -82,7 +82,6 @@ class Coordinator:
         from protocols.transport.dht import SwarmDHT
 
         cfg = self.run_config
-        await asyncio.to_thread(base_model.check_verifiable, str(self.model))
         if self.model.is_dir():
             self.display.waiting(f"making the nodes' GGUF ({cfg.node_quant}) of {self.model.name} "
                                  "(cached after the first run) ...")

@@ -139,6 +139,10 @@ class SamplingRule:
             if not (isinstance(value, (int, float)) and np.isfinite(value) and value > 0):
                 raise ValueError(f"sampling rule {name} must be a positive number, got {value!r}")
 
+    def outlier(self, e: SampleEvidence) -> bool:
+        """A sample holding a token past `max_margin` or `max_logprob_error` (`judge`)."""
+        return e.max_margin > self.max_margin or e.max_logprob_error > self.max_logprob_error
+
 
 @dataclass(frozen=True)
 class SampleEvidence:
@@ -178,7 +182,7 @@ def judge(batch: list[SampleEvidence], rule: SamplingRule) -> str | None:
     tokens = sum(e.tokens for e in batch)
     flips = sum(e.flips for e in batch)
     mean_error = sum(e.mean_logprob_error * e.tokens for e in batch) / max(tokens, 1)
-    outliers = [e for e in batch if e.max_margin > rule.max_margin or e.max_logprob_error > rule.max_logprob_error]
+    outliers = [e for e in batch if rule.outlier(e)]
     # One flipped near tie is always allowed: a one-token answer may hinge on it.
     if flips > 1 + rule.max_flip_fraction * tokens:
         return "bad_sampling"
