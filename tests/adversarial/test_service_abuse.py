@@ -1,18 +1,22 @@
 """Hostile peers against the coordinator's service over the real transport (a real RunService,
 its handlers and DHT on 127.0.0.1: tests/support/live_service.py): what free keys and a flood of
-pushes cost it, and what the honest node still gets (issue 23 items 4 and 5)."""
+pushes cost it, and what the honest node still gets (issue 23 items 4 and 5); which version a
+batch may claim (item 9)."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import threading
+import time
 
 from echo_coordinator.service import LeaseSettings
 from protocols.errors import RemoteError, TransportError
-from protocols.messages import NoWork, PushReceipt, TaskLease
+from protocols.messages import LeaseRequest, NoWork, PushReceipt, TaskLease
 from protocols import rpc
-from protocols.signing import generate_key
+from protocols.signing import generate_key, public_bytes, sign_message
+from protocols.wire import decode_one_of
 from tests.support.live_service import LiveService, Peer, sampled_batch
 
 
@@ -108,3 +112,41 @@ def test_a_lease_is_answered_while_pushes_fill_every_thread_waiting_for_verifica
     # The pushes were judged once the step let go of the torch thread: honest toy samples, accepted.
     assert all(PushReceipt.from_wire(r).accepted == 2 for r in receipts if isinstance(r, bytes)), receipts
     assert sum(isinstance(r, bytes) for r in receipts) >= len(receipts) - 1, receipts
+
+
+def test_an_async_batch_may_claim_only_its_leases_version(tmp_path):
+    """Issue 23 item 9: in async mode the staleness bound admits more than one version, and a node
+    could sample a lease under each and push the best. A lease fixes one: a node still at version 0
+    is told to update, not leased; one at version 1 gets a version-1 lease, and its batch claiming
+    version 0 (which the bound still admits) is refused `wrong_version`; the same work claiming
+    the lease's version is accepted."""
+    async def go():
+        settings = LeaseSettings(lease_seconds=60, seeds_per_lease=1, first_seed=100)
+        async with LiveService(tmp_path, mode="async", settings=settings) as coordinator:
+            coordinator.publish(1)
+            peer = await Peer.start(coordinator.address)
+            run_id = coordinator.manifest.run_id
+            try:
+                outcomes = []
+                for held, claimed in ((0, 0), (1, 0), (1, 1)):
+                    key = generate_key()  # a fresh key each time: a refusal strikes its key
+                    request = sign_message(LeaseRequest(run_id, public_bytes(key), peer.peer_id, "mallory", held, 64,
+                                                        time.time()), key)
+                    lease = decode_one_of(await peer.endpoint.call_one(coordinator.peer, rpc.LEASE, request.to_wire()),
+                                          tuple(rpc.LEASE.replies))
+                    if not isinstance(lease, TaskLease):
+                        outcomes.append(f"no lease, update to {lease.latest_version}")
+                        continue
+                    batch = sign_message(dataclasses.replace(sampled_batch(run_id, key, lease), version=claimed), key)
+                    try:
+                        receipt = PushReceipt.from_wire(await peer.endpoint.call_one(coordinator.peer, rpc.PUSH,
+                                                                                     batch.to_wire()))
+                        outcomes.append(f"v{lease.version} lease, claimed v{claimed}: {receipt.accepted} accepted")
+                    except RemoteError as e:
+                        outcomes.append(f"v{lease.version} lease, claimed v{claimed}: {e.code}")
+                return outcomes
+            finally:
+                await peer.shutdown()
+
+    assert asyncio.run(go()) == ["no lease, update to 1", "v1 lease, claimed v0: wrong_version",
+                                 "v1 lease, claimed v1: 2 accepted"]
