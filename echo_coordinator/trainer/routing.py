@@ -3,7 +3,7 @@ that record each token's router probabilities and can send one token of one laye
 runner-up expert. Verification uses them to measure a sample under the routing a quantized node
 may have taken (`evidence.measure`).
 
-A router here is transformers' top-k router module (Qwen3-MoE, Qwen2-MoE): it returns
+A router here is transformers' top-k router module (Qwen3-MoE's): it returns
 (router logits, top-k weights, top-k expert indices) for the flattened (batch x sequence) tokens.
 """
 
