@@ -87,7 +87,7 @@ def rerouted(trainer, sample: TrainSample, seed: int | None, found: SampleEviden
 def _score_alone(trainer, sample: TrainSample, seed: int | None, rows: np.ndarray, at: np.ndarray,
                  tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(margins, logprobs) of one sample's model tokens from a forward of it alone."""
-    causal = trainer.model.get_base_model() if trainer.update == "lora" else trainer.model
+    causal = trainer.causal
     ids = torch.tensor([sample.prompt_ids + sample.completion_ids], device=trainer.device)
     hidden = causal.model(input_ids=ids).last_hidden_state[0, torch.from_numpy(rows).to(trainer.device)]
     return score_rows(scaled(trainer, causal.lm_head(hidden)), [seed] * len(at), at, tokens)
@@ -109,8 +109,7 @@ def completion_hidden(trainer, parts: list[list[TrainSample]]) -> tuple[torch.Te
     """((N, H) last hidden states at the model tokens of `parts`' samples, in order; the head that
     makes them logits). Each part's samples share a prompt. Prompts are left-padded, with a mask
     and explicit positions; completions are right-padded (real tokens never attend to later pads)."""
-    model = trainer.model
-    causal = model.get_base_model() if trainer.update == "lora" else model
+    causal = trainer.causal
     pad, device = trainer.tokenizer.pad_token_id or 0, trainer.device
     width = max(len(part[0].prompt_ids) for part in parts)
     prompts = torch.full((len(parts), width), pad, dtype=torch.long, device=device)

@@ -214,12 +214,18 @@ class Trainer:
             behaviour[row, p - 1 : p - 1 + c] = torch.tensor(s.behaviour, dtype=torch.float32)
         return ids.to(self.device), mask.to(self.device), behaviour.to(self.device)
 
+    @property
+    def causal(self):
+        """The causal LM forwards run through (its `.model` and `.lm_head`): in LoRA mode the peft
+        model's base, which carries the adapter layers."""
+        return self.model.get_base_model() if self.update == "lora" else self.model
+
     def _scaled_logits(self, ids: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
         """(N, V) logits / T of the next token at the N positions `where` (B, L-1) marks, in row
         order. The vocabulary projection, the largest matmul of a small model, and the softmax
         over it run only where a token is scored, not over prompts and padding. Right padding
         needs no attention mask: real tokens never attend to later pad tokens."""
-        causal = self.model.get_base_model() if self.update == "lora" else self.model
+        causal = self.causal
         hidden = causal.model(input_ids=ids).last_hidden_state[:, :-1]  # (B, L-1, H)
         return causal.lm_head(hidden[where]).float() / self.temperature
 

@@ -17,7 +17,6 @@ from typer.testing import CliRunner
 
 from echo_coordinator import web
 from echo_coordinator.cli import app
-from echo_coordinator.ledger import Ledger
 from echo_coordinator.observe import RunView
 from echo_coordinator.report import read_report
 from protocols import rpc
@@ -27,6 +26,7 @@ from protocols.signing import canonical, fingerprint, generate_key, public_bytes
 from protocols.transport.dht import SwarmDHT, record_key
 from protocols.wire import decode_one_of
 from tests.support.live_service import LiveService, Peer
+from tests.support.runs import stopped_run
 
 MARKUP = "[blink]mallory[/blink]"
 
@@ -132,13 +132,7 @@ def test_the_dashboard_and_status_show_only_their_own_run_and_peer_names_as_text
                 rebound = await asyncio.to_thread(get, base + "api/peers", "evil.example")
                 ours = await asyncio.to_thread(CliRunner().invoke, app, ["status", "--data-dir", str(run)],
                                                env={"COLUMNS": "200"})
-                other = tmp_path / "other"  # a stopped run that served this port before
-                other.mkdir()
-                ledger = Ledger(other / "ledger.sqlite")
-                ledger.set_run(run_id="run-2", mode="sequential", version=0, steps=7, samples_per_step=4, staleness=1,
-                               model="tiny.gguf", task="arithmetic")
-                ledger.close()
-                (other / "dashboard.txt").write_text(base + "\n")
+                other = stopped_run(tmp_path / "other", base, steps=7)  # it served this port before
                 theirs = await asyncio.to_thread(read_report, other)
                 return rebound, ours, theirs
             finally:

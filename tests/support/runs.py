@@ -128,6 +128,20 @@ def journal(run_dir: Path, sql: str) -> list[tuple]:
         db.close()
 
 
+def stopped_run(directory: Path, dashboard_url: str, steps: int) -> Path:
+    """The directory of a stopped run ("run-2", `steps` steps) whose dashboard once served at
+    `dashboard_url`: what `status` reads after another run took that port."""
+    from echo_coordinator.ledger import Ledger
+
+    directory.mkdir()
+    ledger = Ledger(directory / "ledger.sqlite")
+    ledger.set_run(run_id="run-2", mode="sequential", version=0, steps=steps, samples_per_step=4, staleness=1,
+                   model="tiny.gguf", task="arithmetic")
+    ledger.close()
+    (directory / "dashboard.txt").write_text(dashboard_url + "\n")
+    return directory
+
+
 def check_books(run_dir: Path, group: int = 4) -> dict:
     """Every acknowledged group is trained on exactly once or still buffered; what was trained is
     what the ledger credits, step by step. `group`: samples per accepted lease (async_config's

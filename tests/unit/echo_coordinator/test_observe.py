@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from echo_coordinator import web
-from echo_coordinator.ledger import Ledger
+from tests.support.runs import stopped_run
 from echo_coordinator.observe import RunView
 from echo_coordinator.report import read_report
 from protocols.signing import fingerprint, generate_key, public_bytes
@@ -152,14 +152,7 @@ def test_status_reads_the_live_dashboard(server):
     report = read_report(path)
     assert not report["live"] and report["progress"]["state"] == "stopped"
     # A stopped run whose port another run now serves: that run's numbers are not this one's.
-    other = path / "other"
-    other.mkdir()
-    ledger = Ledger(other / "ledger.sqlite")
-    ledger.set_run(run_id="run-2", mode="sequential", version=0, steps=3, samples_per_step=4, staleness=1,
-                   model="tiny.gguf", task="arithmetic")
-    ledger.close()
-    (other / "dashboard.txt").write_text(base + "\n")
-    report = read_report(other)
+    report = read_report(stopped_run(path / "other", base, steps=3))
     assert not report["live"] and report["run_id"] == "run-2" and report["progress"]["steps"] == 3
 
 

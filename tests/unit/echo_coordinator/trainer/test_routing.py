@@ -31,7 +31,7 @@ def trainer(tmp_path_factory):
 
 
 def forward(trainer, ids: tuple[int, ...]) -> np.ndarray:
-    causal = trainer.model.get_base_model()
+    causal = trainer.causal
     with torch.no_grad():
         return causal(input_ids=torch.tensor([ids])).logits[0].float().numpy()
 
