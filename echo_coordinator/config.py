@@ -120,6 +120,10 @@ class TrainerConfig:
     # Trainer processes on this machine, data-parallel over each batch (docs/scaling.md); under
     # torchrun its WORLD_SIZE decides instead.
     procs: int = 1
+    # "none": every rank holds the whole model and optimiser (data parallel); "fsdp": parameters,
+    # gradients and optimiser state sharded across the ranks (FSDP2, docs/scaling.md).
+    sharding: str = "none"
+    activation_checkpointing: bool = False  # recompute each decoder layer's activations in backward
 
     def __post_init__(self):
         _check(0 < self.learning_rate < 1, "learning_rate", f"must be in (0, 1), got {self.learning_rate}")
@@ -133,6 +137,7 @@ class TrainerConfig:
         _check(self.micro_batch_tokens >= 1, "micro_batch_tokens", f"must be at least 1, got {self.micro_batch_tokens}")
         _check(self.threads >= 0, "threads", f"must be >= 0, got {self.threads}")
         _check(1 <= self.procs <= 1024, "procs", f"must be 1..1024, got {self.procs}")
+        _check(self.sharding in ("none", "fsdp"), "sharding", f"must be 'none' or 'fsdp', got {self.sharding!r}")
         _check(self.device in ("auto", "cpu", "cuda") or self.device.removeprefix("cuda:").isdigit(), "device",
                f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")
 
