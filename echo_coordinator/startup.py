@@ -14,7 +14,7 @@ import contextlib
 import time
 from pathlib import Path
 
-from echo_coordinator import base_model
+from echo_coordinator import base_model, memory_plan
 from echo_coordinator.config import RunConfig, TrainerConfig
 from echo_coordinator.display import Display, console, start_dashboard
 from echo_coordinator.evaluation import EvalSet, eval_seeds
@@ -48,8 +48,8 @@ def join_command(address: str, run_key_fp: str) -> str:
 
 class Coordinator:
     def __init__(self, run: RunConfig, trainer_config: TrainerConfig, model: Path, status=None):
-        """What can be checked before anything slow starts: the tasks, the allow list, the run
-        directory. `model`: the resolved base model (converted for the nodes in `run`)."""
+        """What can be checked before anything slow starts: the tasks, the trainer's memory, the
+        allow list, the run directory. `model`: the resolved base model (converted for the nodes in `run`)."""
         self.run_config, self.trainer_config, self.model = run, trainer_config, model
         self.dir = RunDir(run.data_dir)
         self.dir.create()
@@ -63,6 +63,8 @@ class Coordinator:
         if run.eval_task_params and self.task.max_turns > 1:
             raise EchoError("eval_task_params: a multi-turn task is evaluated with the run's own parameters "
                             "(nodes play the run's environment); remove eval_task_params")
+        # Before any weights load (or a checkpoint converts): a trainer this machine cannot hold is refused.
+        memory_plan.check_start(model, run, trainer_config, multi_turn=self.task.max_turns > 1)
         self.dir.write_config(run, trainer_config)
         self.torch = TorchThread()
         self.display = Display(status)
