@@ -9,6 +9,7 @@
     config.json           the run's RunConfig and TrainerConfig (`eval`, `export` read them back)
     base.json             where the trainer's base model came from (`eval`, `export`)
     models/               the nodes' GGUFs made from HF checkpoints, cached by content hash
+    held.gguf             full mode: what nodes hold at a new version, while it is read back (then removed)
     run.key, p2p.id       the run's signing key; the libp2p identity (a stable address across restarts)
     join.txt              the `echo-node join` line; dashboard.txt: the dashboard's URL while it serves
     ledger.sqlite         contributions, the run's identity and version, the journal
@@ -55,6 +56,7 @@ class RunDir:
         self.config_file = self.root / "config.json"
         self.base_file = self.root / "base.json"
         self.models = self.root / "models"
+        self.held_model = self.root / "held.gguf"
         self.run_key = self.root / "run.key"
         self.p2p_id = self.root / "p2p.id"
         self.join_file = self.root / "join.txt"

@@ -258,7 +258,7 @@ class Coordinator:
         a new run names version 0 before any work is accepted."""
         resumed = state is not None and state.version > 0
         versions = Versions(self.run_config, self.dir, self.key, manifest, verifier, trainer, self.checker,
-                            state.checkpoint if resumed else None)
+                            self.base.node_gguf, state.checkpoint if resumed else None)
         if state:
             # The version comes back with the trainer's weights, the gate, and from the journal the
             # buffered groups and the leases nodes hold.

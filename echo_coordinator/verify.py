@@ -1,10 +1,10 @@
 """Rollout verification on the trainer: was each sample sampled, or written? (protocols.sampling)
 
 The trainer keeps what nodes hold at each version the staleness bound still admits (the LoRA
-adapter, or full mode's publisher view: what nodes hold bit for bit, not the trainer's own
-weights), re-derives every sample's Gumbel noise from its lease, and runs its own forward pass
-under that version's weights. The batch, pooled, is judged by `protocols.sampling.judge`; which
-batches are checked at all is `peers.SpotCheck`'s decision.
+adapter, or in full mode the publisher's view as nodes load it, requantized: `NodesHold`; not
+the trainer's own weights), re-derives every sample's Gumbel noise from its lease, and runs its
+own forward pass under that version's weights. The batch, pooled, is judged by
+`protocols.sampling.judge`; which batches are checked at all is `peers.SpotCheck`'s decision.
 """
 
 from __future__ import annotations
@@ -31,17 +31,24 @@ def lora_base(adapter: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 class NodesHold:
     """Full mode: what nodes hold, given the publisher's view. Nodes apply the trainer's changes
-    to their own base: when that is the trainer's base (a GGUF run) they hold the view itself; from
-    an HF checkpoint their base is its quantization (`node_base`, dequantized), so they hold
-    node_base + (view - trainer_base). A copy either way: the view changes in place."""
+    to their own master weights: when their base is the trainer's (a GGUF run) the master weights
+    are the view itself; from an HF checkpoint their base is its quantization (`node_base`,
+    dequantized), so they are node_base + (view - trainer_base). A node samples with its master
+    weights as it loads them: requantized to its base file's type (`requantize`:
+    `engines.full_weights.requantized`, which returns new arrays; the view changes in place)."""
 
-    def __init__(self, trainer_base: dict[str, np.ndarray] | None = None, node_base: dict[str, np.ndarray] | None = None):
-        self.trainer_base, self.node_base = trainer_base, node_base
+    def __init__(self, requantize: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]],
+                 trainer_base: dict[str, np.ndarray] | None = None, node_base: dict[str, np.ndarray] | None = None):
+        self.requantize, self.trainer_base, self.node_base = requantize, trainer_base, node_base
+
+    def master(self, view: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The nodes' master weights (the view itself in a GGUF run, not a copy)."""
+        if self.node_base is None:
+            return view
+        return {k: self.node_base[k] + (v - self.trainer_base[k]) for k, v in view.items()}
 
     def __call__(self, view: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        if self.node_base is None:
-            return {k: v.copy() for k, v in view.items()}
-        return {k: self.node_base[k] + (v - self.trainer_base[k]) for k, v in view.items()}
+        return self.requantize(self.master(view))
 
 
 class Verifier:

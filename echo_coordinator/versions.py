@@ -9,6 +9,11 @@ hear of a version that a restart could lose (the order is in `steps.py`).
 
 from __future__ import annotations
 
+import functools
+import logging
+import time
+from pathlib import Path
+
 import numpy as np
 
 from echo_coordinator import publish
@@ -17,16 +22,20 @@ from echo_coordinator.evaluation import due
 from echo_coordinator.run_dir import RunDir
 from echo_coordinator.service import RunService
 from echo_coordinator.verify import NodesHold, Verifier, lora_base
+from engines.full_weights import file_type, requantized
 from protocols.messages import RunManifest
+
+log = logging.getLogger(__name__)
 
 Weights = dict[str, np.ndarray]
 
 
 class Versions:
     def __init__(self, cfg: RunConfig, run_dir: RunDir, key, manifest: RunManifest, verifier: Verifier,
-                 trainer, checker, resumed_from=None):
+                 trainer, checker, node_gguf: Path, resumed_from=None):
         """`checker`: the model verification runs (the trainer itself, or from an HF checkpoint a copy
-        loaded from the nodes' GGUF). `resumed_from`: a restart's checkpoint, whose saved view of
+        loaded from the nodes' GGUF). `node_gguf`: that GGUF, whose file type full-mode nodes
+        requantize every version to. `resumed_from`: a restart's checkpoint, whose saved view of
         what nodes hold the publisher takes up. LoRA nodes start with no adapter; full-mode nodes
         with the base weights."""
         from safetensors.numpy import load_file
@@ -39,7 +48,11 @@ class Versions:
             self.publisher = publish.Publisher(manifest.run_id, key, "lora", view, cfg.lora_encoding, cfg.update_density,
                                                cfg.snapshot_every, dict(manifest.update_params))
         else:
-            self.nodes_hold = NodesHold() if checker is trainer else NodesHold(trainer.weights(), checker.weights())
+            # The checker was loaded from the nodes' GGUF: its config is the one they re-export with.
+            requantize = functools.partial(requantized, checker.causal.config, tokenizer_from=node_gguf,
+                                           out=run_dir.held_model, ftype=file_type(node_gguf))
+            self.nodes_hold = (NodesHold(requantize) if checker is trainer else
+                               NodesHold(requantize, trainer.weights(), checker.weights()))
             self.publisher = publish.Publisher(manifest.run_id, key, "full", trainer.weights() if view is None else view,
                                                cfg.update_encoding, cfg.update_density, cfg.snapshot_every)
 
@@ -67,7 +80,10 @@ class Versions:
         else:
             published = self.publisher.publish(version, weights)
         if self.nodes_hold is not None:
-            return published, self.nodes_hold(self.publisher.view())
+            started = time.perf_counter()
+            held = self.nodes_hold(self.publisher.view())
+            log.info("what nodes hold at version %d, requantized, in %.2f s", version, time.perf_counter() - started)
+            return published, held
         # LoRA: the trained adapter (what `eval` and `export` read), and what nodes hold (what a
         # restart verifies older batches with, for the versions the bound admits).
         held = self.publisher.view()

@@ -10,5 +10,5 @@
 - `episodes`              the turn rules: `rollouts`/`Game` (node) and `score` (trainer's replay)
 - `gguf_io`               GGUF files: architectures table, file types, LoRA adapters, whole models, quantize
 - `hf`                    transformers loading (checkpoint or GGUF), distinct weights, chat template prompts
-- `full_weights`          full mode on llama.cpp: master weights re-exported as GGUF and requantized
+- `full_weights`          full mode: master weights re-exported as GGUF and requantized, and read back (what nodes hold)
 """

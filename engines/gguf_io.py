@@ -1,6 +1,7 @@
 """Writing GGUF files llama.cpp can load: LoRA adapters (every LoRA update), whole models
 (the coordinator converts HF checkpoints; full-parameter mode re-exports master weights; tests
-build tiny ones), and requantizing them with llama.cpp's own quantizer.
+build tiny ones), and requantizing them with llama.cpp's own quantizer. Reading back: one header
+field, or a model's tensors dequantized under their HF names (what a full-mode node holds).
 
 Three dense architectures, Llama, Qwen2 (q/k/v biases) and Qwen3 (q/k RMS norms, explicit head
 size), and Qwen3's mixture of experts (`qwen3moe`: a router per layer, experts stored as one 3-D
@@ -18,8 +19,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import os
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -91,6 +94,11 @@ class Layout:
 def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     """HF rotate-half rows -> GGML interleaved rows (convert_hf_to_gguf.py `LlamaModel.permute`)."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """`permute_qk` undone: GGML interleaved rows -> HF rotate-half rows."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def _rope_heads(arch: Arch, hf_name: str, n_head: int, n_head_kv: int) -> int | None:
@@ -180,57 +188,98 @@ def _expert_lora(tmap: gguf.TensorNameMap, hf_name: str, a: np.ndarray, b: np.nd
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
+_ALIGNMENT = 32  # where tensor data starts, unless `general.alignment` says otherwise
+
+
+class _Header:
+    """A GGUF header read in order, each read bounded by the file's size. `gguf.GGUFReader` maps
+    the whole file and slices every entry of the vocabulary (3 s for a 49k-token one) to answer
+    what these read by stepping over it."""
+
+    def __init__(self, f, path: Path):
+        self.f, self.path, self.size = f, path, os.fstat(f.fileno()).st_size
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{path.name} is not a GGUF file")
+        self.unpack("<I")  # version
+        self.n_tensors, self.n_fields = self.unpack("<Q"), self.unpack("<Q")
+
+    def unpack(self, fmt: str):
+        width = struct.calcsize(fmt)
+        data = self.f.read(width)
+        if len(data) != width:
+            raise ValueError(f"{self.path.name}: GGUF header cut short")
+        return struct.unpack(fmt, data)[0]
+
+    def string(self) -> str:
+        length = self.unpack("<Q")
+        if length > self.size - self.f.tell():
+            raise ValueError(f"{self.path.name}: GGUF header cut short")
+        return self.f.read(length).decode("utf-8", errors="replace")
+
+    def skip(self, kind: int) -> None:
+        if kind == _STRING:
+            self.f.seek(self.unpack("<Q"), 1)
+        elif kind == _ARRAY:
+            item, count = self.unpack("<I"), self.unpack("<Q")
+            if item in _SCALARS:
+                self.f.seek(struct.calcsize(_SCALARS[item]) * count, 1)
+            else:
+                for _ in range(count):
+                    self.skip(item)
+        elif kind in _SCALARS:
+            self.f.seek(struct.calcsize(_SCALARS[kind]), 1)
+        else:
+            raise ValueError(f"{self.path.name}: unknown GGUF value type {kind}")
+
+    def scalar(self, key: str, kind: int):
+        if kind == _STRING:
+            return self.string()
+        if kind in _SCALARS:
+            return self.unpack(_SCALARS[kind])
+        raise ValueError(f"{self.path.name}: {key} is not a scalar")
 
 
 def read_field(path: Path, key: str) -> Any:
     """One scalar or string metadata field of a GGUF file, or None if it has none. Reads the
-    header up to that field only: `gguf.GGUFReader` maps the whole file and slices every entry of
-    the vocabulary (3 s for a 49k-token one) to answer the same question."""
+    header up to that field only."""
     with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-
-        def unpack(fmt: str):
-            width = struct.calcsize(fmt)
-            data = f.read(width)
-            if len(data) != width:
-                raise ValueError(f"{path.name}: GGUF header cut short")
-            return struct.unpack(fmt, data)[0]
-
-        def string() -> str:
-            length = unpack("<Q")
-            if length > size - f.tell():
-                raise ValueError(f"{path.name}: GGUF header cut short")
-            return f.read(length).decode("utf-8", errors="replace")
-
-        def skip(kind: int) -> None:
-            if kind == _STRING:
-                f.seek(unpack("<Q"), 1)
-            elif kind == _ARRAY:
-                item, count = unpack("<I"), unpack("<Q")
-                if item in _SCALARS:
-                    f.seek(struct.calcsize(_SCALARS[item]) * count, 1)
-                else:
-                    for _ in range(count):
-                        skip(item)
-            elif kind in _SCALARS:
-                f.seek(struct.calcsize(_SCALARS[kind]), 1)
-            else:
-                raise ValueError(f"{path.name}: unknown GGUF value type {kind}")
-
-        if f.read(4) != b"GGUF":
-            raise ValueError(f"{path.name} is not a GGUF file")
-        unpack("<I"), unpack("<Q")  # version, tensor count
-        for _ in range(unpack("<Q")):
-            name, kind = string(), unpack("<I")
-            if name != key:
-                skip(kind)
-            elif kind == _STRING:
-                return string()
-            elif kind in _SCALARS:
-                return unpack(_SCALARS[kind])
-            else:
-                raise ValueError(f"{path.name}: {key} is not a scalar")
+        header = _Header(f, path)
+        for _ in range(header.n_fields):
+            name, kind = header.string(), header.unpack("<I")
+            if name == key:
+                return header.scalar(key, kind)
+            header.skip(kind)
     return None
+
+
+def read_tensors(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a GGUF file under its GGUF name, dequantized to float32 (`gguf.quants`),
+    shaped as numpy sees it: the file's dimensions reversed, (rows, columns) for a matrix."""
+    with open(path, "rb") as f:
+        header = _Header(f, path)
+        alignment = _ALIGNMENT
+        for _ in range(header.n_fields):
+            name, kind = header.string(), header.unpack("<I")
+            if name == "general.alignment":
+                alignment = int(header.scalar(name, kind))
+            else:
+                header.skip(kind)
+        infos = []
+        for _ in range(header.n_tensors):
+            name, n_dims = header.string(), header.unpack("<I")
+            dims = [header.unpack("<Q") for _ in range(n_dims)]
+            infos.append((name, dims, gguf.GGMLQuantizationType(header.unpack("<I")), header.unpack("<Q")))
+        start = -(-f.tell() // alignment) * alignment
+        tensors = {}
+        for name, dims, qtype, offset in infos:
+            block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+            shape = (*reversed(dims[1:]), dims[0] // block * block_bytes)  # rows of bytes
+            f.seek(start + offset)
+            data = np.fromfile(f, dtype=np.uint8, count=math.prod(shape))
+            if data.size != math.prod(shape):
+                raise ValueError(f"{path.name}: tensor {name} cut short")
+            tensors[name] = gguf.quants.dequantize(data.reshape(shape), qtype).astype(np.float32, copy=False)
+    return tensors
 
 
 def copy_tokenizer(writer: gguf.GGUFWriter, source: Path) -> None:
@@ -319,6 +368,33 @@ def _model_tensors(arch: Arch, tmap: gguf.TensorNameMap, config: Any, hf_name: s
         return [(_gguf_name(tmap, hf_name) + ".weight", value)]
     heads = _rope_heads(arch, hf_name, config.num_attention_heads, config.num_key_value_heads)
     return [(_gguf_name(tmap, hf_name), permute_qk(value, heads) if heads is not None else value)]
+
+
+def read_model(path: Path, config: Any, names: Iterable[str]) -> dict[str, np.ndarray]:
+    """The HF tensors `names` of a model GGUF that `write_model` wrote with `config` (quantized
+    since or not), dequantized to float32: `_model_tensors` undone."""
+    arch = arch_of(config.model_type)
+    tmap = gguf.get_tensor_name_map(arch.gguf_arch, config.num_hidden_layers)
+    tensors = read_tensors(path)
+
+    def tensor(name: str) -> np.ndarray:
+        if name not in tensors:
+            raise UnsupportedModel(f"{path.name} has no tensor {name!r}")
+        return tensors[name]
+
+    out = {}
+    for hf_name in names:
+        if hf_name.endswith(".mlp.experts.gate_up_proj"):
+            layer = hf_name.removesuffix("gate_up_proj")
+            out[hf_name] = np.concatenate([tensor(_gguf_name(tmap, layer + "gate_proj") + ".weight"),
+                                           tensor(_gguf_name(tmap, layer + "up_proj") + ".weight")], axis=1)
+        elif hf_name.endswith(".mlp.experts.down_proj"):
+            out[hf_name] = tensor(_gguf_name(tmap, hf_name) + ".weight")
+        else:
+            heads = _rope_heads(arch, hf_name, config.num_attention_heads, config.num_key_value_heads)
+            value = tensor(_gguf_name(tmap, hf_name))
+            out[hf_name] = unpermute_qk(value, heads) if heads is not None else value
+    return out
 
 
 def quantize(source: Path, out: Path, quant: str) -> Path:

@@ -18,7 +18,7 @@ import numpy as np
 
 from engines import llama_batch, llama_overrides
 from engines.backend import Completion, Follow, Meter, Request, hardware_summary
-from engines.full_weights import export_quantized
+from engines.full_weights import export_quantized, file_type
 from engines.gguf_io import Layout
 from engines.hf import load_master
 from engines.sampler import use_threads
@@ -52,7 +52,7 @@ class LlamaBackend:
         self.interrupt = interrupt or threading.Event()
         self.llm = self._load(model_path)
         meta = self.llm.metadata
-        self.file_type = int(meta.get("general.file_type", 0))  # the quant type to requantize to
+        self.file_type = file_type(model_path)  # the quant type to requantize to
         self.layout = Layout.of_metadata(meta)  # what a LoRA adapter for this model must match
         n_layers = self.layout.n_layers
         offloaded = n_layers if gpu_layers < 0 else min(gpu_layers, n_layers)

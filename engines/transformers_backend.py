@@ -1,5 +1,6 @@
 """transformers generation with behaviour logprobs (`engines.backend`), for GPU volunteers (CUDA
-when present, CPU otherwise); full-parameter updates are applied to the weights in place.
+when present, CPU otherwise); full-parameter updates are applied to the weights in place, as a
+llama.cpp node holds them: requantized to the base file's type (`full_weights.requantized`).
 
 Sampling runs in a plain KV-cached decoding loop; each token's logprob is log-softmax(logits / T)
 of the raw logits that produced it: the distribution sampled from.
@@ -14,6 +15,8 @@ import numpy as np
 import torch
 
 from engines.backend import Completion, Follow, Meter, Request, hardware_summary
+from engines.full_weights import file_type, requantized
+from engines.gguf_io import FILE_TYPES
 from engines.hf import decode, distinct_weights, load_model, load_tokenizer
 from engines.sampler import sample_rows
 
@@ -28,6 +31,9 @@ class TransformersBackend:
             torch.set_num_threads(threads)
         model = load_model(model_path, dtype=torch.float32)
         self._use(model, load_tokenizer(model_path), n_ctx)
+        self.model_path = Path(model_path)
+        # The base GGUF's quant type, which every version's weights are rounded to (f32: none).
+        self.file_type = file_type(self.model_path) if self.model_path.is_file() else FILE_TYPES["f32"]
         # Master copy on the CPU: updates apply here bit-exactly, then copy into the model.
         self.master = distinct_weights(self.model)
 
@@ -98,9 +104,13 @@ class TransformersBackend:
         raise ValueError("the transformers backend takes full-parameter runs only")
 
     @torch.no_grad()
-    def load_weights(self, master: dict[str, np.ndarray], version: int = 0, workdir: Path | None = None) -> None:
-        """Copy master tensors into the model in place (a tied lm_head follows embed_tokens)."""
+    def load_weights(self, master: dict[str, np.ndarray], version: int, workdir: Path) -> None:
+        """Copy master tensors into the model in place (a tied lm_head follows embed_tokens),
+        requantized as a llama.cpp node's re-export is (through a file in `workdir`), so that the
+        verifier's one view of what nodes hold is this node's too."""
+        workdir.mkdir(parents=True, exist_ok=True)
+        held = requantized(self.config, master, self.model_path, workdir / f"v{version}.gguf", self.file_type)
         params = self.model.state_dict()
-        for name, value in master.items():
+        for name, value in held.items():
             params[name].copy_(torch.from_numpy(value))
-            self.master[name] = value
+            self.master[name] = master[name]

@@ -12,7 +12,7 @@ import torch
 from echo_coordinator.base_model import PROBE_TEXT, ModelError, prepare, resolve
 from echo_coordinator.config import TrainerConfig
 from echo_coordinator.trainer.learner import Trainer
-from engines.full_weights import export_quantized
+from engines.full_weights import export_quantized, requantized
 from engines.hf import load_master
 from engines.gguf_io import FILE_TYPES, arch_of, write_lora_adapter
 from engines.hf import load_model, load_tokenizer
@@ -96,6 +96,14 @@ def test_full_mode_reexport_of_changed_weights(model):
     assert np.abs(reexported - hf_logprobs(hf)).max() < F32_TOLERANCE
     q8 = export_quantized(config, changed, ggufs["q8_0"], work / "reexport-q8.gguf", FILE_TYPES["q8_0"])
     assert LlamaBackend(q8, threads=1, n_ctx=128).file_type == FILE_TYPES["q8_0"]
+    # What the verifier checks a full-mode node against: its re-export read back under HF names
+    # (q/k rows, fused experts, biases), as transformers loads the file.
+    for quant in ("q8_0", "q4_k_m"):
+        out = export_quantized(config, changed, ggufs[quant], work / f"reexport-{quant}.gguf", FILE_TYPES[quant])
+        held = requantized(config, changed, ggufs[quant], work / "held.gguf", FILE_TYPES[quant])
+        _, loaded = load_master(out)
+        assert held.keys() == loaded.keys() and all(np.array_equal(held[k], loaded[k]) for k in held), quant
+        assert not (work / "held.gguf").exists()
 
 
 def test_an_unsupported_architecture_is_refused_with_the_supported_list(tmp_path):

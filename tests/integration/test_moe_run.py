@@ -1,8 +1,9 @@
 """A mixture of experts end to end: a tiny random Qwen3-MoE checkpoint through a real coordinator
-with two nodes, one of them keeping its experts in system RAM (`--cpu-moe`), two versions in LoRA
-mode (q4_k_m nodes) and in full mode (f16 nodes), the two runs at once. Every batch is verified against the nodes' own
-weights, routing flips included (`trainer/evidence.py`), and no honest key is struck; the trained
-policy exports as an HF checkpoint and a GGUF."""
+with two q4_k_m nodes, one of them keeping its experts in system RAM (`--cpu-moe`), two versions
+in LoRA mode and in full mode (where each node requantizes every version), the two runs at once.
+Every batch is verified against the nodes' own weights, routing flips included
+(`trainer/evidence.py`), and no honest key is struck; the trained policy exports as an HF
+checkpoint and a GGUF."""
 
 import shlex
 import subprocess
@@ -22,16 +23,19 @@ UPDATES = ("lora", "full")
 
 
 def start(processes, tmp_path, checkpoint, update: str):
-    """A coordinator of a run in `update` mode; its run directory. Full mode's nodes run f16: a
-    node re-exports every version to its file type, and verification does not yet requantize
-    what it checks against (docs/verification.md, "What stays open"), which q4_k_m shows."""
+    """A coordinator of a run in `update` mode; its run directory. In full mode each node
+    re-exports every version requantized to q4_k_m, which the verifier must check against: a
+    step of 0.01 a weight (Adam's first step is the learning rate on every weight with a
+    gradient) leaves the float weights far enough from their requantization that checking
+    against the float ones refused honest batches (before 2026-12-03); at 0.001 most changes
+    round back to the base's grid and it did not always show."""
     run_dir = tmp_path / update / "run"
     config = tmp_path / update / "run.toml"
     config.parent.mkdir()
     config.write_text(f"""
 [run]
 model = "{checkpoint}"
-node_quant = "{'q4_k_m' if update == 'lora' else 'f16'}"
+node_quant = "q4_k_m"
 update = "{update}"
 task = "tests.support.envs:LetterE"  # rewards a random model can vary on, so steps train
 steps = {STEPS}
@@ -46,7 +50,7 @@ dashboard = false
 
 [trainer]
 lora_rank = 4
-learning_rate = {0.01 if update == "lora" else 0.001}
+learning_rate = 0.01  # full mode: every weight moves 0.01 a step, past q4_k_m's rounding (see `start`)
 threads = 1
 """)
     spawn(processes, [sys.executable, "-m", "echo_coordinator.cli", "start", "--config", str(config)],

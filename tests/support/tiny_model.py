@@ -57,8 +57,9 @@ def tiny_model(arch: str = "llama", seed: int = 0, init_std: float = 0.02, **sha
     return model
 
 
-def build_tiny_gguf(path: Path, seed: int = 0, init_std: float = 0.02) -> Path:
-    model = tiny_model("llama", seed, init_std)
+def build_tiny_gguf(path: Path, seed: int = 0, init_std: float = 0.02, **shape) -> Path:
+    """A tiny random Llama GGUF (fp32); `init_std`, `shape`: as `tiny_model`'s."""
+    model = tiny_model("llama", seed, init_std, **shape)
     tensors = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     write_model(model.config, tensors, path, tokenizer=smollm2_gguf(), name="echo-tiny")
     return path

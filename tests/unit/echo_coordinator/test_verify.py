@@ -101,3 +101,52 @@ def test_every_way_of_writing_tokens_is_caught(setup):
         caught[name] = e.value.code
     assert caught["honest tokens, logprobs shaded down"] == "bad_logprobs"
     assert caught["gold answer, teacher-forced logprobs"] == "bad_sampling"
+
+
+def test_full_mode_quantized_nodes_are_checked_against_their_requantized_weights(tmp_path):
+    """A full-mode node on a q4_k_m base re-exports each version and requantizes it; what it then
+    samples with is that requantization, which `NodesHold` gives the verifier. The float master
+    weights (what it was checked against before) refuse the same honest batch. A transformers
+    node loads the same requantization, so one check fits both."""
+    import functools
+
+    from echo_coordinator.verify import NodesHold
+    from engines.full_weights import file_type, requantized
+    from engines.gguf_io import quantize
+    from engines.transformers_backend import TransformersBackend
+
+    # Peaked distributions (init_std 0.2), so a change of weights shows in the samples. Rows of 64
+    # columns are too narrow for k-quants: llama.cpp stores them as q5_0 and q8_0.
+    base = quantize(build_tiny_gguf(tmp_path / "f32.gguf", init_std=0.2), tmp_path / "q4_k_m.gguf", "q4_k_m")
+    checker = Trainer(base, TrainerConfig(threads=1), temperature=T, update="full")
+    node = LlamaBackend(base, threads=1, n_ctx=256)
+    task = make_task("arithmetic")
+    prompts = {seed: tuple(prompt_ids(checker.tokenizer, task.generate(seed).messages)) for seed in (3, 4)}
+    # Version 1: every weight moved by 0.01, about what a few full-mode steps at lr 1e-3 do. In a
+    # GGUF run the nodes' master weights are the publisher's view.
+    _, master = node.base_weights()
+    rng = np.random.default_rng(0)
+    view = {k: (v + rng.choice([-0.01, 0.01], v.shape)).astype(np.float32) for k, v in master.items()}
+    nodes_hold = NodesHold(functools.partial(requantized, checker.causal.config, tokenizer_from=base,
+                                             out=tmp_path / "held.gguf", ftype=file_type(base)))
+    held = nodes_hold(view)
+    assert not (tmp_path / "held.gguf").exists()  # read back and removed
+    assert all(np.array_equal(held[k], view[k]) for k in view if view[k].ndim == 1)  # norms stay f32
+    assert not np.array_equal(held["model.layers.0.mlp.down_proj.weight"], view["model.layers.0.mlp.down_proj.weight"])
+    verifier = Verifier(checker.evidence, SamplingRule(), keep_versions=4)
+    verifier.remember(1, held)
+
+    node.load_weights(view, 1, tmp_path / "llama")
+    honest = generate(node, prompts, group=4)
+    evidence = verifier.check(LEASE, 1, honest)
+    assert np.mean([e.mean_logprob_error for e in evidence]) < 0.1
+    with pytest.raises(VerificationError, match="version 1"):
+        verifier.check(LEASE, 1, honest, weights=view)
+
+    gpu_node = TransformersBackend(base, threads=1, n_ctx=256)
+    gpu_node.load_weights(view, 1, tmp_path / "transformers")
+    assert not any((tmp_path / "transformers").iterdir())
+    state = gpu_node.model.state_dict()
+    assert all(np.array_equal(state[k].numpy(), held[k]) for k in held)
+    evidence = verifier.check(LEASE, 1, generate(gpu_node, prompts, group=4))
+    assert all(e.max_logprob_error < 1e-3 for e in evidence)  # fp32 on both sides: the same weights

@@ -1,9 +1,12 @@
-"""engines.gguf_io.read_field: one header field, as gguf's own reader reads it."""
+"""engines.gguf_io reading: one header field, as gguf's own reader reads it; a model's tensors,
+dequantized under their HF names, as transformers loads them."""
 
 import gguf
+import numpy as np
 import pytest
 
-from engines.gguf_io import read_field
+from engines.gguf_io import permute_qk, quantize, read_field, read_model, read_tensors, unpermute_qk
+from engines.hf import load_master
 
 
 def test_read_field_agrees_with_the_gguf_reader(tiny_model, tmp_path):
@@ -22,3 +25,27 @@ def test_read_field_agrees_with_the_gguf_reader(tiny_model, tmp_path):
     (tmp_path / "x.gguf").write_bytes(b"not a model")
     with pytest.raises(ValueError, match="not a GGUF"):
         read_field(tmp_path / "x.gguf", "general.architecture")
+
+
+def test_read_model_is_what_transformers_loads(tiny_model, tmp_path):
+    # fp32: exactly the weights written, q/k rows permuted back to HF's layout.
+    config, master = load_master(tiny_model)
+    assert all(np.array_equal(a, master[k]) for k, a in read_model(tiny_model, config, master).items())
+    # Quantized: each tensor as gguf's reader dequantizes it, and the model as transformers does.
+    q4 = quantize(tiny_model, tmp_path / "q4.gguf", "q4_k_m")
+    expected = {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in gguf.GGUFReader(str(q4)).tensors}
+    got = read_tensors(q4)
+    assert got.keys() == expected.keys() and all(np.array_equal(got[k], expected[k]) for k in got)
+    _, dequantized = load_master(q4)
+    back = read_model(q4, config, dequantized)
+    assert all(np.array_equal(back[k], dequantized[k]) for k in dequantized)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(q4.read_bytes()[:-100])
+    with pytest.raises(ValueError, match="cut short"):
+        read_tensors(cut)
+
+
+def test_unpermute_undoes_permute():
+    w = np.arange(8 * 3 * 5, dtype=np.float32).reshape(8 * 3, 5)
+    assert not np.array_equal(permute_qk(w, 3), w)
+    assert np.array_equal(unpermute_qk(permute_qk(w, 3), 3), w)
