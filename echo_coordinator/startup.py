@@ -30,7 +30,7 @@ from echo_coordinator.trainer import distributed
 from echo_coordinator.verify import Verifier
 from echo_coordinator.versions import Versions
 from engines.episodes import Transcripts, context_window
-from protocols.errors import EchoError
+from protocols.errors import ConfigError, EchoError
 from protocols.messages import RunManifest, TaskSpec
 from protocols.multiaddr import tcp_port
 from protocols.sampling import SamplingRule
@@ -63,6 +63,9 @@ class Coordinator:
         if run.eval_task_params and self.task.max_turns > 1:
             raise EchoError("eval_task_params: a multi-turn task is evaluated with the run's own parameters "
                             "(nodes play the run's environment); remove eval_task_params")
+        if trainer_config.sharding == "fsdp" and trainer_config.procs == 1 and distributed.Ranks.from_env() is None:
+            raise ConfigError('sharding = "fsdp" shards the trainer across processes, and this run has one: '
+                              'set [trainer] procs (or --trainer-procs), or start it under torchrun')
         # Before any weights load (or a checkpoint converts): a trainer this machine cannot hold is refused.
         memory_plan.check_start(model, run, trainer_config, multi_turn=self.task.max_turns > 1)
         self.dir.write_config(run, trainer_config)

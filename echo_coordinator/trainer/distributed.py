@@ -1,13 +1,17 @@
 """More than one trainer process: data parallelism over the rollout batch on torch.distributed.
 
 Rank 0 is the coordinator: it alone talks to the swarm (leases, the buffer, verification,
-publishing, the ledger). The other ranks hold the same model and optimiser and do nothing but
-train: for each step rank 0 sends them the batch, every rank computes the gradient of its share
-of it (`share`), the gradients are summed across ranks, and every rank takes the same optimiser
-step, so all ranks hold the same weights. After each step the ranks compare a checksum of their
-trainable weights and the version they reached; a rank that disagrees stops the run
-(`RanksDisagree`). This is what DDP does (one all-reduce of the summed gradient), written out
-because the trainer's forward is not one `module(...)` call.
+publishing, the ledger). The other ranks do nothing but train: for each step rank 0 sends them
+the batch, every rank computes the gradient of its share of it (`share`), the gradients are
+summed across ranks, and every rank takes the optimiser step. After each step the ranks compare
+the step count and a checksum; a rank that disagrees stops the run (`RanksDisagree`).
+- `sharding = "none"`: every rank holds the whole model and optimiser, the gradients are summed
+  by one all-reduce (what DDP does, written out because the trainer's forward is not one
+  `module(...)` call), and the checksum is of the weights, the same on every rank.
+- `sharding = "fsdp"`: each rank holds a shard (`sharded.py`); FSDP sums the gradients into the
+  shards, and the checksum is of what each rank was told to train with (the shards differ).
+  Rank 0's own uses of the whole weights (publishing, verifying, checkpoints) are collective
+  calls the other ranks join (GATHER, WEIGHTS, SAVE, RESUME).
 
 Processes: `echo-coordinator start --trainer-procs N` starts N - 1 local workers itself (gloo
 on the CPU, NCCL on GPUs, loopback only); under `torchrun` every rank runs the same `start`
@@ -18,12 +22,14 @@ still no pickle. A worker rank's loop is `worker.py`.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -33,7 +39,9 @@ from protocols.errors import EchoError
 
 log = logging.getLogger(__name__)
 
-STEP, LOAD, STOP = 1, 2, 3  # what rank 0 tells the workers
+# What rank 0 tells the workers: train on a batch, take rank 0's state (unsharded), stop; and with
+# sharding, the collective calls the workers take part in (`Trainer.serve` says what each does).
+STEP, LOAD, STOP, GATHER, WEIGHTS, SAVE, RESUME = 1, 2, 3, 4, 5, 6, 7
 JOIN_TIMEOUT = timedelta(minutes=10)  # for every rank to start, load its model and join
 # A worker waits for the next batch as long as the swarm takes to bring one; a rank that dies is
 # noticed at once (its connections close), not by this timeout.
@@ -92,18 +100,32 @@ class Ranks:
         log.info("trainer rank %d of %d joined (%s on %s)", self.rank, self.world, backend, device)
 
 
-def share(indices: list[int], lengths: list[int], ranks: Ranks | None) -> list[int]:
-    """This rank's part of `indices`: longest first, each to the rank with the fewest tokens so
+def group():
+    """The trainer ranks' process group."""
+    return _group
+
+
+def mesh(device_type: str):
+    """The trainer ranks as a 1-D device mesh (what FSDP shards over)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(_group, device_type)
+
+
+def shares(indices: list[int], lengths: list[int], world: int) -> list[list[int]]:
+    """Every rank's part of `indices`: longest first, each to the rank with the fewest tokens so
     far, so every rank computes about as much (every rank deals the same way)."""
-    if ranks is None:
-        return list(indices)
-    loads, mine = [0] * ranks.world, []
+    loads, parts = [0] * world, [[] for _ in range(world)]
     for i in sorted(indices, key=lambda i: (-lengths[i], i)):
         rank = loads.index(min(loads))
         loads[rank] += lengths[i]
-        if rank == ranks.rank:
-            mine.append(i)
-    return sorted(mine)
+        parts[rank].append(i)
+    return [sorted(part) for part in parts]
+
+
+def share(indices: list[int], lengths: list[int], ranks: Ranks | None) -> list[int]:
+    """This rank's part of `indices` (`shares`)."""
+    return list(indices) if ranks is None else shares(indices, lengths, ranks.world)[ranks.rank]
 
 
 class Channel:
@@ -140,10 +162,26 @@ class Channel:
 def _collective(what: str, fn, *args):
     """A collective call on the ranks' group; a rank that died (its connections closed) becomes a
     DistributedError."""
-    try:
+    with collectives(what):
         return fn(*args, group=_group)
+
+
+@contextmanager
+def collectives(what: str) -> Iterator[None]:
+    """Collective calls made inside (FSDP's gathers and reductions in a forward and backward):
+    a rank that died becomes a DistributedError."""
+    try:
+        yield
     except RuntimeError as e:
-        raise DistributedError(f"the trainer ranks failed while {what}: {e}") from None
+        raise DistributedError(f"the trainer ranks failed while {what}: {e}") from e
+
+
+def broadcast(tensors: list) -> None:
+    """Rank 0's values of `tensors` on every rank."""
+    import torch.distributed as dist
+
+    for t in tensors:
+        _collective("sending rank 0's weights", dist.broadcast, t.data, 0)
 
 
 def _params(optimizer) -> list:
@@ -175,14 +213,26 @@ def sum_values(values: list[float]) -> list[float]:
     return total.tolist()
 
 
-def agree(optimizer, steps: int, ranks: Ranks) -> None:
-    """Raise RanksDisagree unless every rank has taken `steps` steps and holds the same trainable
-    weights: compared by a bit-exact checksum (the weights' bits summed as integers)."""
+def weights_checksum(optimizer) -> int:
+    """A bit-exact checksum of the trainable weights (their bits summed as integers)."""
+    import torch
+
+    return sum(int(p.detach().contiguous().view(torch.int16 if p.element_size() == 2 else torch.int32)
+                   .sum(dtype=torch.int64)) for p in _params(optimizer))
+
+
+def digest(text: str) -> int:
+    """`text` as a checksum `agree` compares (63 bits of its SHA-256)."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 1
+
+
+def agree(steps: int, checksum: int, ranks: Ranks) -> None:
+    """Raise RanksDisagree unless every rank has taken `steps` steps with the same `checksum`:
+    of the trainable weights when every rank holds them all, of what each rank was told to do
+    (its configuration) when each holds other shards."""
     import torch
     import torch.distributed as dist
 
-    checksum = sum(int(p.detach().contiguous().view(torch.int16 if p.element_size() == 2 else torch.int32)
-                       .sum(dtype=torch.int64)) for p in _params(optimizer))
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     low = torch.tensor([steps, checksum], dtype=torch.int64, device=device)
     high = low.clone()
@@ -190,7 +240,7 @@ def agree(optimizer, steps: int, ranks: Ranks) -> None:
     _collective("comparing weights", dist.all_reduce, high, dist.ReduceOp.MAX)
     if not torch.equal(low, high):
         raise RanksDisagree(f"after step {steps} the trainer ranks disagree (rank {ranks.rank}: {steps} steps, "
-                            f"weights checksum {checksum}; over all ranks {low.tolist()} .. {high.tolist()})")
+                            f"checksum {checksum}; over all ranks {low.tolist()} .. {high.tolist()})")
 
 
 def state_bytes(optimizer) -> bytes:

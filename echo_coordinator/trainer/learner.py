@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +23,7 @@ from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft
 from safetensors.numpy import load_file
 
 from echo_coordinator.config import TrainerConfig
-from echo_coordinator.trainer import distributed, evidence
+from echo_coordinator.trainer import distributed, evidence, sharded
 from echo_coordinator.trainer.grpo import grpo_loss, group_advantages
 from echo_coordinator.trainer.samples import TrainSample, encode
 from echo_coordinator.trainer.tensors import micro_batches, release_freed_memory, save_tensors
@@ -64,6 +64,8 @@ class Trainer:
         if config.threads:
             torch.set_num_threads(config.threads)
         self.config, self.temperature, self.update, self.ranks = config, temperature, update, ranks
+        # One process (export, eval, rank 0's verification copy) holds the whole model whatever the run's sharding.
+        self.sharded = config.sharding == "fsdp" and ranks is not None
         self.steps = 0  # optimiser passes taken, counted from the checkpoint `load` restored (ranks compare it)
         if ranks is not None:
             self.device = torch.device(ranks.device(config.device))
@@ -85,10 +87,20 @@ class Trainer:
             self.model = get_peft_model(base, lora)
         else:
             self.model = base
+        if config.activation_checkpointing:
+            self.causal.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        self.scored = sharded.Scored(self.causal)
+        if self.sharded:  # every rank starts from rank 0's weights, then keeps its shard of them
+            distributed.broadcast([p for p in self.model.parameters() if p.requires_grad])
+            self.units = sharded.shard(self.scored, self.device)
+            with torch.no_grad(), distributed.collectives("starting"):  # FSDP sets itself up in a first forward
+                self.scored(torch.zeros((1, 2), dtype=torch.long, device=self.device),
+                            torch.ones((1, 1), dtype=torch.bool, device=self.device))
+            self.scored.reshard()  # (the root keeps its weights gathered after a forward)
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         fused = dict(fused=True) if self.device.type == "cuda" else {}
         self.optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=0.0, **fused)
-        if ranks is not None and ranks.leader:
+        if ranks is not None and ranks.leader and not self.sharded:
             self.send_state()  # every rank starts from rank 0's weights
 
     def step(self, samples: list[TrainSample], expected_steps: int | None = None) -> StepStats:
@@ -99,6 +111,12 @@ class Trainer:
         and they are summed (`distributed`); rank 0 sends the batch, the others are given it
         with the step count rank 0 is at (`expected_steps`)."""
         started = time.perf_counter()
+        with distributed.collectives("training") if self.sharded else nullcontext():
+            stats = self._step(samples, expected_steps)
+        release_freed_memory()
+        return replace(stats, busy_seconds=time.perf_counter() - started)
+
+    def _step(self, samples: list[TrainSample], expected_steps: int | None) -> StepStats:
         if self.ranks is not None:
             if self.ranks.leader:
                 self.channel.send(distributed.STEP, self.steps, encode(samples))
@@ -113,23 +131,28 @@ class Trainer:
         cfg = self.config
         minibatches = [m.tolist() for m in np.array_split(np.arange(len(trained)), min(cfg.ppo_minibatches,
                                                                                          max(len(trained), 1)))]
-        mine = [distributed.share(m, lengths, self.ranks) for m in minibatches]  # this rank's part of each
+        world, rank = (1, 0) if self.ranks is None else (self.ranks.world, self.ranks.rank)
+        parts = [distributed.shares(m, lengths, world) for m in minibatches]  # every rank's part of each
+        mine = [p[rank] for p in parts]
+        # Sharded, every rank runs as many forwards as the busiest in each optimiser step.
+        rounds = [max(len(micro_batches([lengths[i] for i in p], cfg.micro_batch_tokens)) for p in ps) for ps in parts]
         old = None
         if cfg.ppo_epochs * cfg.ppo_minibatches > 1:
             touched = sorted({i for part in mine for i in part})
-            old = dict(zip(touched, self._start_logprobs([trained[i][0] for i in touched])))
+            with self._whole():  # sharded: each rank's forwards on its own gathered copy
+                old = dict(zip(touched, self._start_logprobs([trained[i][0] for i in touched])))
         self.model.train()
         sums = dict(loss=0.0, tokens=0, clipped_tis=0, clipped_ratio=0, ratio_tokens=0, kl=0.0, log_ratio=0.0)
         staleness = sorted({s.staleness for s, _ in trained})
         by_staleness = {k: [0.0, 0] for k in staleness}  # staleness -> [log-ratio sum, tokens]
         for epoch in range(cfg.ppo_epochs):
-            for minibatch, part in zip(minibatches, mine):
+            for minibatch, part, n in zip(minibatches, mine, rounds):
                 if not minibatch:
                     continue
                 total_tokens = sum(sum(trained[i][0].loss_mask) for i in minibatch)  # the whole minibatch's
                 out = self._accumulate([trained[i] for i in part], None if old is None else [old[i] for i in part],
-                                       total_tokens)
-                if self.ranks is not None:
+                                       total_tokens, n)
+                if self.ranks is not None and not self.sharded:  # (FSDP sums them in the backward)
                     distributed.sum_gradients(self.optimizer)
                 self.optimizer.step()
                 sums["clipped_ratio"] += out["clipped_ratio"]
@@ -146,8 +169,7 @@ class Trainer:
             total = distributed.sum_values([sums[k] for k in keys] + [x for k in staleness for x in by_staleness[k]])
             sums = dict(zip(keys, total))
             by_staleness = {k: total[len(keys) + 2 * i : len(keys) + 2 * i + 2] for i, k in enumerate(staleness)}
-            distributed.agree(self.optimizer, self.steps, self.ranks)
-        release_freed_memory()
+            distributed.agree(self.steps, self._checksum(), self.ranks)
         tokens = max(sums["tokens"], 1)
         return StepStats(
             samples=len(samples), trained_samples=len(trained), tokens=int(sums["tokens"]), loss=sums["loss"],
@@ -155,19 +177,30 @@ class Trainer:
             ratio_clipped_fraction=sums["clipped_ratio"] / max(sums["ratio_tokens"], 1),
             mismatch_kl=sums["kl"] / tokens, mean_log_ratio=sums["log_ratio"] / tokens,
             log_ratio_by_staleness={k: r / max(n, 1) for k, (r, n) in sorted(by_staleness.items()) if n},
-            busy_seconds=time.perf_counter() - started,
+            busy_seconds=0.0,
         )
 
+    def _checksum(self) -> int:
+        """What the ranks compare after a step: unsharded, their weights; sharded (each holds other
+        weights), what they were told to train with."""
+        if not self.sharded:
+            return distributed.weights_checksum(self.optimizer)
+        return distributed.digest(repr((self.config, self.update, self.temperature)))
+
     def _accumulate(self, part: list[tuple[TrainSample, float]], old: list[torch.Tensor] | None,
-                    total_tokens: int) -> dict:
+                    total_tokens: int, rounds: int) -> dict:
         """Gradients of the loss over `part` (this rank's share of one optimiser step's samples),
         micro-batched by padded tokens; `old`: each sample's (L-1,) start-of-step logprobs, None =
         on-policy; `total_tokens`: the optimiser step's masked tokens over every rank, so the
-        parts' gradients sum to the gradient of the whole."""
+        parts' gradients sum to the gradient of the whole; `rounds`: sharded, the forwards every rank
+        runs (the busiest rank's micro-batches), idle ones before this rank's own."""
         self.optimizer.zero_grad(set_to_none=True)
         sums = dict(loss=0.0, tokens=0, clipped_tis=0, clipped_ratio=0, kl=0.0, log_ratio=0.0, by_staleness={})
         lengths = [len(s.prompt_ids) + len(s.completion_ids) for s, _ in part]
-        for indices in micro_batches(lengths, self.config.micro_batch_tokens):
+        batches = micro_batches(lengths, self.config.micro_batch_tokens)
+        for _ in range(rounds - len(batches) if self.sharded else 0):
+            sharded.idle_round(self.scored, self.device)
+        for indices in batches:
             micro = [part[i] for i in indices]
             ids, mask, behaviour = self._pack([s for s, _ in micro])
             new = self._logprobs(ids, mask > 0)  # (B, L-1)
@@ -225,9 +258,7 @@ class Trainer:
         order. The vocabulary projection, the largest matmul of a small model, and the softmax
         over it run only where a token is scored, not over prompts and padding. Right padding
         needs no attention mask: real tokens never attend to later pad tokens."""
-        causal = self.causal
-        hidden = causal.model(input_ids=ids).last_hidden_state[:, :-1]  # (B, L-1, H)
-        return causal.lm_head(hidden[where]).float() / self.temperature
+        return self.scored(ids, where).float() / self.temperature
 
     def _logprobs(self, ids: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
         """(B, L-1) logprob of each next token at the positions `where` marks, 0 elsewhere."""
@@ -243,7 +274,8 @@ class Trainer:
         where = torch.zeros((len(samples), ids.shape[1] - 1), dtype=torch.bool, device=self.device)
         for row, s in enumerate(samples):
             where[row, len(s.prompt_ids) - 1 : len(s.prompt_ids) - 1 + len(s.completion_ids)] = True
-        lp = self._logprobs(ids, where)
+        with self.holding(None):
+            lp = self._logprobs(ids, where)
         lp = lp.cpu()
         return [lp[row, len(s.prompt_ids) - 1 : len(s.prompt_ids) - 1 + len(s.completion_ids)].numpy()
                 for row, s in enumerate(samples)]
@@ -262,7 +294,18 @@ class Trainer:
     @contextmanager
     def holding(self, weights: dict[str, np.ndarray] | None) -> Iterator[None]:
         """Temporarily load `weights` (a `weights()`-shaped dict: what nodes held at some version),
-        then put the trainer's own back bit for bit. None: keep the trainer's weights."""
+        then put the trainer's own back bit for bit. None: keep the trainer's weights. Sharded,
+        rank 0's forwards inside run on a gathered copy, which `weights` go into."""
+        if self.sharded:
+            self._tell(distributed.GATHER)
+            with self._whole():
+                if weights is not None:
+                    params = self._named()  # the gathered copy's, inside `_whole`
+                    with torch.no_grad():
+                        for name, value in weights.items():
+                            params[name].copy_(torch.from_numpy(value))
+                yield
+            return
         if weights is None:
             yield
             return
@@ -282,17 +325,64 @@ class Trainer:
 
     def save(self, directory: Path, weights: dict[str, np.ndarray]) -> None:
         """`weights` (this step's `weights()`) and optimiser state, so a restarted trainer
-        continues the same trajectory. (torch.save is fine here: a local file we wrote, never peer data.)"""
+        continues the same trajectory. (torch.save is fine here: a local file we wrote, never peer data.)
+        Sharded, every rank writes its shard of the optimiser state into `directory/optimizer`."""
         directory.mkdir(parents=True, exist_ok=True)
         save_tensors(weights, directory / "weights.safetensors")
+        if self.sharded:
+            self._tell(distributed.SAVE, str(directory).encode())
+            self.save_shards(directory)
+            return
         torch.save(self.optimizer.state_dict(), directory / "optimizer.pt.tmp")
         (directory / "optimizer.pt.tmp").replace(directory / "optimizer.pt")
 
     def load(self, directory: Path) -> None:
+        if self.sharded:
+            self._tell(distributed.RESUME, str(directory).encode())
+            self.load_shards(directory, load_file(str(directory / "weights.safetensors")))
+            return
         self.load_weights(load_file(str(directory / "weights.safetensors")))
         self.optimizer.load_state_dict(torch.load(directory / "optimizer.pt", weights_only=True, map_location=self.device))
         if self.ranks is not None:
             self.send_state()
+
+    def save_shards(self, directory: Path) -> None:
+        with distributed.collectives("saving a checkpoint"):
+            sharded.save_optimizer(self.model, self.optimizer, directory / "optimizer")
+
+    def load_shards(self, directory: Path, weights: dict[str, np.ndarray] | None) -> None:
+        """Every rank: its shards of rank 0's `weights` (None on the others) and of the optimiser
+        state saved in `directory`."""
+        with distributed.collectives("loading a checkpoint"):
+            sharded.load_full(self._named(), None if weights is None else
+                              {k: torch.from_numpy(v) for k, v in weights.items()})
+            sharded.load_optimizer(self.model, self.optimizer, directory / "optimizer")
+
+    def _tell(self, command: int, payload: bytes = b"") -> None:
+        """Rank 0 of sharded ranks: have the others join the collective call it is about to make."""
+        if self.ranks.leader:
+            self.channel.send(command, self.steps, payload)
+
+    @contextmanager
+    def _whole(self) -> Iterator[None]:
+        """Sharded: every rank gathers the whole weights for the block (collective), and its
+        forwards inside are its own. Unsharded: nothing to do."""
+        if not self.sharded:
+            yield
+            return
+        with distributed.collectives("gathering the weights"):
+            sharded.gather(self.units)
+        try:
+            yield
+        finally:
+            sharded.release(self.units)
+
+    def _named(self) -> dict[str, torch.nn.Parameter]:
+        """The parameters `weights()` carries, under its names: the adapter's (peft's names
+        drop the adapter's), or every distinct weight (a tied head is the embeddings)."""
+        if self.update == "lora":
+            return {n.replace(".default", ""): p for n, p in self.model.named_parameters() if p.requires_grad}
+        return dict(self.model.named_parameters())
 
     def send_state(self) -> None:
         """Rank 0: give every other rank these weights, optimiser state and step count."""
@@ -305,8 +395,13 @@ class Trainer:
 
     def weights(self) -> dict[str, np.ndarray]:
         """What a WeightUpdate carries, as float32 arrays: the LoRA adapter under peft's names
-        (`...q_proj.lora_A.weight`), or in full mode every distinct weight under HF names."""
-        if self.update == "lora":
+        (`...q_proj.lora_A.weight`), or in full mode every distinct weight under HF names. Sharded,
+        every rank takes part and rank 0 gets them (the others an empty dict)."""
+        if self.sharded:
+            self._tell(distributed.WEIGHTS)
+            with distributed.collectives("gathering the weights"):
+                state = sharded.full(self._named(), keep=self.ranks.leader)
+        elif self.update == "lora":
             state = get_peft_model_state_dict(self.model)
         else:
             state = {k: v for k, v in self.model.state_dict().items() if not is_tied_head(self.model.config, k)}

@@ -1,18 +1,23 @@
 """A run whose trainer is two processes (`--trainer-procs 2`, gloo on 127.0.0.1): rank 0 runs the
-swarm, rank 1 only trains, the ranks agree on the weights after every step, and the run ends
-with both processes gone."""
+swarm, rank 1 only trains, the ranks agree after every step, and the run ends with both processes
+gone. Sharded (FSDP2), in full mode: rank 1 also takes part in every gather of the weights rank 0
+publishes, verifies with and checkpoints."""
 
 import re
 import sys
+
+import pytest
 
 from tests.support.runs import async_config, start_node
 from tests.support.runs import spawn, wait_for
 from tests.support.runs import check_books, metrics
 
 
-def test_a_run_trains_on_two_trainer_processes(tmp_path, tiny_model, processes):
+@pytest.mark.parametrize("update, sharding", [("lora", "none"), ("full", "fsdp")])
+def test_a_run_trains_on_two_trainer_processes(tmp_path, tiny_model, processes, update, sharding):
     run_dir, steps = tmp_path / "run", 4
-    config = async_config(tmp_path / "run.toml", tiny_model, run_dir, steps, 2)
+    config = async_config(tmp_path / "run.toml", tiny_model, run_dir, steps, 2, extra=f'update = "{update}"',
+                          trainer=f'sharding = "{sharding}"')
     coordinator = spawn(processes, [sys.executable, "-m", "echo_coordinator.cli", "start", "--config", str(config),
                                     "--trainer-procs", "2", "--verbose"], tmp_path / "coordinator.log")
     wait_for((run_dir / "join.txt").exists, 180, "the join line", [coordinator])

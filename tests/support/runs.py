@@ -72,8 +72,9 @@ threads = 1
 
 
 def async_config(path: Path, model: Path, data_dir: Path, steps: int, staleness: int, port: int = 0, extra: str = "",
-                 lease_seconds: float = 120) -> Path:
-    """An async run on two nodes, 2 prompts x 4 samples of 8 tokens a step."""
+                 lease_seconds: float = 120, trainer: str = "") -> Path:
+    """An async run on two nodes, 2 prompts x 4 samples of 8 tokens a step; `extra` and `trainer`:
+    more lines of [run] and [trainer]."""
     path.write_text(f"""
 [run]
 model = "{model}"
@@ -94,6 +95,7 @@ lease_seconds = {lease_seconds}
 lora_rank = 4
 learning_rate = 0.01
 threads = 1
+{trainer}
 """)
     return path
 

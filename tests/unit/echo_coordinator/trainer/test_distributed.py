@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 
-from echo_coordinator.trainer import distributed, samples as codec
+from echo_coordinator.trainer import distributed, samples as codec, sharded
 from echo_coordinator.config import TrainerConfig
 from echo_coordinator.trainer.distributed import DistributedError, Ranks, RanksDisagree
 from echo_coordinator.trainer.learner import Trainer
@@ -45,20 +45,23 @@ def two_ranks(model, monkeypatch):
     """Rank 0 here, rank 1 in a subprocess (the worker loop): yields a function that starts them."""
     started = []
 
-    def start(worker_config=CONFIG, update="lora"):
+    def start(worker_config=CONFIG, update="lora", config=CONFIG):
         monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
         monkeypatch.setenv("MASTER_PORT", str(distributed.free_port()))
         monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+        monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")  # ranks whose collectives differ fail, not hang
+        dist.set_debug_level_from_env()  # (this process read the variable when it imported torch)
         env = dict(__import__("os").environ, RANK="1", WORLD_SIZE="2", LOCAL_RANK="1")
         worker = subprocess.Popen([sys.executable, "-m", "tests.support.trainer_rank", str(model),
                                    json.dumps(worker_config), update], env=env)
         started.append(worker)
-        leader = Trainer(model, TrainerConfig(**CONFIG), 1.0, update=update, ranks=Ranks(0, 2, 0))
+        leader = Trainer(model, TrainerConfig(**config), 1.0, update=update, ranks=Ranks(0, 2, 0))
         return leader, worker
 
     yield start
     if dist.is_initialized():
         dist.destroy_process_group()
+    dist.set_debug_level(dist.DebugLevel.OFF)
     for worker in started:
         worker.kill()
         worker.wait()
@@ -68,12 +71,14 @@ def update_of(before: dict, after: dict) -> np.ndarray:
     return np.concatenate([(after[k] - before[k]).ravel() for k in sorted(before)])
 
 
+@pytest.mark.parametrize("sharding", ["none", "fsdp"])
 @pytest.mark.parametrize("update", ["lora", "full"])
-def test_two_ranks_take_the_one_process_step(model, two_ranks, update):
+def test_two_ranks_take_the_one_process_step(model, two_ranks, update, sharding):
     one = Trainer(model, TrainerConfig(**CONFIG), 1.0, update=update)
     start = one.weights()
     expected = one.step(batch(1))
-    leader, worker = two_ranks(update=update)
+    config = {**CONFIG, "sharding": sharding}
+    leader, worker = two_ranks(update=update, worker_config=config, config=config)
     assert all(np.array_equal(start[k], v) for k, v in leader.weights().items())  # same start
     got = leader.step(batch(1))
     # The same update, to float rounding: summing two ranks' gradients reorders the additions.
@@ -121,3 +126,98 @@ def test_samples_cross_ranks_unchanged():
     samples = batch(3)
     assert codec.decode(codec.encode(samples)) == [
         dataclasses.replace(s, reward=float(s.reward)) for s in samples]
+
+
+SHARDED = {**CONFIG, "sharding": "fsdp"}
+
+
+@pytest.mark.parametrize("update", ["lora", "full"])
+def test_sharded_ranks_verify_as_one_process_and_hold_half_the_state(model, two_ranks, update):
+    """Rank 0's verification forwards (on a gathered copy, with another version's weights loaded
+    into it) give what one process gives, and leave the training step after them as one
+    process's; each of 2 sharded ranks holds about half the weights and optimiser state, and rank
+    0 publishes the whole weights under the unsharded names."""
+    one = Trainer(model, TrainerConfig(**CONFIG), 1.0, update=update)
+    leader, worker = two_ranks(update=update, worker_config=SHARDED, config=SHARDED)
+    samples, start = batch(4), one.weights()
+    held = {k: v + np.float32(0.01) for k, v in start.items()}  # another version's weights
+    seeds = list(range(len(samples)))
+    for weights in (None, held, held, None):
+        expected, got = one.evidence(samples, seeds, weights), leader.evidence(samples, seeds, weights)
+        assert [e.tokens for e in got] == [e.tokens for e in expected]
+        assert [e.mean_logprob_error for e in got] == pytest.approx([e.mean_logprob_error for e in expected], rel=1e-5)
+    for a, b in zip(leader.logprobs(samples[:3]), one.logprobs(samples[:3])):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    ours = leader.weights()
+    assert ours.keys() == start.keys() and all(np.array_equal(ours[k], start[k]) for k in ours)  # as they were
+
+    one.step(samples)
+    leader.step(samples)  # FSDP forgot rank 0's own forwards: the ranks gather and reduce alike
+    ours, theirs = update_of(start, leader.weights()), update_of(start, one.weights())
+    assert np.linalg.norm(ours - theirs) / np.linalg.norm(theirs) < 1e-3
+
+    whole, shard = sharded.held_bytes(one.model, one.optimizer), sharded.held_bytes(leader.model, leader.optimizer)
+    # Rank 0's shard of each weight is its first half, rounded up: within a few rows of half.
+    assert shard["parameters"] == pytest.approx(whole["parameters"] / 2, rel=0.03), (shard, whole)
+    assert shard["optimizer"] == pytest.approx(whole["optimizer"] / 2, rel=0.03), (shard, whole)
+    print(f"{update}: one process {whole}, sharded rank 0 {shard}")
+    leader.channel.send(distributed.STOP)
+    assert worker.wait(timeout=60) == 0
+
+
+def test_sharded_ranks_resume_after_a_kill_with_the_same_next_step(model, two_ranks, tmp_path):
+    leader, worker = two_ranks(update="full", worker_config=SHARDED, config=SHARDED)
+    leader.step(batch(1))
+    leader.save(tmp_path / "ckpt", leader.weights())
+    assert any((tmp_path / "ckpt" / "optimizer").glob("*.distcp"))  # each rank's shard of the optimiser
+    leader.step(batch(2))
+    expected = leader.weights()
+    worker.kill()  # SIGKILL
+    worker.wait()
+    dist.destroy_process_group()
+
+    leader, worker = two_ranks(update="full", worker_config=SHARDED, config=SHARDED)
+    leader.load(tmp_path / "ckpt")
+    leader.step(batch(2))
+    got = leader.weights()
+    assert max(float(np.abs(got[k] - expected[k]).max()) for k in got) < 1e-6
+    leader.channel.send(distributed.STOP)
+    assert worker.wait(timeout=60) == 0
+
+
+def test_a_sharded_rank_that_dies_or_trains_differently_stops_the_run(two_ranks):
+    leader, worker = two_ranks(worker_config={**SHARDED, "learning_rate": 0.02}, config=SHARDED)
+    with pytest.raises(RanksDisagree, match="disagree"):
+        leader.step(batch(1))
+    assert worker.wait(timeout=60) != 0
+    dist.destroy_process_group()
+
+    leader, worker = two_ranks(worker_config=SHARDED, config=SHARDED)
+    leader.step(batch(1))
+    worker.kill()
+    worker.wait()
+    with pytest.raises(DistributedError, match="trainer ranks failed"):
+        leader.step(batch(2))
+
+
+def test_a_sharded_run_needs_ranks_and_one_process_tools_load_it_whole(model, tmp_path):
+    from echo_coordinator.config import RunConfig
+    from echo_coordinator.startup import Coordinator
+    from protocols.errors import ConfigError
+
+    run = RunConfig(model=str(model), data_dir=str(tmp_path / "run"), dashboard=False)
+    with pytest.raises(ConfigError, match=r"set \[trainer\] procs"):
+        Coordinator(run, TrainerConfig(sharding="fsdp"), model)
+    alone = Trainer(model, TrainerConfig(**SHARDED), 1.0)  # export and eval read the run's config
+    assert not alone.sharded and alone.weights().keys() == Trainer(model, TrainerConfig(**CONFIG), 1.0).weights().keys()
+
+
+def test_checkpointing_activations_changes_no_update(model):
+    plain = Trainer(model, TrainerConfig(**CONFIG), 1.0, update="full")
+    recomputed = Trainer(model, TrainerConfig(**CONFIG, activation_checkpointing=True), 1.0, update="full")
+    start = plain.weights()
+    plain.step(batch(1))
+    recomputed.step(batch(1))
+    a, b = update_of(start, plain.weights()), update_of(start, recomputed.weights())
+    assert np.abs(a).max() > 1e-3
+    assert np.linalg.norm(a - b) / np.linalg.norm(a) < 1e-5
