@@ -275,6 +275,7 @@ def main() -> None:
     parser.add_argument("--seeds", default="q4_1@8=144,q8_0@8=144,q4_k_m@8=32,transformers=8",
                         help="node kinds and prompts per version for each")
     parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--task", default="arithmetic", help="the prompts' task (a registry name or module:Class)")
     parser.add_argument("--lease-seeds", type=int, default=2, help="prompts per lease (the demo's)")
     parser.add_argument("--cheat-seeds", type=int, default=4, help="prompts per version for each cheat")
     parser.add_argument("--train-seeds", type=int, default=8, help="prompts per GRPO step")
@@ -303,7 +304,7 @@ def main() -> None:
 
     seeds = {kind: int(n) for kind, n in (item.split("=") for item in args.seeds.split(","))}
     model = args.model or demo_model_path()
-    task = make_task("arithmetic")
+    task = make_task(args.task)
     trainer = Trainer(model, TrainerConfig(learning_rate=args.lr, threads=2), args.temperature)
     tokenizer, eos = trainer.tokenizer, trainer.tokenizer.eos_token_id
     work = Path(tempfile.mkdtemp(prefix="echo-verify-"))

@@ -35,6 +35,11 @@ OUTLIER_FLIPS = 0.25  # a lone outlier (`judge`) with more of its tokens flipped
 # large, too many to tell a shaded handful from (docs/verification.md).
 LARGE_LOGPROB_ERROR = 0.5
 LARGE_ERRORS_FREE = 3  # large errors any batch may hold besides its share: small leases'
+# The per-batch rates are judged on POOL tokens at least: a smaller batch's flip share and mean
+# logprob error vary more, by sqrt(POOL / tokens) (their standard error), and its allowances widen
+# by as much. A mixture of experts' routing flips cluster, and honest tiny-MoE leases of 1-4
+# samples were refused at 0.05-0.2 % under fixed thresholds (docs/verification.md).
+POOL = 256
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 _S30, _S27, _S31, _S11 = np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(11)
 
@@ -183,12 +188,13 @@ def judge(batch: list[SampleEvidence], rule: SamplingRule) -> str | None:
     flips = sum(e.flips for e in batch)
     mean_error = sum(e.mean_logprob_error * e.tokens for e in batch) / max(tokens, 1)
     outliers = [e for e in batch if rule.outlier(e)]
+    widen = np.sqrt(POOL / max(tokens, 1)) if tokens < POOL else 1.0
     # One flipped near tie is always allowed: a one-token answer may hinge on it.
-    if flips > 1 + rule.max_flip_fraction * tokens:
+    if flips > 1 + rule.max_flip_fraction * widen * tokens:
         return "bad_sampling"
     if len(outliers) > 1 or any(e.flips > 1 + OUTLIER_FLIPS * e.tokens for e in outliers):
         return "bad_sampling" if any(e.max_margin > rule.max_margin for e in outliers) else "bad_logprobs"
-    if mean_error > rule.mean_logprob_error:
+    if mean_error > rule.mean_logprob_error * widen:
         return "bad_logprobs"
     # The mean alone lets a few tokens be shaded far, each to the TIS cap (docs/verification.md).
     if sum(e.large_errors for e in batch) > LARGE_ERRORS_FREE + rule.max_large_error_fraction * tokens:

@@ -68,6 +68,13 @@ def evidence(max_margin=0.0, flips=0, tokens=20, max_err=0.01, mean_err=0.005, l
     # Concentrated shading: a few tokens shaded far (each to the TIS cap), the mean still honest-looking.
     ([evidence(tokens=100, max_err=2.4, mean_err=0.07, large=3)] * 4, "bad_logprobs"),
     ([evidence(tokens=100, max_err=0.9, mean_err=0.05, large=1)] * 2 + [evidence(tokens=100)] * 2, None),  # honest: rare
+    # A small batch's rates vary more (by sqrt(POOL / tokens)): what an honest 64-token lease of a
+    # mixture of experts showed passes, the same rates over POOL tokens do not.
+    ([evidence(tokens=16, max_margin=0.4, flips=3)] * 3 + [evidence(tokens=16)], None),
+    ([evidence(tokens=16, max_margin=0.4, flips=3)] * 12 + [evidence(tokens=16)] * 4, "bad_sampling"),
+    ([evidence(tokens=16, mean_err=0.15, max_err=0.4)] * 4, None),
+    ([evidence(tokens=16, mean_err=0.15, max_err=0.4)] * 16, "bad_logprobs"),
+    ([evidence(tokens=16, mean_err=0.3, max_err=0.4)] * 4, "bad_logprobs"),  # shading 0.3 still shows in 64 tokens
 ])
 def test_judge(batch, verdict):
     assert judge(batch, SamplingRule()) == verdict
