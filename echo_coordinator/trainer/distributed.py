@@ -40,7 +40,7 @@ from protocols.errors import EchoError
 log = logging.getLogger(__name__)
 
 # What rank 0 tells the workers: train on a batch, take rank 0's state (unsharded), stop; and with
-# sharding, the collective calls the workers take part in (`Trainer.serve` says what each does).
+# sharding, the collective calls the workers take part in (`worker.py` says what each does).
 STEP, LOAD, STOP, GATHER, WEIGHTS, SAVE, RESUME = 1, 2, 3, 4, 5, 6, 7
 JOIN_TIMEOUT = timedelta(minutes=10)  # for every rank to start, load its model and join
 # A worker waits for the next batch as long as the swarm takes to bring one; a rank that dies is

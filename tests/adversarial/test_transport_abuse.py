@@ -110,10 +110,12 @@ def test_a_provider_that_never_answers_costs_one_stall_and_is_then_skipped(train
             fetch = updates.fetch_chunks(node.endpoint, [liar.peer_id, trainer], digests, timeout=60, shunned=shunned,
                                          stall=1.0)
             assert set(await asyncio.wait_for(fetch, 20)) == set(digests)  # not the 60 s call timeout
-            assert asked == [1]
+            # Asked once; on a loaded machine the 1 s stall may run out before the request reaches it.
+            first = list(asked)
+            assert first in ([], [1]) and shunned.filter([liar.peer_id]) == []
             again = await updates.fetch_chunks(node.endpoint, [liar.peer_id, trainer], digests, timeout=60,
                                                shunned=shunned, stall=1.0)
-            assert set(again) == set(digests) and asked == [1]  # not asked again
+            assert set(again) == set(digests) and asked == first  # not asked again
         finally:
             await asyncio.gather(liar.shutdown(), node.shutdown())
 
