@@ -24,9 +24,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from engines.gguf_io import (
-    ARCHS, SUPPORTED, UnsupportedModel, add_hparams, arch_of, quantize, read_field, write_model,
-)
+from engines.gguf_io import ARCHS, SUPPORTED, UnsupportedModel, add_hparams, arch_of, quantize, write_model
+from engines.gguf_read import read_field
 from protocols.chunks import DEFAULT_CHUNK_SIZE
 from protocols.errors import EchoError
 from protocols.messages import ModelFile

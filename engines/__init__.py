@@ -9,6 +9,7 @@
 - `transformers_backend`  the same on transformers (CUDA when present), full-mode updates in place
 - `episodes`              the turn rules: `rollouts`/`Game` (node) and `score` (trainer's replay)
 - `gguf_io`               GGUF files: architectures table, file types, LoRA adapters, whole models, quantize
+- `gguf_read`             a GGUF file read without mapping it: one header field, tensors dequantized
 - `hf`                    transformers loading (checkpoint or GGUF), distinct weights, chat template prompts
 - `full_weights`          full mode: master weights re-exported as GGUF and requantized, and read back (what nodes hold)
 """

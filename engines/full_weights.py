@@ -23,7 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from engines.gguf_io import FILE_TYPES, quantize, read_field, read_model, write_model
+from engines.gguf_io import FILE_TYPES, quantize, read_model, write_model
+from engines.gguf_read import read_field
 
 
 def file_type(model: Path) -> int:

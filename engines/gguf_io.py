@@ -1,7 +1,8 @@
 """Writing GGUF files llama.cpp can load: LoRA adapters (every LoRA update), whole models
 (the coordinator converts HF checkpoints; full-parameter mode re-exports master weights; tests
-build tiny ones), and requantizing them with llama.cpp's own quantizer. Reading back: one header
-field, or a model's tensors dequantized under their HF names (what a full-mode node holds).
+build tiny ones), and requantizing them with llama.cpp's own quantizer. Reading back a model's
+tensors dequantized under their HF names (what a full-mode node holds; the file's reader is
+`gguf_read`).
 
 Three dense architectures, Llama, Qwen2 (q/k/v biases) and Qwen3 (q/k RMS norms, explicit head
 size), and Qwen3's mixture of experts (`qwen3moe`: a router per layer, experts stored as one 3-D
@@ -19,9 +20,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import math
-import os
-import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +28,7 @@ from typing import Any
 import gguf
 import numpy as np
 
+from engines.gguf_read import read_tensors
 from engines.hf import is_tied_head
 
 
@@ -184,102 +183,6 @@ def _expert_lora(tmap: gguf.TensorNameMap, hf_name: str, a: np.ndarray, b: np.nd
     if a.shape[1] == layout.n_ff_exp and b.shape[0] == layout.n_embd:
         return [(_gguf_name(tmap, layer + "down_proj") + ".weight", a3, b3)]
     raise UnsupportedModel(f"LoRA tensors {hf_name!r} of shapes {a.shape}, {b.shape} fit neither expert projection")
-
-
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_STRING, _ARRAY = 8, 9
-_ALIGNMENT = 32  # where tensor data starts, unless `general.alignment` says otherwise
-
-
-class _Header:
-    """A GGUF header read in order, each read bounded by the file's size. `gguf.GGUFReader` maps
-    the whole file and slices every entry of the vocabulary (3 s for a 49k-token one) to answer
-    what these read by stepping over it."""
-
-    def __init__(self, f, path: Path):
-        self.f, self.path, self.size = f, path, os.fstat(f.fileno()).st_size
-        if f.read(4) != b"GGUF":
-            raise ValueError(f"{path.name} is not a GGUF file")
-        self.unpack("<I")  # version
-        self.n_tensors, self.n_fields = self.unpack("<Q"), self.unpack("<Q")
-
-    def unpack(self, fmt: str):
-        width = struct.calcsize(fmt)
-        data = self.f.read(width)
-        if len(data) != width:
-            raise ValueError(f"{self.path.name}: GGUF header cut short")
-        return struct.unpack(fmt, data)[0]
-
-    def string(self) -> str:
-        length = self.unpack("<Q")
-        if length > self.size - self.f.tell():
-            raise ValueError(f"{self.path.name}: GGUF header cut short")
-        return self.f.read(length).decode("utf-8", errors="replace")
-
-    def skip(self, kind: int) -> None:
-        if kind == _STRING:
-            self.f.seek(self.unpack("<Q"), 1)
-        elif kind == _ARRAY:
-            item, count = self.unpack("<I"), self.unpack("<Q")
-            if item in _SCALARS:
-                self.f.seek(struct.calcsize(_SCALARS[item]) * count, 1)
-            else:
-                for _ in range(count):
-                    self.skip(item)
-        elif kind in _SCALARS:
-            self.f.seek(struct.calcsize(_SCALARS[kind]), 1)
-        else:
-            raise ValueError(f"{self.path.name}: unknown GGUF value type {kind}")
-
-    def scalar(self, key: str, kind: int):
-        if kind == _STRING:
-            return self.string()
-        if kind in _SCALARS:
-            return self.unpack(_SCALARS[kind])
-        raise ValueError(f"{self.path.name}: {key} is not a scalar")
-
-
-def read_field(path: Path, key: str) -> Any:
-    """One scalar or string metadata field of a GGUF file, or None if it has none. Reads the
-    header up to that field only."""
-    with open(path, "rb") as f:
-        header = _Header(f, path)
-        for _ in range(header.n_fields):
-            name, kind = header.string(), header.unpack("<I")
-            if name == key:
-                return header.scalar(key, kind)
-            header.skip(kind)
-    return None
-
-
-def read_tensors(path: Path) -> dict[str, np.ndarray]:
-    """Every tensor of a GGUF file under its GGUF name, dequantized to float32 (`gguf.quants`),
-    shaped as numpy sees it: the file's dimensions reversed, (rows, columns) for a matrix."""
-    with open(path, "rb") as f:
-        header = _Header(f, path)
-        alignment = _ALIGNMENT
-        for _ in range(header.n_fields):
-            name, kind = header.string(), header.unpack("<I")
-            if name == "general.alignment":
-                alignment = int(header.scalar(name, kind))
-            else:
-                header.skip(kind)
-        infos = []
-        for _ in range(header.n_tensors):
-            name, n_dims = header.string(), header.unpack("<I")
-            dims = [header.unpack("<Q") for _ in range(n_dims)]
-            infos.append((name, dims, gguf.GGMLQuantizationType(header.unpack("<I")), header.unpack("<Q")))
-        start = -(-f.tell() // alignment) * alignment
-        tensors = {}
-        for name, dims, qtype, offset in infos:
-            block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
-            shape = (*reversed(dims[1:]), dims[0] // block * block_bytes)  # rows of bytes
-            f.seek(start + offset)
-            data = np.fromfile(f, dtype=np.uint8, count=math.prod(shape))
-            if data.size != math.prod(shape):
-                raise ValueError(f"{path.name}: tensor {name} cut short")
-            tensors[name] = gguf.quants.dequantize(data.reshape(shape), qtype).astype(np.float32, copy=False)
-    return tensors
 
 
 def copy_tokenizer(writer: gguf.GGUFWriter, source: Path) -> None:

@@ -2,7 +2,7 @@
 
 Rank 0 is the coordinator: it alone talks to the swarm (leases, the buffer, verification,
 publishing, the ledger). The other ranks do nothing but train: for each step rank 0 sends them
-the batch, every rank computes the gradient of its share of it (`share`), the gradients are
+the batch, every rank computes the gradient of its share of it (`shares`), the gradients are
 summed across ranks, and every rank takes the optimiser step. After each step the ranks compare
 the step count and a checksum; a rank that disagrees stops the run (`RanksDisagree`).
 - `sharding = "none"`: every rank holds the whole model and optimiser, the gradients are summed
@@ -121,11 +121,6 @@ def shares(indices: list[int], lengths: list[int], world: int) -> list[list[int]
         loads[rank] += lengths[i]
         parts[rank].append(i)
     return [sorted(part) for part in parts]
-
-
-def share(indices: list[int], lengths: list[int], ranks: Ranks | None) -> list[int]:
-    """This rank's part of `indices` (`shares`)."""
-    return list(indices) if ranks is None else shares(indices, lengths, ranks.world)[ranks.rank]
 
 
 class Channel:

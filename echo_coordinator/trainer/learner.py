@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -112,11 +112,9 @@ class Trainer:
         with the step count rank 0 is at (`expected_steps`)."""
         started = time.perf_counter()
         with distributed.collectives("training") if self.sharded else nullcontext():
-            stats = self._step(samples, expected_steps)
-        release_freed_memory()
-        return replace(stats, busy_seconds=time.perf_counter() - started)
+            return self._step(samples, expected_steps, started)
 
-    def _step(self, samples: list[TrainSample], expected_steps: int | None) -> StepStats:
+    def _step(self, samples: list[TrainSample], expected_steps: int | None, started: float) -> StepStats:
         if self.ranks is not None:
             if self.ranks.leader:
                 self.channel.send(distributed.STEP, self.steps, encode(samples))
@@ -170,6 +168,7 @@ class Trainer:
             sums = dict(zip(keys, total))
             by_staleness = {k: total[len(keys) + 2 * i : len(keys) + 2 * i + 2] for i, k in enumerate(staleness)}
             distributed.agree(self.steps, self._checksum(), self.ranks)
+        release_freed_memory()
         tokens = max(sums["tokens"], 1)
         return StepStats(
             samples=len(samples), trained_samples=len(trained), tokens=int(sums["tokens"]), loss=sums["loss"],
@@ -177,7 +176,7 @@ class Trainer:
             ratio_clipped_fraction=sums["clipped_ratio"] / max(sums["ratio_tokens"], 1),
             mismatch_kl=sums["kl"] / tokens, mean_log_ratio=sums["log_ratio"] / tokens,
             log_ratio_by_staleness={k: r / max(n, 1) for k, (r, n) in sorted(by_staleness.items()) if n},
-            busy_seconds=0.0,
+            busy_seconds=time.perf_counter() - started,
         )
 
     def _checksum(self) -> int:

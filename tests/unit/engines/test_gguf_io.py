@@ -5,7 +5,8 @@ import gguf
 import numpy as np
 import pytest
 
-from engines.gguf_io import permute_qk, quantize, read_field, read_model, read_tensors, unpermute_qk
+from engines.gguf_io import permute_qk, quantize, read_model, unpermute_qk
+from engines.gguf_read import read_field, read_tensors
 from engines.hf import load_master
 
 

@@ -115,11 +115,11 @@ def test_a_dead_rank_is_an_error_not_a_hang(two_ranks):
 def test_shares_cover_the_batch_once_and_balance_tokens():
     lengths = [30, 5, 12, 40, 7, 7, 22, 3, 15]
     indices = list(range(len(lengths)))
-    parts = [distributed.share(indices, lengths, Ranks(r, 3, r)) for r in range(3)]
+    parts = distributed.shares(indices, lengths, 3)
     assert sorted(i for p in parts for i in p) == indices
     tokens = [sum(lengths[i] for i in p) for p in parts]
     assert max(tokens) - min(tokens) <= max(lengths) // 2
-    assert distributed.share(indices, lengths, None) == indices
+    assert distributed.shares(indices, lengths, 1) == [indices]
 
 
 def test_samples_cross_ranks_unchanged():
