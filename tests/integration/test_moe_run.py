@@ -92,7 +92,8 @@ def test_moe_checkpoint_trains_on_quantized_nodes_in_both_modes_and_exports(tmp_
         assert sum(s["verified_samples"] for s in steps) >= STEPS * 4 * 4, (update, steps)
         assert journal(run_dir, "SELECT SUM(failed) FROM trust") == [(0,)]
         refused = journal(run_dir, "SELECT reason, SUM(count) FROM rejections GROUP BY reason")
-        assert set(reason for reason, _ in refused) <= {"outlier"} and sum(n for _, n in refused) <= 1, refused
+        # (`rejections` counts samples: one refused lease is up to prompts_per_step x group_size of them.)
+        assert set(reason for reason, _ in refused) <= {"outlier"} and sum(n for _, n in refused) <= 4 * 4, refused
 
         out = tmp_path / update / "exported"
         done = subprocess.run([sys.executable, "-m", "echo_coordinator.cli", "export", "--data-dir", str(run_dir),
