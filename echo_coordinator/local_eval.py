@@ -42,7 +42,7 @@ def weights_of(run_dir: RunDir, run: RunConfig, trainer, version: int) -> dict[s
                         f"version {version} cannot be evaluated")
     if state.checkpoint is None:
         return trainer.weights()  # version 0: the base model
-    return load_file(str(run_dir.weights_of(state.checkpoint)))
+    return run_dir.weights_of(state.checkpoint)
 
 
 def evaluate(data_dir: Path, version: int, prompts: int | None = None, progress=None) -> list[dict]:

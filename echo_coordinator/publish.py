@@ -56,12 +56,19 @@ class Publisher:
         self.bf16 = mode == "lora"
         self.encoder = None if base is None else delta.DeltaEncoder(base, bf16=self.bf16)
 
-    def publish(self, version: int, weights: dict[str, np.ndarray]) -> list[Published]:
-        """The delta to `version`, plus a snapshot when `version` is a multiple of snapshot_every."""
+    def publish(self, version: int, weights: dict[str, np.ndarray] | None,
+                encoded: dict[str, bytes] | None = None) -> list[Published]:
+        """The delta to `version` toward `weights`, or made of payloads a sharded trainer
+        `encoded` where its shards live; plus a snapshot when `version` is a multiple of
+        snapshot_every."""
         if self.encoder is None:  # LoRA's first update: the adapter itself
             self.encoder = delta.DeltaEncoder({n: delta.round_bf16(w) for n, w in weights.items()}, bf16=True)
             return [self.snapshot(version)]
-        encoded = self.encoder.encode_update(weights, self.encoding, self.density)
+        if encoded is None:
+            encoded = self.encoder.encode_update(weights, self.encoding, self.density)
+        else:
+            self.encoder.advance(encoded, self.encoding)
+        weights = self.view()  # (only their shapes are read below)
         payloads = {n: (weights[n].shape, self.encoding, p) for n, p in encoded.items()}
         out = [signed_update(self.run_id, version - 1, version, self.mode, payloads, False, self.params, self.key,
                              self.chunk_size)]

@@ -132,9 +132,16 @@ class RunDir:
         return checkpoint / "view.safetensors"
 
     @staticmethod
-    def weights_of(checkpoint: Path) -> Path:
-        """The trainer's weights saved with a checkpoint (`Trainer.save` writes them)."""
-        return checkpoint / "weights.safetensors"
+    def weights_of(checkpoint: Path) -> dict:
+        """The trainer's weights saved with a checkpoint (`Trainer.save` writes them: whole, or
+        sharded by a sharded full-mode trainer's ranks), as float32 arrays."""
+        from safetensors.numpy import load_file
+
+        if (checkpoint / "weights.safetensors").exists():
+            return load_file(str(checkpoint / "weights.safetensors"))
+        from echo_coordinator.trainer.sharded import read_weights
+
+        return {name: t.float().numpy() for name, t in read_weights(checkpoint / "model").items()}
 
     def write_config(self, run: RunConfig, trainer: TrainerConfig) -> None:
         """What `echo-coordinator eval` and `export` read back."""

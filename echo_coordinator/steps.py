@@ -128,7 +128,7 @@ class StepLoop:
         batch = await self._collect(version)
         waited = time.time() - started
         stats = await torch.call(self.trainer.step, batch.samples)
-        weights = await torch.call(self.trainer.weights)
+        weights = await torch.call(versions.step_weights)
         published, held = await torch.call(versions.build_updates, version + 1, weights)
         await torch.call(versions.save_checkpoint, version + 1, weights)
         now = time.time()

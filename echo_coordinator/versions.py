@@ -55,6 +55,16 @@ class Versions:
                                NodesHold(requantize, trainer.weights(), checker.weights()))
             self.publisher = publish.Publisher(manifest.run_id, key, "full", trainer.weights() if view is None else view,
                                                cfg.update_encoding, cfg.update_density, cfg.snapshot_every)
+        # Sharded full mode: each update is encoded where the trainer's shards live, never
+        # gathering the weights onto rank 0 (dense encodings are the weights' size: they gather).
+        self.local_delta = trainer.sharded and cfg.update == "full" and cfg.update_encoding == "topk-int8"
+        if self.local_delta:
+            trainer.hold_view(self.publisher.view())
+
+    def step_weights(self) -> Weights | None:
+        """The trainer's weights after a step, for `build_updates` and the checkpoint; None where
+        the trainer's ranks encode the update and save the weights where their shards live."""
+        return None if self.local_delta else self.trainer.weights()
 
     def begin(self, service: RunService) -> None:
         """A new run: at version 0 nodes hold the base model."""
@@ -71,12 +81,14 @@ class Versions:
 
     def build_updates(self, version: int, weights: Weights | None, resumed: bool = False):
         """The signed update(s) into `version` and what nodes will hold at it; `weights`: the
-        trainer's `weights()` after the step (exported once, shared with the checkpoint)."""
+        trainer's `step_weights()` (exported once, shared with the checkpoint)."""
         from echo_coordinator.trainer.tensors import save_tensors
 
         if resumed:
             # The delta into this version died with the old process; a snapshot serves everyone.
             published = [self.publisher.snapshot(version)]
+        elif self.local_delta:
+            published = self.publisher.publish(version, None, self.trainer.topk_delta(self.cfg.update_density))
         else:
             published = self.publisher.publish(version, weights)
         if self.nodes_hold is not None:

@@ -216,36 +216,74 @@ class DeltaEncoder:
             raise CodecError(
                 f"update does not match the base: unknown tensors {unknown}, missing {missing}"
             )
-        payloads: dict[str, bytes] = {}
-        advanced: dict[str, np.ndarray] = {}
-        for name, view in self._view.items():
-            payloads[name] = encode(
-                self.residual(name, target[name]), encoding, density=density, name=name
-            )
-            advanced[name] = _frozen(apply(view, payloads[name], encoding, name=name, bf16=self.bf16))
-        # Commit only once every tensor encoded: advancing views for payloads that are never
+        payloads = {
+            name: encode(self.residual(name, target[name]), encoding, density=density, name=name)
+            for name in self._view
+        }
+        self.advance(payloads, encoding)
+        return payloads
+
+    def advance(self, payloads: Mapping[str, bytes], encoding: Encoding | str) -> None:
+        """Advance the view as receivers will on applying `payloads` (one per tensor)."""
+        if set(payloads) != set(self._view):
+            raise CodecError(f"an update must carry every tensor: missing {sorted(set(self._view) - set(payloads))}, "
+                             f"unknown {sorted(set(payloads) - set(self._view))}")
+        advanced = {name: _frozen(apply(view, payloads[name], encoding, name=name, bf16=self.bf16))
+                    for name, view in self._view.items()}
+        # Commit only once every tensor applied: advancing views for payloads that are never
         # returned would desynchronise us from the receivers for good.
         self._view.update(advanced)
-        return payloads
+
+
+def topk_count(n: int, density: float) -> int:
+    """Entries a topk-int8 payload of an `n`-element tensor keeps."""
+    return min(n, max(1, math.ceil(density * n)))
 
 
 def _encode_topk(flat: np.ndarray, density: float, where: str) -> bytes:
     n = flat.size
-    k = min(n, max(1, math.ceil(density * n)))
-    magnitude = np.abs(flat)
+    k = topk_count(n, density)
     # argpartition is deterministic for a given input, so ties resolve the same way every time.
-    idx = np.sort(np.argpartition(magnitude, n - k)[n - k :]) if 0 < k < n else np.arange(n)
-    peak = float(magnitude[idx].max()) if k else 0.0
+    idx = np.sort(np.argpartition(np.abs(flat), n - k)[n - k :]) if 0 < k < n else np.arange(n)
+    return topk_payload(idx, flat[idx], where)
+
+
+def topk_payload(idx: np.ndarray, kept: np.ndarray, where: str = "tensor '?'", peak: float | None = None) -> bytes:
+    """The topk-int8 payload keeping float32 values `kept` at flat indices `idx` (strictly
+    increasing): what `encode` sends once it chose them. `peak`: the largest |value| the scale is
+    set by, where `kept` is one shard's part of a tensor's entries (default: their own)."""
+    k = idx.size
+    if peak is None:
+        peak = float(np.abs(kept).max()) if k else 0.0
     scale = np.float32(peak / _QMAX)
     if scale > 0:
         # float64 so that |q * scale - kept| <= scale / 2 holds before the final float32 rounding.
-        ratio = flat[idx].astype(np.float64) / np.float64(scale)
+        ratio = kept.astype(np.float64) / np.float64(scale)
         q = np.clip(np.rint(ratio), -_QMAX, _QMAX).astype(_TOPK_VALUE)
     else:
         q = np.zeros(k, dtype=_TOPK_VALUE)
-    _check_no_overflow(_dequantize(q, scale), flat[idx], Encoding.TOPK_INT8, where)
+    _check_no_overflow(_dequantize(q, scale), kept, Encoding.TOPK_INT8, where)
     header = np.array([(k, scale)], dtype=_TOPK_HEADER)
     return header.tobytes() + idx.astype(_TOPK_INDEX).tobytes() + q.tobytes()
+
+
+def topk_join(parts: Sequence[tuple[int, bytes]]) -> bytes:
+    """One topk-int8 payload from (offset, payload) parts (ours, made with one scale) covering
+    consecutive slices of a flat tensor in order: a sharded trainer's ranks encode their shards'
+    parts of an update, and rank 0 publishes them joined."""
+    head = _TOPK_HEADER.itemsize
+    indices, values, total, scale = [], [], 0, np.float32(0)
+    for offset, part in parts:
+        header = np.frombuffer(part, dtype=_TOPK_HEADER, count=1)[0]
+        k = int(header["k"])
+        if k:
+            scale = header["scale"]
+        indices.append(np.frombuffer(part, dtype=_TOPK_INDEX, count=k, offset=head) + np.uint32(offset))
+        values.append(np.frombuffer(part, dtype=_TOPK_VALUE, count=k, offset=head + k * _TOPK_INDEX.itemsize))
+        total += k
+    header = np.array([(total, scale)], dtype=_TOPK_HEADER)
+    return header.tobytes() + b"".join(i.astype(_TOPK_INDEX).tobytes() for i in indices) + b"".join(
+        v.tobytes() for v in values)
 
 
 def _decode_topk(payload: bytes | bytearray, n: int, where: str) -> np.ndarray:

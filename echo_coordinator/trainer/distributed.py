@@ -11,7 +11,7 @@ the step count and a checksum; a rank that disagrees stops the run (`RanksDisagr
 - `sharding = "fsdp"`: each rank holds a shard (`sharded.py`); FSDP sums the gradients into the
   shards, and the checksum is of what each rank was told to train with (the shards differ).
   Rank 0's own uses of the whole weights (publishing, verifying, checkpoints) are collective
-  calls the other ranks join (GATHER, WEIGHTS, SAVE, RESUME).
+  calls the other ranks join (GATHER, WEIGHTS, SAVE, RESUME, VIEW, DELTA).
 
 Processes: `echo-coordinator start --trainer-procs N` starts N - 1 local workers itself (gloo
 on the CPU, NCCL on GPUs, loopback only); under `torchrun` every rank runs the same `start`
@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 # What rank 0 tells the workers: train on a batch, take rank 0's state (unsharded), stop; and with
 # sharding, the collective calls the workers take part in (`worker.py` says what each does).
-STEP, LOAD, STOP, GATHER, WEIGHTS, SAVE, RESUME = 1, 2, 3, 4, 5, 6, 7
+STEP, LOAD, STOP, GATHER, WEIGHTS, SAVE, RESUME, VIEW, DELTA = 1, 2, 3, 4, 5, 6, 7, 8, 9
 JOIN_TIMEOUT = timedelta(minutes=10)  # for every rank to start, load its model and join
 # A worker waits for the next batch as long as the swarm takes to bring one; a rank that dies is
 # noticed at once (its connections close), not by this timeout.

@@ -12,22 +12,21 @@ what the nodes actually ran.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
-from safetensors.numpy import load_file
+from peft import LoraConfig, get_peft_model
 
 from echo_coordinator.config import TrainerConfig
 from echo_coordinator.trainer import distributed, evidence, sharded
 from echo_coordinator.trainer.grpo import grpo_loss, group_advantages
 from echo_coordinator.trainer.samples import TrainSample, encode
-from echo_coordinator.trainer.tensors import micro_batches, release_freed_memory, save_tensors
-from engines.hf import is_tied_head, load_model, load_tokenizer
+from echo_coordinator.trainer.tensors import micro_batches, release_freed_memory
+from echo_coordinator.trainer.weights import TrainerWeights
+from engines.hf import load_model, load_tokenizer
 from protocols.sampling import SampleEvidence
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -55,7 +54,7 @@ def pad_rows(rows: list[torch.Tensor], length: int) -> torch.Tensor:
     return out
 
 
-class Trainer:
+class Trainer(TrainerWeights):
     def __init__(self, source: Path, config: TrainerConfig, temperature: float, seed: int = 0, update: str = "lora",
                  ranks: distributed.Ranks | None = None):
         """`source`: an HF checkpoint directory or a GGUF file (see `gguf_io.load_model`).
@@ -289,119 +288,3 @@ class Trainer:
             out = evidence.measure(self, samples, seeds)
         release_freed_memory()
         return out
-
-    @contextmanager
-    def holding(self, weights: dict[str, np.ndarray] | None) -> Iterator[None]:
-        """Temporarily load `weights` (a `weights()`-shaped dict: what nodes held at some version),
-        then put the trainer's own back bit for bit. None: keep the trainer's weights. Sharded,
-        rank 0's forwards inside run on a gathered copy, which `weights` go into."""
-        if self.sharded:
-            self._tell(distributed.GATHER)
-            with self._whole():
-                if weights is not None:
-                    params = self._named()  # the gathered copy's, inside `_whole`
-                    with torch.no_grad():
-                        for name, value in weights.items():
-                            params[name].copy_(torch.from_numpy(value))
-                yield
-            return
-        if weights is None:
-            yield
-            return
-        own = self.weights()
-        self.load_weights(weights)
-        try:
-            yield
-        finally:
-            self.load_weights(own)
-
-    def load_weights(self, weights: dict[str, np.ndarray]) -> None:
-        tensors = {k: torch.from_numpy(v).to(self.device) for k, v in weights.items()}
-        if self.update == "lora":
-            set_peft_model_state_dict(self.model, tensors)
-        else:
-            self.model.load_state_dict(tensors, strict=False)  # a tied lm_head follows embed_tokens
-
-    def save(self, directory: Path, weights: dict[str, np.ndarray]) -> None:
-        """`weights` (this step's `weights()`) and optimiser state, so a restarted trainer
-        continues the same trajectory. (torch.save is fine here: a local file we wrote, never peer data.)
-        Sharded, every rank writes its shard of the optimiser state into `directory/optimizer`."""
-        directory.mkdir(parents=True, exist_ok=True)
-        save_tensors(weights, directory / "weights.safetensors")
-        if self.sharded:
-            self._tell(distributed.SAVE, str(directory).encode())
-            self.save_shards(directory)
-            return
-        torch.save(self.optimizer.state_dict(), directory / "optimizer.pt.tmp")
-        (directory / "optimizer.pt.tmp").replace(directory / "optimizer.pt")
-
-    def load(self, directory: Path) -> None:
-        if self.sharded:
-            self._tell(distributed.RESUME, str(directory).encode())
-            self.load_shards(directory, load_file(str(directory / "weights.safetensors")))
-            return
-        self.load_weights(load_file(str(directory / "weights.safetensors")))
-        self.optimizer.load_state_dict(torch.load(directory / "optimizer.pt", weights_only=True, map_location=self.device))
-        if self.ranks is not None:
-            self.send_state()
-
-    def save_shards(self, directory: Path) -> None:
-        with distributed.collectives("saving a checkpoint"):
-            sharded.save_optimizer(self.model, self.optimizer, directory / "optimizer")
-
-    def load_shards(self, directory: Path, weights: dict[str, np.ndarray] | None) -> None:
-        """Every rank: its shards of rank 0's `weights` (None on the others) and of the optimiser
-        state saved in `directory`."""
-        with distributed.collectives("loading a checkpoint"):
-            sharded.load_full(self._named(), None if weights is None else
-                              {k: torch.from_numpy(v) for k, v in weights.items()})
-            sharded.load_optimizer(self.model, self.optimizer, directory / "optimizer")
-
-    def _tell(self, command: int, payload: bytes = b"") -> None:
-        """Rank 0 of sharded ranks: have the others join the collective call it is about to make."""
-        if self.ranks.leader:
-            self.channel.send(command, self.steps, payload)
-
-    @contextmanager
-    def _whole(self) -> Iterator[None]:
-        """Sharded: every rank gathers the whole weights for the block (collective), and its
-        forwards inside are its own. Unsharded: nothing to do."""
-        if not self.sharded:
-            yield
-            return
-        with distributed.collectives("gathering the weights"):
-            sharded.gather(self.units)
-        try:
-            yield
-        finally:
-            sharded.release(self.units)
-
-    def _named(self) -> dict[str, torch.nn.Parameter]:
-        """The parameters `weights()` carries, under its names: the adapter's (peft's names
-        drop the adapter's), or every distinct weight (a tied head is the embeddings)."""
-        if self.update == "lora":
-            return {n.replace(".default", ""): p for n, p in self.model.named_parameters() if p.requires_grad}
-        return dict(self.model.named_parameters())
-
-    def send_state(self) -> None:
-        """Rank 0: give every other rank these weights, optimiser state and step count."""
-        self.channel.send(distributed.LOAD, self.steps, distributed.state_bytes(self.optimizer))
-
-    def receive_state(self, steps: int, payload: bytes) -> None:
-        """The other ranks: take rank 0's weights, optimiser state and step count."""
-        distributed.load_state_bytes(self.optimizer, payload)
-        self.steps = steps
-
-    def weights(self) -> dict[str, np.ndarray]:
-        """What a WeightUpdate carries, as float32 arrays: the LoRA adapter under peft's names
-        (`...q_proj.lora_A.weight`), or in full mode every distinct weight under HF names. Sharded,
-        every rank takes part and rank 0 gets them (the others an empty dict)."""
-        if self.sharded:
-            self._tell(distributed.WEIGHTS)
-            with distributed.collectives("gathering the weights"):
-                state = sharded.full(self._named(), keep=self.ranks.leader)
-        elif self.update == "lora":
-            state = get_peft_model_state_dict(self.model)
-        else:
-            state = {k: v for k, v in self.model.state_dict().items() if not is_tied_head(self.model.config, k)}
-        return {name: t.detach().float().cpu().numpy().copy() for name, t in state.items()}

@@ -11,13 +11,15 @@ per optimiser step, `idle` rounds where a rank has fewer samples), and rank 0's 
 step (verification) run on a whole copy of the weights each rank gathered once (`gather`): what
 rank 0 loads into that copy and computes with it is its own, and is dropped by `release`.
 
-What rank 0 publishes and checkpoints is gathered weight by weight (`full`): the LoRA adapter, or
-in full mode every weight (docs/scaling.md says what that costs). The optimiser state is saved
-and loaded sharded with torch.distributed.checkpoint.
+What rank 0 publishes in LoRA mode, the adapter, is gathered tensor by tensor (`full`); in full
+mode each update is encoded where the shards live (`shard_delta`). Checkpoints save and load the
+optimiser state and, in full mode, the weights sharded with torch.distributed.checkpoint (every
+rank writes its shards; `read_weights` reads them back whole in one process).
 """
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -105,6 +107,33 @@ def load_full(params: dict[str, torch.nn.Parameter], weights: dict[str, torch.Te
         source = weights[name] if weights is not None else torch.empty(p.shape, dtype=p.dtype)
         shard = distribute_tensor(source.to(device=p.device, dtype=p.dtype), p.device_mesh, p.placements)
         p.to_local().copy_(shard.to_local())
+
+
+def save_weights(params: dict[str, torch.nn.Parameter], directory: Path) -> None:
+    """Every rank's shards of `params` into `directory` (collective)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(dict(params), checkpoint_id=str(directory), process_group=distributed.group())
+
+
+def load_weights(params: dict[str, torch.nn.Parameter], directory: Path) -> None:
+    """`save_weights`' shards into every rank's `params`, in place (collective)."""
+    import torch.distributed.checkpoint as dcp
+
+    with torch.no_grad():
+        dcp.load(dict(params), checkpoint_id=str(directory), process_group=distributed.group())
+
+
+def read_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """Weights `save_weights` wrote, whole, in one process with no ranks (export, eval)."""
+    import torch.distributed.checkpoint as dcp
+
+    meta = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    state = {name: torch.empty(m.size, dtype=m.properties.dtype) for name, m in meta.items()}
+    with warnings.catch_warnings():  # (that it is one process is the point)
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(directory), no_dist=True)
+    return state
 
 
 def save_optimizer(model: torch.nn.Module, optimizer, directory: Path) -> None:

@@ -7,8 +7,8 @@ import logging
 from pathlib import Path
 
 from echo_coordinator.trainer import samples
-from echo_coordinator.trainer.distributed import (GATHER, LOAD, RESUME, SAVE, STEP, STOP, WEIGHTS, DistributedError,
-                                                  Ranks, die_with_parent)
+from echo_coordinator.trainer.distributed import (DELTA, GATHER, LOAD, RESUME, SAVE, STEP, STOP, VIEW, WEIGHTS,
+                                                  DistributedError, Ranks, die_with_parent)
 from echo_coordinator.trainer.learner import Trainer
 
 log = logging.getLogger(__name__)
@@ -37,6 +37,10 @@ def run_worker(ranks: Ranks, source: Path, config, temperature: float, seed: int
             elif command == RESUME:
                 trainer.load_shards(Path(payload.decode()), None)
                 trainer.steps = version
+            elif command == VIEW:
+                trainer.hold_view(None)
+            elif command == DELTA:
+                trainer.topk_delta(float(payload.decode()))
             elif command == STOP:
                 return 0
             else:

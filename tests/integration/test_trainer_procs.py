@@ -1,12 +1,15 @@
 """A run whose trainer is two processes (`--trainer-procs 2`, gloo on 127.0.0.1): rank 0 runs the
 swarm, rank 1 only trains, the ranks agree after every step, and the run ends with both processes
-gone. Sharded (FSDP2), in full mode: rank 1 also takes part in every gather of the weights rank 0
-publishes, verifies with and checkpoints."""
+gone. Sharded (FSDP2), in full mode: rank 1 also takes part in rank 0's verification gathers,
+encodes its part of every update and writes its shards of every checkpoint, which `export` reads
+back whole."""
 
 import re
 import sys
 
 import pytest
+
+from echo_coordinator.run_dir import RunDir
 
 from tests.support.runs import async_config, start_node
 from tests.support.runs import spawn, wait_for
@@ -35,3 +38,10 @@ def test_a_run_trains_on_two_trainer_processes(tmp_path, tiny_model, processes, 
     for node in nodes:
         assert node.wait(timeout=60) == 0
     assert not re.search(r"disagree|Traceback", log + rank1)
+    if sharding == "fsdp":  # checkpoints hold each rank's shards; export reads them back whole
+        from echo_coordinator.export import export
+
+        checkpoint = RunDir(run_dir).load_state().checkpoint
+        assert (checkpoint / "model").is_dir() and not (checkpoint / "weights.safetensors").exists()
+        written = export(run_dir, tmp_path / "export", steps, say=lambda _: None)
+        assert "model.safetensors" in {p.name for p in written}

@@ -48,7 +48,7 @@ def test_a_full_mode_run_evaluates_its_latest_version_only(tmp_path):
     assert np.array_equal(weights_of(run_dir, full, FakeTrainer(base), 0)["w"], base["w"])
     checkpoint = run_dir.checkpoint(3)
     checkpoint.mkdir(parents=True)
-    save_file({"w": np.arange(3, dtype=np.float32)}, str(run_dir.weights_of(checkpoint)))
+    save_file({"w": np.arange(3, dtype=np.float32)}, str(checkpoint / "weights.safetensors"))
     run_dir.write_state("run-1", 3, {})
     assert np.array_equal(weights_of(run_dir, full, FakeTrainer(base), 3)["w"], [0, 1, 2])
     with pytest.raises(EchoError, match=r"keeps only its latest version \(3\); version 2 cannot"):

@@ -23,7 +23,10 @@ from protocols.delta import (
     decode,
     encode,
     float32_to_bf16_bits,
+    topk_count,
+    topk_join,
 )
+from protocols.delta import topk_payload as encode_chosen
 from protocols.errors import CodecError, ProtocolError
 
 PROPERTY = settings(max_examples=200, deadline=None)
@@ -534,3 +537,20 @@ def test_failed_update_leaves_every_view_untouched():
 
 def test_shape_limit_matches_the_index_width():
     assert MAX_ELEMENTS <= 2**32  # flat indices travel as '<u4'
+
+
+def test_parts_encoded_with_one_scale_join_into_the_whole_payload():
+    """A sharded trainer's ranks each encode their slice's entries with the tensor's one peak, and
+    the joined parts are the payload of the whole (empty parts included)."""
+    rng = np.random.default_rng(3)
+    flat = rng.standard_normal(1000).astype(np.float32)
+    whole = encode(flat, "topk-int8", density=0.05)
+    k = topk_count(flat.size, 0.05)
+    chosen = np.sort(np.argsort(-np.abs(flat))[:k])
+    peak = float(np.abs(flat[chosen]).max())
+    bounds = [0, 400, 400, 999, 1000]  # one empty slice, one of a single element
+    parts = []
+    for lo, hi in zip(bounds, bounds[1:]):
+        mine = chosen[(chosen >= lo) & (chosen < hi)]
+        parts.append((lo, encode_chosen(mine - lo, flat[mine], peak=peak)))
+    assert topk_join(parts) == whole

@@ -10,11 +10,16 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from echo_coordinator.publish import Publisher
+from echo_coordinator.run_dir import RunDir
 from echo_coordinator.trainer import distributed, samples as codec, sharded
 from echo_coordinator.config import TrainerConfig
 from echo_coordinator.trainer.distributed import DistributedError, Ranks, RanksDisagree
 from echo_coordinator.trainer.learner import Trainer
 from echo_coordinator.trainer.samples import TrainSample
+from protocols import delta
 from tests.support.tiny_model import build_tiny_gguf
 
 # Two optimiser steps per batch: the start-of-step logprobs and the minibatch split are shared too.
@@ -165,11 +170,56 @@ def test_sharded_ranks_verify_as_one_process_and_hold_half_the_state(model, two_
     assert worker.wait(timeout=60) == 0
 
 
+def test_sharded_full_mode_publishes_what_one_process_would_without_gathering(model, two_ranks, monkeypatch):
+    """Each update, encoded where the shards live, is byte for byte the payload the unsharded
+    publisher makes from the gathered weights, and the ranks' shards of the view keep up with it
+    over several updates; no weight is gathered onto rank 0 to encode it."""
+    leader, worker = two_ranks(update="full", worker_config=SHARDED, config=SHARDED)
+    start = leader.weights()
+    reference = delta.DeltaEncoder(start)
+    publisher = Publisher("run", Ed25519PrivateKey.generate(), "full", start, "topk-int8", 0.01, 100)
+    leader.hold_view(publisher.view())
+    gathers = []
+    # At density 0.6 the k-th largest |residual| of some weights is tied (equal values, or x and
+    # -x): the sharded ranks take tied entries lowest index first, where the unsharded encoder's
+    # argpartition takes its own pick (an equally good payload).
+    tied = []
+    for seed, density in ((1, 0.01), (2, 0.01), (3, 0.6)):
+        leader.step(batch(seed))
+        target = leader.weights()
+        publisher.density = density
+        with monkeypatch.context() as m:
+            m.setattr(sharded, "full", lambda *a, **k: gathers.append(a))
+            [(update, chunks)] = publisher.publish(seed, None, leader.topk_delta(density))
+        got = {t.name: b"".join(chunks[d] for d in t.chunks) for t in update.tensors}
+        expected = {}
+        for name in start:
+            residual = reference.residual(name, target[name]).ravel()
+            k = delta.topk_count(residual.size, density)
+            chosen = np.sort(np.lexsort((np.arange(residual.size), -np.abs(residual)))[:k])  # ties: lowest first
+            expected[name] = delta.topk_payload(chosen, residual[chosen])
+            if density < 0.5:  # no ties: what the unsharded publisher sends
+                assert expected[name] == delta.encode(residual, "topk-int8", density=density)
+            elif expected[name] != delta.encode(residual, "topk-int8", density=density):
+                tied.append(name)
+        assert got == expected
+        reference.advance(expected, "topk-int8")
+        assert all(np.array_equal(publisher.view()[k], reference.view(k)) for k in start)
+    assert tied  # the ties were there
+    assert gathers == []
+    leader.channel.send(distributed.STOP)
+    assert worker.wait(timeout=60) == 0
+
+
 def test_sharded_ranks_resume_after_a_kill_with_the_same_next_step(model, two_ranks, tmp_path):
     leader, worker = two_ranks(update="full", worker_config=SHARDED, config=SHARDED)
     leader.step(batch(1))
-    leader.save(tmp_path / "ckpt", leader.weights())
+    saved = leader.weights()
+    leader.save(tmp_path / "ckpt", None)  # full mode: every rank writes its shards, rank 0 gathers nothing
     assert any((tmp_path / "ckpt" / "optimizer").glob("*.distcp"))  # each rank's shard of the optimiser
+    assert not (tmp_path / "ckpt" / "weights.safetensors").exists()
+    whole = RunDir.weights_of(tmp_path / "ckpt")  # what export and eval read, in one process
+    assert whole.keys() == saved.keys() and all(np.array_equal(whole[k], saved[k]) for k in saved)
     leader.step(batch(2))
     expected = leader.weights()
     worker.kill()  # SIGKILL
