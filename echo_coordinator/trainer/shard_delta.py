@@ -62,24 +62,31 @@ class ShardView:
 
     def encode(self, density: float) -> dict[str, bytes]:
         """Every weight's topk-int8 payload toward the trainer's weights (rank 0; {} on the
-        others); advances every rank's shard of the view as the nodes will on applying them."""
-        payloads = {}
-        for name, p in self.params.items():
-            where = f"tensor {name!r}"
-            device = p.to_local().device
-            k = delta.topk_count(p.numel(), density)
-            local = p.to_local().detach().reshape(-1).float().cpu().numpy()
-            residual = np.subtract(local, self.held[name], out=np.empty(local.shape, dtype=np.float32))
-            chosen, counts = top_k(np.abs(residual).view(np.uint32), k, self.group, device)
-            kept = residual[chosen]
-            peak = torch.tensor([float(np.abs(kept).max()) if kept.size else 0.0], device=device)
-            dist.all_reduce(peak, dist.ReduceOp.MAX, group=self.group)
-            part = delta.topk_payload(chosen, kept, where, peak=float(peak.item()))
-            self.held[name] = delta.apply(self.held[name], part, delta.Encoding.TOPK_INT8, name=name)
-            parts = self._gather(part, [8 + 5 * c for c in counts], device)
-            if parts is not None:
-                payloads[name] = delta.topk_join([(lo, b) for (lo, _), b in zip(self.ranges[name], parts)])
-        return payloads
+        others); advances every rank's shard of the view as the nodes will on applying them.
+        Each collective covers every weight at once (a handful per update, not per weight)."""
+        names = list(self.params)
+        device = next(iter(self.params.values())).to_local().device
+        residuals = []
+        for name in names:
+            local = self.params[name].to_local().detach().reshape(-1).float().cpu().numpy()
+            residuals.append(np.subtract(local, self.held[name], out=np.empty(local.shape, dtype=np.float32)))
+        ks = [delta.topk_count(self.params[name].numel(), density) for name in names]
+        chosen, counts = top_k([np.abs(r).view(np.uint32) for r in residuals], ks, self.group, device)
+        kept = [r[c] for r, c in zip(residuals, chosen)]
+        peaks = torch.tensor([float(np.abs(v).max()) if v.size else 0.0 for v in kept], device=device)
+        dist.all_reduce(peaks, dist.ReduceOp.MAX, group=self.group)
+        parts = []
+        for name, c, v, peak in zip(names, chosen, kept, peaks.cpu().tolist()):
+            parts.append(delta.topk_payload(c, v, f"tensor {name!r}", peak=peak))
+            self.held[name] = delta.apply(self.held[name], parts[-1], delta.Encoding.TOPK_INT8, name=name)
+        sizes = [[8 + 5 * n for n in per_rank] for per_rank in zip(*counts)]  # [rank][weight], bytes
+        every = self._gather(b"".join(parts), [sum(row) for row in sizes], device)
+        if every is None:
+            return {}
+        ends = [np.cumsum(row) for row in sizes]
+        return {name: delta.topk_join([(self.ranges[name][r][0], every[r][ends[r][t] - sizes[r][t]:ends[r][t]])
+                                       for r in range(len(every))])
+                for t, name in enumerate(names)}
 
     def _gather(self, part: bytes, sizes: list[int], device) -> list[bytes] | None:
         """Every rank's `part` (of the given sizes) on rank 0, in rank order; None elsewhere."""
@@ -94,27 +101,36 @@ class ShardView:
         return [t.cpu().numpy()[:size].tobytes() for t, size in zip(into, sizes)]
 
 
-def top_k(keys: np.ndarray, k: int, group, device) -> tuple[np.ndarray, list[int]]:
-    """This rank's indices (ascending) of the k largest of every rank's `keys` together, ties
-    to the lowest ranks and indices first, and how many each rank holds (collective). `keys`:
-    float32 bit patterns of non-negative values, which order as the values do."""
-    need, threshold, candidates = k, 0, keys
+def top_k(keys: list[np.ndarray], ks: list[int], group, device) -> tuple[list[np.ndarray], list[list[int]]]:
+    """For each tensor t (every rank holding a shard of each, `keys[t]`): this rank's indices
+    (ascending) of the `ks[t]` largest keys of all shards together, ties to the lowest ranks and
+    indices first, and how many each rank holds (collective). Keys are float32 bit patterns of
+    non-negative values, which order as the values do; the k-th is found a byte at a time."""
+    need, thresholds, candidates = np.array(ks, dtype=np.int64), np.zeros(len(keys), dtype=np.int64), list(keys)
     for shift in (24, 16, 8, 0):
-        counts = torch.from_numpy(np.bincount((candidates >> shift) & 0xFF, minlength=256)).to(device)
-        dist.all_reduce(counts, group=group)
-        from_top = np.cumsum(counts.cpu().numpy()[::-1])  # keys in buckets 255, 255..254, ...
-        i = int(np.searchsorted(from_top, need))  # the bucket holding the need-th largest
-        need -= int(from_top[i - 1]) if i else 0
-        threshold |= (255 - i) << shift
-        candidates = candidates[((candidates >> shift) & 0xFF) == 255 - i]
-    above, ties = np.flatnonzero(keys > threshold), np.flatnonzero(keys == threshold)
-    mine = torch.tensor([above.size, ties.size], dtype=torch.int64, device=device)
+        hist = np.stack([np.bincount((c >> shift) & 0xFF, minlength=256) for c in candidates]) if keys else \
+            np.zeros((0, 256), dtype=np.int64)
+        hist = torch.from_numpy(hist).to(device)
+        dist.all_reduce(hist, group=group)
+        from_top = np.cumsum(hist.cpu().numpy()[:, ::-1], axis=1)  # keys in buckets 255, 255..254, ...
+        for t in range(len(keys)):
+            i = int(np.searchsorted(from_top[t], need[t]))  # the bucket holding the need-th largest
+            need[t] -= from_top[t, i - 1] if i else 0
+            thresholds[t] |= (255 - i) << shift
+            candidates[t] = candidates[t][((candidates[t] >> shift) & 0xFF) == 255 - i]
+    above = [np.flatnonzero(k > th) for k, th in zip(keys, thresholds)]
+    ties = [np.flatnonzero(k == th) for k, th in zip(keys, thresholds)]
+    mine = torch.tensor([[a.size, t.size] for a, t in zip(above, ties)], dtype=torch.int64,
+                        device=device).reshape(len(keys), 2)
     every = [torch.empty_like(mine) for _ in range(group.size())]
     dist.all_gather(every, mine, group=group)
-    held = [t.cpu().tolist() for t in every]  # [above, ties] per rank
-    takes, left = [], need
-    for _, tie in held:  # the ties the top k needs, from the lowest ranks first
-        takes.append(min(left, tie))
-        left -= takes[-1]
-    chosen = np.sort(np.concatenate([above, ties[: takes[group.rank()]]]))
-    return chosen, [a + t for (a, _), t in zip(held, takes)]
+    held = np.stack([e.cpu().numpy() for e in every], axis=1)  # [tensor][rank] -> (above, ties)
+    chosen, counts = [], []
+    for t in range(len(keys)):
+        takes, left = [], int(need[t])
+        for tie in held[t, :, 1]:  # the ties the top k needs, from the lowest ranks first
+            takes.append(min(left, int(tie)))
+            left -= takes[-1]
+        chosen.append(np.sort(np.concatenate([above[t], ties[t][: takes[group.rank()]]])))
+        counts.append([int(a) + take for a, take in zip(held[t, :, 0], takes)])
+    return chosen, counts

@@ -13,10 +13,8 @@ from echo_coordinator.trainer.shard_delta import top_k
 
 if __name__ == "__main__":
     dist.init_process_group("gloo")
-    out = []
-    for case in json.loads(sys.stdin.read()):
-        keys = np.array(case["values"], dtype=np.float32).view(np.uint32)
-        chosen, counts = top_k(keys, case["k"], dist.group.WORLD, "cpu")
-        out.append({"chosen": chosen.tolist(), "counts": counts})
-    print(json.dumps(out))
+    cases = json.loads(sys.stdin.read())  # chosen together, as a sharded trainer's weights are
+    keys = [np.array(case["values"], dtype=np.float32).view(np.uint32) for case in cases]
+    chosen, counts = top_k(keys, [case["k"] for case in cases], dist.group.WORLD, "cpu")
+    print(json.dumps([{"chosen": c.tolist(), "counts": n} for c, n in zip(chosen, counts)]))
     dist.destroy_process_group()
