@@ -94,16 +94,16 @@ def test_full_mode_reexport_of_changed_weights(model):
     out = export_quantized(config, changed, ggufs["f32"], work / "reexport.gguf", FILE_TYPES["f32"])
     reexported = llama_logprobs(LlamaBackend(out, threads=1, n_ctx=128))
     assert np.abs(reexported - hf_logprobs(hf)).max() < F32_TOLERANCE
-    q8 = export_quantized(config, changed, ggufs["q8_0"], work / "reexport-q8.gguf", FILE_TYPES["q8_0"])
-    assert LlamaBackend(q8, threads=1, n_ctx=128).file_type == FILE_TYPES["q8_0"]
     # What the verifier checks a full-mode node against: its re-export read back under HF names
-    # (q/k rows, fused experts, biases), as transformers loads the file.
-    for quant in ("q8_0", "q4_k_m"):
-        out = export_quantized(config, changed, ggufs[quant], work / f"reexport-{quant}.gguf", FILE_TYPES[quant])
-        held = requantized(config, changed, ggufs[quant], work / "held.gguf", FILE_TYPES[quant])
-        _, loaded = load_master(out)
-        assert held.keys() == loaded.keys() and all(np.array_equal(held[k], loaded[k]) for k in held), quant
-        assert not (work / "held.gguf").exists()
+    # (q/k rows, fused experts, biases), as transformers loads the file. One quant: the names and
+    # layouts are every quant's, and q4_k_m mixes two block types (q4_K, q6_K); transformers'
+    # GGUF loading parses the whole vocabulary, about 10 s a file.
+    out = export_quantized(config, changed, ggufs["q4_k_m"], work / "reexport-q4_k_m.gguf", FILE_TYPES["q4_k_m"])
+    assert LlamaBackend(out, threads=1, n_ctx=128).file_type == FILE_TYPES["q4_k_m"]
+    held = requantized(config, changed, ggufs["q4_k_m"], work / "held.gguf", FILE_TYPES["q4_k_m"])
+    _, loaded = load_master(out)
+    assert held.keys() == loaded.keys() and all(np.array_equal(held[k], loaded[k]) for k in held)
+    assert not (work / "held.gguf").exists()
 
 
 def test_an_unsupported_architecture_is_refused_with_the_supported_list(tmp_path):
