@@ -12,9 +12,13 @@ from echo_coordinator.capacity import Throughput
 from echo_coordinator.service.policing import RateLimit
 from protocols.errors import PeerRefused
 from protocols.messages import LeaseRequest
+from protocols.supervise import Backoff
 
 LEASE_RATE = RateLimit(rate=4.0, burst=8.0)  # lease requests per key; an honest node asks every 0.5 s at most
 LIVE_SECONDS = 15.0  # a node waiting for work asks every 0.5 s, and any live node re-announces every 5 s
+# After a restart, how long nodes that were working before it are waited for at the end of the run:
+# one that cannot reach the coordinator asks again within its longest retry delay.
+RESTART_PATIENCE = Backoff.cap + 5.0
 
 
 class Registry:
@@ -29,6 +33,8 @@ class Registry:
         self.announced: frozenset[str] = frozenset()  # node ids with a live announcement in the DHT
         self.talked: dict[str, str] = {}  # node id -> libp2p peer its last lease request came from
         self.told_finished: set[str] = set()  # nodes that have heard the run is over
+        self.expected: frozenset[str] = frozenset()  # nodes working before a restart (see `expect`)
+        self.expected_until = 0.0  # when the run stops waiting for them
         self.lease_rate = RateLimit(LEASE_RATE.rate, LEASE_RATE.burst)
         self.throughput = Throughput()  # measured rollout throughput per node (the capacity model's μ_i)
 
@@ -57,7 +63,24 @@ class Registry:
         that has done neither for `LIVE_SECONDS` is gone (killed, or one of a flood of fresh
         keys): the end of the run does not wait for it."""
         asking = {n for n, at in self.last_seen.items() if now - at < LIVE_SECONDS}
-        return asking | self.announced <= self.told_finished
+        expected = self.expected if now < self.expected_until else set()
+        return asking | self.announced | expected <= self.told_finished
+
+    def working(self, now: float) -> list[str]:
+        """Keys that asked lately and had work accepted lately: those a restart should wait for.
+        (Only keys that delivered: keys are free, and this list is saved at every step.)"""
+        return sorted(n for n, at in self.last_seen.items()
+                      if now - at < LIVE_SECONDS and self.throughput.rate(n, now) is not None)
+
+    def expect(self, node_ids: list[str]) -> None:
+        """After a restart: nodes that were `working` before it. Until they have heard, or for
+        `RESTART_PATIENCE` after work is handed out again (`serving`), the run does not end
+        without them: the DHT need not show them yet, and a node waiting out a retry delay
+        would miss a short restarted run."""
+        self.expected = frozenset(node_ids)
+
+    def serving(self, now: float) -> None:
+        self.expected_until = now + RESTART_PATIENCE
 
     def prune(self, now: float, idle: float) -> None:
         """Forget keys that have not asked for work in `idle` seconds (names, rate buckets)."""

@@ -95,10 +95,11 @@ class RunService:
 
     # -- the run's phases, set by the coordinator ------------------------------------------------
 
-    def begin(self) -> None:
+    def begin(self, now: float | None = None) -> None:
         """Work is handed out from now on (the step loop starts: min_nodes reached)."""
         with self.lock:
             self.leasing.started = True
+            self.nodes.serving(time.time() if now is None else now)
 
     def end_training(self) -> None:
         """The last step is taken: only evaluation work is left."""
@@ -182,19 +183,22 @@ class RunService:
         with self.lock:
             return bool(self.rounds.open)
 
-    def state(self) -> dict:
-        """What `state.json` keeps of the service besides the version: the gate's counters. (Its
-        accepted lease ids are in the journal, written as they are accepted: a file rewritten
-        each step must not grow with the run.)"""
+    def state(self, now: float | None = None) -> dict:
+        """What `state.json` keeps of the service besides the version: the gate's counters and the
+        nodes working now. (Its accepted lease ids are in the journal, written as they are
+        accepted: a file rewritten each step must not grow with the run.)"""
         with self.lock:
-            return {"gate": {**self.buffer.gate.to_dict(), "accepted_keys": []}}
+            return {"gate": {**self.buffer.gate.to_dict(), "accepted_keys": []},
+                    "working": self.nodes.working(time.time() if now is None else now)}
 
     def restore(self, state: dict, version: int) -> None:
         """After a restart at `version` (the checkpoint's): the gate, and from the journal every
         accepted group not yet trained on and the training leases, so the staleness bound and
-        single-use leases hold across the restart (cf. AReaL #1388) and nodes push what they hold."""
+        single-use leases hold across the restart (cf. AReaL #1388) and nodes push what they hold;
+        and the nodes working before it, told the run's end even if it comes before they ask."""
         recovered = self.journal.recover(version)
         with self.lock:
+            self.nodes.expect(state.get("working", []))
             self.buffer.restore(state["gate"], version, recovered)
             if "leases" in recovered.values:
                 self.leasing.restore(recovered.values)

@@ -9,7 +9,7 @@ from echo_coordinator.ledger import Ledger
 from echo_coordinator.publish import Publisher
 from echo_coordinator.service import LeaseSettings, Policing, Refused, RunService, Work
 from echo_coordinator.service.policing import BanRule, SpotCheck
-from echo_coordinator.service.registry import LIVE_SECONDS
+from echo_coordinator.service.registry import LIVE_SECONDS, RESTART_PATIENCE
 from echo_coordinator.verify import Verifier
 from engines.episodes import Transcripts
 from engines.sampler import score_rows
@@ -138,6 +138,34 @@ def test_the_run_ends_once_every_asking_and_every_announced_node_has_heard(servi
     assert not service.all_told_finished(NOW + 1)  # the announced node has not asked since this start
     assert service.handle_lease(lease_request(waiting_out_a_retry), now=NOW + 2).finished
     assert service.all_told_finished(NOW + 2)  # the key gone quiet, never told, does not hold the end
+
+
+def test_after_a_restart_the_run_ends_only_once_nodes_working_before_it_have_heard(tmp_path):
+    """A node waiting out a retry delay while the coordinator restarted may neither ask nor show in
+    the DHT before a short restarted run ends: the nodes that had work accepted lately are saved
+    with each step's state and waited for, up to RESTART_PATIENCE after work is handed out again."""
+    before = make_service(Ledger(tmp_path / "before.sqlite"), LeaseSettings(lease_seconds=60, seeds_per_lease=2))
+    worker, idler, gone = generate_key(), generate_key(), generate_key()
+    before.open_step([1, 2, 3])
+    lease = before.handle_lease(lease_request(worker), now=NOW)
+    assert push(before, answer_batch(before, worker, lease), "QmNode", NOW + 1).accepted
+    lease = before.handle_lease(lease_request(gone), now=NOW - LIVE_SECONDS - 5)
+    push(before, answer_batch(before, gone, lease), "QmGone", NOW - LIVE_SECONDS - 4)
+    before.handle_lease(lease_request(idler), now=NOW + 2)  # asked, but never delivered: keys are free
+    state = before.state(now=NOW + 3)
+    assert state["working"] == [fingerprint(public_bytes(worker))]
+    before.ledger.close()
+
+    after = make_service(Ledger(tmp_path / "after.sqlite"), LeaseSettings(lease_seconds=60, seeds_per_lease=2))
+    after.restore(state, version=0)
+    after.begin(now=NOW + 100)
+    after.finish()
+    assert not after.all_told_finished(NOW + 101)  # nobody has asked since the restart
+    assert not after.all_told_finished(NOW + 100 + RESTART_PATIENCE - 1)
+    assert after.all_told_finished(NOW + 100 + RESTART_PATIENCE)  # a node so long silent is gone
+    assert after.handle_lease(lease_request(worker, time=NOW + 110), now=NOW + 110).finished
+    assert after.all_told_finished(NOW + 110)
+    after.ledger.close()
 
 
 @pytest.mark.parametrize("tamper, error, match", [
