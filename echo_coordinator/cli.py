@@ -8,6 +8,8 @@ from typing import Optional
 
 import typer
 
+from protocols.supervise import run_and_exit
+
 from tasks.registry import TASKS
 
 # Plain help text: with rich markup, "[run]" in a help string would vanish as a markup tag.
@@ -204,7 +206,7 @@ def dashboard_command(
 
 
 def main() -> None:
-    app()
+    run_and_exit(app)
 
 
 if __name__ == "__main__":

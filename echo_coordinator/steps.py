@@ -105,7 +105,8 @@ class StepLoop:
         deadline = time.monotonic() + LINGER_SECONDS
         while not service.all_told_finished(time.time()) and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
-        await asyncio.sleep(3.0)  # grace for their final update fetches
+        if service.told_behind():
+            await asyncio.sleep(3.0)  # grace for their final update fetches
 
     async def _train(self) -> None:
         self.metrics = MetricsLog(self.dir.metrics)

@@ -7,6 +7,8 @@ from typing import Optional
 
 import typer
 
+from protocols.supervise import run_and_exit
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="Contribute rollouts to an Echo swarm run.")
 
@@ -69,7 +71,7 @@ def join(
 
 
 def main() -> None:
-    app()
+    run_and_exit(app)
 
 
 if __name__ == "__main__":  # python -m echo_node.cli (the NAT test runs nodes in namespaces this way)

@@ -11,6 +11,10 @@ caller log each failure with its cause and decide when to give up.
 from __future__ import annotations
 
 import asyncio
+import atexit
+import os
+import sys
+import threading
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import TypeVar
@@ -94,3 +98,26 @@ class Supervisor:
             for task in [work, *self.tasks]:
                 task.cancel()
             await asyncio.gather(work, *self.tasks, return_exceptions=True)
+
+
+def run_and_exit(main: Callable[[], object]) -> None:
+    """Run a command-line program's `main` and exit as Python would (non-daemon threads joined,
+    `atexit` handlers run, output flushed), without the module teardown that comes after: with
+    torch, transformers and hivemind loaded, clearing every module's namespace takes 1.5-2.5 s of
+    CPU at each exit of a coordinator (measured here; every run, `status` and `eval` pays it).
+    Nothing of ours relies on it: files are closed where they are written."""
+    try:
+        main()
+        code: object = 0
+    except SystemExit as e:
+        code = e.code
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)  # what `sys.exit("message")` would print
+        code = 1
+    # What Py_FinalizeEx does first, in its order: join non-daemon threads (after telling thread
+    # pools to stop), then run the atexit handlers (logging.shutdown is one).
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)

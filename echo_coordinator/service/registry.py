@@ -32,7 +32,7 @@ class Registry:
         self.hardware: dict[str, str] = {}  # node id -> its announcement's hardware summary (display only)
         self.announced: frozenset[str] = frozenset()  # node ids with a live announcement in the DHT
         self.talked: dict[str, str] = {}  # node id -> libp2p peer its last lease request came from
-        self.told_finished: set[str] = set()  # nodes that have heard the run is over
+        self.told_finished: dict[str, int] = {}  # nodes that have heard the run is over -> the version they held
         self.expected: frozenset[str] = frozenset()  # nodes working before a restart (see `expect`)
         self.expected_until = 0.0  # when the run stops waiting for them
         self.lease_rate = RateLimit(LEASE_RATE.rate, LEASE_RATE.burst)
@@ -64,7 +64,7 @@ class Registry:
         keys): the end of the run does not wait for it."""
         asking = {n for n, at in self.last_seen.items() if now - at < LIVE_SECONDS}
         expected = self.expected if now < self.expected_until else set()
-        return asking | self.announced | expected <= self.told_finished
+        return asking | self.announced | expected <= self.told_finished.keys()
 
     def working(self, now: float) -> list[str]:
         """Keys that asked lately and had work accepted lately: those a restart should wait for.
@@ -91,7 +91,7 @@ class Registry:
             self.parallel.pop(node_id, None)
             self.throughput.forget(node_id)
             self.talked.pop(node_id, None)
-            self.told_finished.discard(node_id)
+            self.told_finished.pop(node_id, None)
         self.lease_rate.forget_idle(now)
 
     def nodes(self, now: float) -> dict[str, dict]:

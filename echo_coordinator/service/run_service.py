@@ -207,6 +207,11 @@ class RunService:
         with self.lock:
             return self.nodes.all_told_finished(now)
 
+    def told_behind(self) -> bool:
+        """Some node heard the run is over while holding an older version: it fetches the last."""
+        with self.lock:
+            return any(v < self.buffer.version for v in self.nodes.told_finished.values())
+
     def prune(self, now: float, idle: float = 600.0) -> None:
         """Forget keys that have not asked for work in `idle` seconds (names, rate buckets): keys
         are free, so what the service keeps per key must not grow with every key ever seen."""
@@ -256,7 +261,7 @@ class RunService:
         with self.lock:
             self.nodes.heard(request, peer_id, now)
             if self.leasing.finished:
-                self.nodes.told_finished.add(request.node_id)
+                self.nodes.told_finished[request.node_id] = request.version
                 return NoWork(self.buffer.version, RETRY_AFTER, finished=True)
             proven = self.nodes.throughput.rate(request.node_id, now) is not None
             work = self.leasing.lease(request, now, self.buffer.version, len(self.buffer.replay), self.rounds, proven)

@@ -157,14 +157,17 @@ def test_after_a_restart_the_run_ends_only_once_nodes_working_before_it_have_hea
     before.ledger.close()
 
     after = make_service(Ledger(tmp_path / "after.sqlite"), LeaseSettings(lease_seconds=60, seeds_per_lease=2))
-    after.restore(state, version=0)
+    after.restore(state, version=2)
     after.begin(now=NOW + 100)
     after.finish()
     assert not after.all_told_finished(NOW + 101)  # nobody has asked since the restart
     assert not after.all_told_finished(NOW + 100 + RESTART_PATIENCE - 1)
     assert after.all_told_finished(NOW + 100 + RESTART_PATIENCE)  # a node so long silent is gone
-    assert after.handle_lease(lease_request(worker, time=NOW + 110), now=NOW + 110).finished
+    assert after.handle_lease(lease_request(worker, version=2, time=NOW + 110), now=NOW + 110).finished
     assert after.all_told_finished(NOW + 110)
+    assert not after.told_behind()  # it holds the last version: the coordinator need not wait for its fetch
+    assert after.handle_lease(lease_request(idler, version=1, time=NOW + 111), now=NOW + 111).finished
+    assert after.told_behind()
     after.ledger.close()
 
 
