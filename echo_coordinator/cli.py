@@ -9,7 +9,6 @@ from typing import Optional
 import typer
 
 from protocols.supervise import run_and_exit
-
 from tasks.registry import TASKS
 
 # Plain help text: with rich markup, "[run]" in a help string would vanish as a markup tag.
