@@ -62,7 +62,9 @@ def test_trainer_restart_resumes_version_and_bound(tmp_path, tiny_model, process
     # resumed coordinator opens its version's if due, and the last version is evaluated in full;
     # answers are credited apart from trained samples.
     evals = {r["eval_version"]: r for r in metrics(run_dir, evals=True) if r["eval_complete"]}
-    assert 8 in evals and evals[8]["eval_samples"] == 4
+    assert 8 in evals and evals[8]["eval_samples"] == 4, (  # (once missing under load: what to look at)
+        metrics(run_dir, evals=True), (tmp_path / "coordinator2.log").read_text()[-3000:],
+        *((tmp_path / f"{n}.log").read_text()[-2000:] for n in ("n1", "n2")))
     db = sqlite3.connect(run_dir / "ledger.sqlite")
     assert sum(n for (n,) in db.execute("SELECT samples FROM evaluations")) >= 4 * len(evals)
     for node in nodes:
