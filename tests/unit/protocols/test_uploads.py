@@ -64,3 +64,22 @@ def test_a_relay_past_its_quota_answers_busy(tmp_path):
     with pytest.raises(Busy, match="upload budget"):
         relay.chunk(listed.chunks[0], "QmFresh", now=1.0)  # another peer id changes nothing
     assert relay.bytes_served == len(data)
+
+
+def test_a_late_joiners_snapshot_is_not_left_to_peers_that_hold_only_deltas():
+    """Peers announcing the latest version got there by deltas: the trainer sends a delta's later
+    askers to them, but a snapshot's, one more every `grace` seconds, itself."""
+    from protocols.transport.relay import Busy, Relay
+    from tests.unit.protocols import factories
+
+    budget = UploadBudget(copies=1, grace=3.0, patience=30.0)
+    relay = Relay(keep_versions=2, budget=budget, peers_holding=lambda version: 5)
+    relay.remember(factories.update(from_version=1, to_version=2, replaces=False), {"delta": b"d"})
+    relay.remember(factories.update(from_version=0, to_version=2, replaces=True), {"snapshot": b"s"})
+    assert relay.chunk("delta", "QmFirst", now=0.0) == b"d" and relay.chunk("snapshot", "QmFirst", now=0.0) == b"s"
+    with pytest.raises(Busy):
+        relay.chunk("delta", "QmLate", now=3.0)  # five peers hold version 2: fetch the delta from them
+    assert relay.chunk("snapshot", "QmLate", now=3.0) == b"s"
+    with pytest.raises(Busy):
+        relay.chunk("snapshot", "QmLater", now=4.0)  # a burst of late joiners: one every 3 s
+    assert relay.chunk("snapshot", "QmLater", now=6.0) == b"s"
