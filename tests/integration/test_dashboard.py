@@ -126,8 +126,11 @@ def test_live_run_in_chromium(tmp_path, tiny_model, processes, browser):  # noqa
 
     # A new step lands: the table follows without a reload.
     page.wait_for_function(f"Number(document.body.dataset.version) > {version}", timeout=120_000)
-    page.wait_for_function(f"[...document.querySelectorAll('#peers tbody tr td:nth-child(5)')]"
-                           f".reduce((s, td) => s + Number(td.textContent), 0) > {total}", timeout=10_000)
+    page.wait_for_function("""(total) => {  // the "accepted" column found by its title, not its place
+        const col = [...document.querySelectorAll('#peers thead th')].findIndex((th) => th.textContent === 'accepted');
+        return [...document.querySelectorAll('#peers tbody tr')]
+            .reduce((s, tr) => s + Number(tr.children[col].textContent), 0) > total;
+    }""", arg=total, timeout=10_000)
 
     # Sorting, and a peer's own page.
     page.locator("#peers th", has_text="name").click()
