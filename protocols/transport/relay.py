@@ -98,10 +98,12 @@ class Relay:
         for key, (update, store) in self.updates.items():
             if digest in store:
                 data = store[digest]
-                # Nodes that follow the run fetch each delta and never a snapshot (those are for late
-                # joiners): a peer announcing version v holds the deltas to it, not the snapshot. Sent
-                # to such peers, a snapshot's asker would wait the budget's whole patience (30 s).
-                holders = 0 if update.replaces else self.peers_holding(key[1])
+                # Nodes that follow the run fetch the update from the version before: a peer that
+                # announces version v holds the step to it, not a snapshot from further back (a late
+                # joiner's). Sent to such peers, a snapshot's asker would wait the budget's whole
+                # patience (30 s); the trainer lets one in every `grace` instead.
+                late_joiners_only = update.replaces and key[0] < key[1] - 1
+                holders = 0 if late_joiners_only else self.peers_holding(key[1])
                 if self.budget is not None and not self.budget.allow(key, peer, now, holders):
                     raise Busy(f"sent its share of update {key[0]}->{key[1]}; fetch from peers holding it")
                 self._spend(len(data), now)

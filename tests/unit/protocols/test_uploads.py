@@ -67,8 +67,8 @@ def test_a_relay_past_its_quota_answers_busy(tmp_path):
 
 
 def test_a_late_joiners_snapshot_is_not_left_to_peers_that_hold_only_deltas():
-    """Peers announcing the latest version got there by deltas: the trainer sends a delta's later
-    askers to them, but a snapshot's, one more every `grace` seconds, itself."""
+    """Peers announcing the latest version got there step by step: the trainer sends a step's later
+    askers to them, but a snapshot's from further back, one more every `grace` seconds, itself."""
     from protocols.transport.relay import Busy, Relay
     from tests.unit.protocols import factories
 
@@ -83,3 +83,8 @@ def test_a_late_joiners_snapshot_is_not_left_to_peers_that_hold_only_deltas():
     with pytest.raises(Busy):
         relay.chunk("snapshot", "QmLater", now=4.0)  # a burst of late joiners: one every 3 s
     assert relay.chunk("snapshot", "QmLater", now=6.0) == b"s"
+    # A first snapshot (0 -> 1) is every follower's step: later askers fetch it from them.
+    relay.remember(factories.update(from_version=0, to_version=1, replaces=True), {"first": b"f"})
+    assert relay.chunk("first", "QmFirst", now=7.0) == b"f"
+    with pytest.raises(Busy):
+        relay.chunk("first", "QmLate", now=10.0)
