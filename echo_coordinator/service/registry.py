@@ -66,11 +66,14 @@ class Registry:
         expected = self.expected if now < self.expected_until else set()
         return asking | self.announced | expected <= self.told_finished.keys()
 
+    def proven(self, node_id: str, now: float) -> bool:
+        """Has the key had a batch accepted lately? (A claim alone earns a key nothing.)"""
+        return self.throughput.rate(node_id, now) is not None
+
     def working(self, now: float) -> list[str]:
-        """Keys that asked lately and had work accepted lately: those a restart should wait for.
-        (Only keys that delivered: keys are free, and this list is saved at every step.)"""
-        return sorted(n for n, at in self.last_seen.items()
-                      if now - at < LIVE_SECONDS and self.throughput.rate(n, now) is not None)
+        """Keys that asked lately and are `proven`: those a restart should wait for. (Only keys
+        that delivered: keys are free, and this list is saved at every step.)"""
+        return sorted(n for n, at in self.last_seen.items() if now - at < LIVE_SECONDS and self.proven(n, now))
 
     def expect(self, node_ids: list[str]) -> None:
         """After a restart: nodes that were `working` before it. Until they have heard, or for

@@ -263,7 +263,7 @@ class RunService:
             if self.leasing.finished:
                 self.nodes.told_finished[request.node_id] = request.version
                 return NoWork(self.buffer.version, RETRY_AFTER, finished=True)
-            proven = self.nodes.throughput.rate(request.node_id, now) is not None
+            proven = self.nodes.proven(request.node_id, now)
             work = self.leasing.lease(request, now, self.buffer.version, len(self.buffer.replay), self.rounds, proven)
             if work is None:
                 return NoWork(self.buffer.version, RETRY_AFTER)
