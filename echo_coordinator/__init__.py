@@ -16,7 +16,8 @@
 - `publish`      trainer weights -> signed WeightUpdate + content-addressed chunks
 - `verify`       checking the nodes' sampling against the weights they hold
 - `base_model`   `--model`: what the trainer loads and the GGUF the nodes run
-- `memory_plan`  bytes per trainer rank from the model's config.json; the start-up refusal of what cannot fit
+- `memory_plan`  bytes per trainer rank from the model's config.json
+- `memory_check` the start-up refusal of a trainer this machine cannot hold, with what would fit
 - `ledger`       SQLite contribution ledger and metrics.jsonl; `journal`: buffered groups and leases
 - `capacity`     the capacity model (do the nodes keep the trainer busy?) and measured node throughput
 - `observe`      one reading of a run (ledger, metrics, live state) for everything below

@@ -14,7 +14,7 @@ import contextlib
 import time
 from pathlib import Path
 
-from echo_coordinator import base_model, memory_plan
+from echo_coordinator import base_model, memory_check
 from echo_coordinator.config import RunConfig, TrainerConfig
 from echo_coordinator.display import Display, console, start_dashboard
 from echo_coordinator.evaluation import EvalSet, eval_seeds
@@ -67,7 +67,7 @@ class Coordinator:
             raise ConfigError('sharding = "fsdp" shards the trainer across processes, and this run has one: '
                               'set [trainer] procs (or --trainer-procs), or start it under torchrun')
         # Before any weights load (or a checkpoint converts): a trainer this machine cannot hold is refused.
-        memory_plan.check_start(model, run, trainer_config, multi_turn=self.task.max_turns > 1)
+        memory_check.check_start(model, run, trainer_config, multi_turn=self.task.max_turns > 1)
         self.dir.write_config(run, trainer_config)
         self.torch = TorchThread()
         self.display = Display(status)

@@ -2,7 +2,7 @@
 transformers actually hold: parameter counts of real models built from their configs, LoRA
 parameters of real peft models, the bytes autograd saves in real decoder layers, and the peak of a
 real trainer step on the CPU; then the paper's workloads (configs/paper-*.toml) on the GPUs they
-name, and the start-up refusal."""
+name, and the start-up refusal (memory_check.py)."""
 
 import json
 from importlib import resources
@@ -13,9 +13,10 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
-from echo_coordinator import memory_plan
+from echo_coordinator import memory_check, memory_plan
 from echo_coordinator.config import RunConfig, TrainerConfig, load_config
-from echo_coordinator.memory_plan import GIB, Machine, MemoryPlanError, ModelShape, Setup, plan, refusal
+from echo_coordinator.memory_check import Machine, MemoryPlanError, refusal
+from echo_coordinator.memory_plan import GIB, ModelShape, Setup, plan
 from tasks import make_task
 
 # The published config.json of each paper model: only the fields the arithmetic reads.
@@ -233,9 +234,9 @@ def test_the_check_runs_at_start_before_any_weights_load(tmp_path, monkeypatch):
 
     checkpoint = build_tiny_checkpoint(tmp_path / "ck", "qwen3")
     run = RunConfig(model=str(checkpoint), data_dir=str(tmp_path / "run"), dashboard=False)
-    assert memory_plan.check_start(checkpoint, run, TrainerConfig(device="cpu"), multi_turn=False) is not None
-    monkeypatch.setattr(memory_plan, "this_machine", lambda device, rank: Machine("cpu", "CPU", 2**20, 0))
+    assert memory_check.check_start(checkpoint, run, TrainerConfig(device="cpu"), multi_turn=False) is not None
+    monkeypatch.setattr(memory_check, "this_machine", lambda device, rank: Machine("cpu", "CPU", 2**20, 0))
     with pytest.raises(MemoryPlanError, match=r"the trainer needs about .* of this machine's RAM \(0\.0 GiB"):
         Coordinator(run, TrainerConfig(device="cpu"), checkpoint)
     assert not (tmp_path / "run" / "config.json").exists()
-    assert memory_plan.check_start(tmp_path / "model.gguf", run, TrainerConfig(), multi_turn=False) is None
+    assert memory_check.check_start(tmp_path / "model.gguf", run, TrainerConfig(), multi_turn=False) is None
