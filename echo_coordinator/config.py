@@ -124,6 +124,10 @@ class TrainerConfig:
     # gradients and optimiser state sharded across the ranks (FSDP2, docs/scaling.md).
     sharding: str = "none"
     activation_checkpointing: bool = False  # recompute each decoder layer's activations in backward
+    # "auto": bf16 compute on a GPU, fp32 on the CPU; "bf16" or "fp32" everywhere. Under bf16 compute
+    # full mode keeps fp32 weights for AdamW (master weights; matmuls run in bf16 under autocast): a
+    # bf16 update smaller than ~1/256 of its weight rounds to nothing. LoRA's frozen base is bf16.
+    precision: str = "auto"
 
     def __post_init__(self):
         _check(0 < self.learning_rate < 1, "learning_rate", f"must be in (0, 1), got {self.learning_rate}")
@@ -131,6 +135,8 @@ class TrainerConfig:
         _check(self.lora_alpha > 0, "lora_alpha", f"must be positive, got {self.lora_alpha}")
         _check(self.lora_init in ("zero", "random"), "lora_init", f"must be 'zero' or 'random', got {self.lora_init!r}")
         _check(0 < self.clip_eps < 1, "clip_eps", f"must be in (0, 1), got {self.clip_eps}")
+        _check(self.precision in ("auto", "bf16", "fp32"), "precision",
+               f"must be 'auto', 'bf16' or 'fp32', got {self.precision!r}")
         _check(1 <= self.ppo_epochs <= 100, "ppo_epochs", f"must be 1..100, got {self.ppo_epochs}")
         _check(1 <= self.ppo_minibatches <= 1024, "ppo_minibatches", f"must be 1..1024, got {self.ppo_minibatches}")
         _check(self.tis_cap >= 1, "tis_cap", f"must be at least 1, got {self.tis_cap}")

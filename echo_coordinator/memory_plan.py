@@ -5,10 +5,11 @@ the figures docs/scaling.md tabulates ("The paper's workloads").
 What the estimate counts, per rank, at a training step's peak (the backward of the largest
 micro-batch starts with every activation saved, the gradients of the micro-batch before it and
 AdamW's state alive):
-- the weights in the trainer's dtype (learner.py: bf16 on a GPU, fp32 on the CPU);
-- LoRA adapters in fp32 (peft keeps them fp32 under a bf16 base);
-- gradients and AdamW's two moments in the trained tensors' dtype (torch's AdamW keeps its state in
-  the parameter's dtype, fused or not: bf16 weights in full mode have bf16 moments);
+- the weights: LoRA's frozen base in the compute dtype (learner.py: bf16 on a GPU, fp32 on the
+  CPU) and its adapters in fp32 (peft keeps them fp32 under a bf16 base); full mode's in fp32 (its
+  master weights), with autocast's bf16 copy of them alive through a step's forward and backward;
+- gradients and AdamW's two moments in fp32, the trained tensors' dtype (torch's AdamW keeps its
+  state in the parameter's dtype, fused or not);
 - `sharding = "fsdp"`: all of the above 1/N, plus what FSDP2 gathers, wrapped per decoder layer
   under a root: the root's parameters (embeddings, head, final norm) stay gathered from forward to
   backward, two layers are gathered at a time (the one computing, the one prefetched), and the
@@ -19,7 +20,9 @@ AdamW's state alive):
 - the logits of the scored tokens: at the log-softmax's backward its saved output, the incoming
   gradient and the result, each (tokens, vocabulary) in fp32;
 - rank 0 from an HF checkpoint: the verification copy of the model, loaded from the nodes' GGUF in
-  the trainer's dtype (startup.py; never sharded, never stepped, so no optimiser state).
+  the compute dtype (startup.py; never sharded, never stepped, so no optimiser state), which each
+  version verified against is loaded into; from a GGUF, the one version nodes hold that
+  verification keeps on the device beside the trainer's weights (`TrainerWeights.holding`).
 Two other moments can be a sharded rank's peak: loading (every rank loads the whole model, then
 shards it: learner.py, trainer/sharded.py) and, with more than one PPO pass, the whole weights
 each rank gathers for the start-of-step logprobs.
@@ -188,7 +191,7 @@ class Setup:
     lora_rank: int
     sharding: str  # "none" or "fsdp"
     ranks: int  # trainer processes over all machines
-    weight_bytes: int  # 2 (bf16, a GPU) or 4 (fp32, the CPU)
+    weight_bytes: int  # the compute dtype's: 2 (bf16, a GPU) or 4 (fp32, the CPU)
     tokens: int  # padded tokens of the largest micro-batch
     checkpointing: bool  # activation checkpointing per decoder layer
     verification_copy: bool  # rank 0 also holds the model the nodes run (an HF checkpoint base)
@@ -205,6 +208,7 @@ class Plan:
     gradients: int
     optimizer: int
     gathered: int  # FSDP during a step: unsharded parameters and gradients in flight
+    cast: int  # unsharded full mode under bf16 compute: autocast's bf16 copy of the fp32 weights, in a step
     activations: int
     logits: int
     all_reduce: int  # data parallel, after the backward: the flat gradient buffer
@@ -221,19 +225,20 @@ class Plan:
     def per_rank(self) -> int:
         """The peak of a rank other than 0: the step's backward, the all-reduce after it, a whole
         gather before it, or loading."""
-        step = self.gathered + self.activations + self.logits
+        step = self.gathered + self.cast + self.activations + self.logits
         return max(self.held + max(step, self.all_reduce, self.whole), self.loading)
 
     @property
     def rank0(self) -> int:
-        step = self.gathered + self.activations + self.logits
+        step = self.gathered + self.cast + self.activations + self.logits
         return max(self.held + self.verification + max(step, self.all_reduce, self.whole), self.loading)
 
     def parts(self) -> str:
         named = [("weights", self.weights), ("gradients", self.gradients), ("AdamW", self.optimizer),
-                 ("FSDP gathers", self.gathered), ("activations", self.activations), ("logits", self.logits),
+                 ("FSDP gathers", self.gathered), ("bf16 copy", self.cast), ("activations", self.activations),
+                 ("logits", self.logits),
                  ("all-reduce buffer", self.all_reduce), ("whole-weights gather", self.whole),
-                 ("verification copy (rank 0)", self.verification)]
+                 ("verification (rank 0)", self.verification)]
         return ", ".join(f"{name} {gib(b)}" for name, b in named if b)
 
 
@@ -242,16 +247,18 @@ def plan(shape: ModelShape, setup: Setup) -> Plan:
     lora = setup.update == "lora"
     params = shape.parameters()
     trained = shape.lora_parameters(setup.lora_rank) if lora else params
-    trained_bytes = FP32 if lora else w
-    whole = params * w + (trained * FP32 if lora else 0)
+    trained_bytes = FP32  # AdamW steps fp32 tensors: adapters, or full mode's master weights
+    whole = params * w + trained * FP32 if lora else params * FP32
     weights, gradients, optimizer = whole, trained * trained_bytes, 2 * trained * trained_bytes
     gathered = all_reduce = loading = 0
+    cast = params * w if not lora and w < FP32 and setup.sharding != "fsdp" else 0  # saved for backward
     if setup.sharding == "fsdp":
         weights, gradients, optimizer = (math.ceil(b / n) for b in (weights, gradients, optimizer))
         largest = max(shape.layer_parameters(i) for i in range(shape.layers))
-        gathered = (shape.root_parameters() + 2 * largest) * w
+        gathered = (shape.root_parameters() + 2 * largest) * w  # in the compute dtype (MixedPrecisionPolicy)
         if not lora:
-            gathered += (shape.root_parameters() + largest) * w  # unsharded gradients before reduce-scatter
+            # unsharded gradients before reduce-scatter, and in fp32 too where they are computed in bf16
+            gathered += (shape.root_parameters() + largest) * (w + (FP32 if w < FP32 else 0))
         loading = whole
     elif n > 1:
         all_reduce = trained * trained_bytes
@@ -263,9 +270,10 @@ def plan(shape: ModelShape, setup: Setup) -> Plan:
     else:
         activations = sum(setup.tokens * t + c for t, c in layers)
     logits = 3 * FP32 * setup.tokens * shape.vocab
-    return Plan(weights, gradients, optimizer, gathered, activations, logits, all_reduce,
+    held = trained * FP32 if lora else params * w  # one version of what nodes hold, for verification
+    return Plan(weights, gradients, optimizer, gathered, cast, activations, logits, all_reduce,
                 whole if setup.sharding == "fsdp" and setup.gathers_whole else 0, loading,
-                whole if setup.verification_copy else 0)
+                params * w + (held if lora else 0) if setup.verification_copy else held)
 
 
 def gib(b: float) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from pathlib import Path
 
@@ -102,8 +103,8 @@ class Coordinator:
             # alone, as in a GGUF run. (Against the full-precision trainer, SmolLM2 q4_k_m nodes
             # flip 12 % of tokens and every batch is refused: docs/models.md.)
             self.display.waiting(f"loading the nodes' {cfg.node_quant} weights for verification ...")
-            self.checker = await self.torch.call(Trainer, self.base.node_gguf, self.trainer_config, cfg.temperature,
-                                                 cfg.seed, cfg.update)
+            self.checker = await self.torch.call(functools.partial(
+                Trainer, self.base.node_gguf, self.trainer_config, cfg.temperature, cfg.seed, cfg.update, frozen=True))
         # A persistent libp2p identity keeps our address stable, so nodes reconnect after a restart.
         # main thread: see SwarmDHT.start
         dht = SwarmDHT.start(cfg.host, cfg.port or self._previous_port(), None, self.dir.p2p_id,

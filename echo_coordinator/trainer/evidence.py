@@ -1,5 +1,6 @@
 """Verification's forward pass: the trainer's logits at a batch's model tokens, scored against the
-nodes' tokens under the lease noise (`engines.device_sampler`).
+nodes' tokens under the lease noise (`engines.device_sampler`: on a GPU one kernel pass over each
+chunk of logits, and one transfer to the host a forward batch).
 
 Each group's prompt runs once and its KV cache serves every completion (verification needs no
 gradient, so a group's 8 samples cost one prompt, not eight), and several groups share one
@@ -18,16 +19,19 @@ the choice of either routing at one near tie.
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import torch
 
 from echo_coordinator.trainer.routing import Routing, routers
 from echo_coordinator.trainer.samples import TrainSample
 from echo_coordinator.trainer.tensors import forward_batches, prompt_groups
-from engines.device_sampler import score_rows
+from engines.device_sampler import Scoring, score_rows
 from protocols.sampling import SampleEvidence, SamplingRule
 
-VERIFY_ROWS = 256  # logits rows scored at once: 50 MB at a 49k vocabulary, 156 MB at 152k
+VERIFY_ROWS = 256  # logits rows scored at once on the CPU: 50 MB at a 49k vocabulary, 156 MB at 152k
+GPU_ENTRIES = 1 << 27  # on a GPU, rows x vocabulary at once (512 MB of float32): enough rows to fill it
 NEAR_TIE = 0.8  # router logit gap a flip is tried under: 2x the largest behind an honest outlier (0.40)
 MAX_FLIPS = 4  # near ties tried per re-checked sample
 
@@ -45,11 +49,11 @@ def measure(trainer, samples: list[TrainSample], seeds: list[int | None],
         row_seeds = [seeds[i] for i, p in zip(indices, positions) for _ in p]
         tokens = np.concatenate([np.asarray(samples[i].completion_ids)[p] for i, p in zip(indices, positions)])
         at = np.concatenate(positions)
-        margins, logprobs = np.empty(len(tokens)), np.empty(len(tokens))
-        for a in range(0, len(tokens), VERIFY_ROWS):
-            rows = slice(a, a + VERIFY_ROWS)
-            margins[rows], logprobs[rows] = score_rows(scaled(trainer, head(hidden[rows])), row_seeds[rows], at[rows],
-                                                       tokens[rows])
+        scoring = Scoring(trainer.device, row_seeds, at, tokens)  # on a GPU: one kernel a chunk, one sync
+        chunk = VERIFY_ROWS if trainer.device.type == "cpu" else max(VERIFY_ROWS, GPU_ENTRIES // head.weight.shape[0])
+        for a in range(0, len(tokens), chunk):
+            scoring.add(scaled(trainer, head(hidden[a : a + chunk])))
+        margins, logprobs = scoring.result(lambda rows: scaled(trainer, head(hidden[torch.from_numpy(rows)])))
         start = 0
         for i, p in zip(indices, positions):
             rows = slice(start, start + len(p))
@@ -121,7 +125,7 @@ def completion_hidden(trainer, parts: list[list[TrainSample]]) -> tuple[torch.Te
     first = causal.model(input_ids=prompts, attention_mask=prompt_mask,
                          position_ids=(prompt_mask.cumsum(1) - 1).clamp(min=0), use_cache=True)
     owner = torch.tensor([row for row, part in enumerate(parts) for _ in part], device=device)
-    cache = first.cache
+    cache = first.cache if hasattr(first, "cache") else first.past_key_values  # transformers before 5.2x: the latter
     cache.reorder_cache(owner)  # each sample's rows of the cache: its prompt's
     samples = [s for part in parts for s in part]
     length = max(len(s.completion_ids) for s in samples)
@@ -132,7 +136,8 @@ def completion_hidden(trainer, parts: list[list[TrainSample]]) -> tuple[torch.Te
         where[row, : len(s.completion_ids)] = torch.tensor(s.loss_mask, dtype=torch.bool)
     mask = torch.cat([prompt_mask[owner], torch.ones_like(ids)], dim=1)
     positions = prompt_mask.sum(1)[owner][:, None] + torch.arange(length, device=device)[None, :]
-    after = causal.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache).last_hidden_state
+    named = "cache" if "cache" in inspect.signature(causal.model.forward).parameters else "past_key_values"
+    after = causal.model(input_ids=ids, attention_mask=mask, position_ids=positions, **{named: cache}).last_hidden_state
     # Completion token j is predicted at the position before it: the prompt's last for j = 0.
     hidden = torch.cat([first.last_hidden_state[owner, -1:], after[:, :-1]], dim=1)  # (N, C, H)
     return hidden[where], causal.lm_head

@@ -1,7 +1,9 @@
 """The learner: the base model loaded by transformers from an HF checkpoint (full precision) or
 from the GGUF file the nodes run (dequantized; `base_model.py`), trained with the objective in
 `grpo` (its docstring states the exact loss) either as a LoRA adapter (peft; `update = "lora"`)
-or in full (`update = "full"`). On a GPU the weights are bf16 and AdamW is fused; on the CPU fp32.
+or in full (`update = "full"`). On a GPU compute is bf16 and AdamW is fused: full mode keeps fp32
+weights (AdamW steps them as fp32 would; matmuls run in bf16 under autocast), LoRA a bf16 base
+under fp32 adapters. On the CPU everything is fp32 (`TrainerConfig.precision` says otherwise).
 
 By default one optimiser step per batch, so the trainer's policy at the start of the step (`old`)
 equals the weights being differentiated and the PPO ratio is 1 at the point of the gradient
@@ -56,9 +58,11 @@ def pad_rows(rows: list[torch.Tensor], length: int) -> torch.Tensor:
 
 class Trainer(TrainerWeights):
     def __init__(self, source: Path, config: TrainerConfig, temperature: float, seed: int = 0, update: str = "lora",
-                 ranks: distributed.Ranks | None = None):
+                 ranks: distributed.Ranks | None = None, frozen: bool = False):
         """`source`: an HF checkpoint directory or a GGUF file (see `gguf_io.load_model`).
-        `ranks`: this process's place among several trainer processes (`distributed`), joined here."""
+        `ranks`: this process's place among several trainer processes (`distributed`), joined here.
+        `frozen`: a model that is never stepped (the verification copy of an HF run's nodes'
+        weights): in the compute dtype, and what it is `holding` stays loaded."""
         torch.manual_seed(seed)
         if config.threads:
             torch.set_num_threads(config.threads)
@@ -74,9 +78,13 @@ class Trainer(TrainerWeights):
             self.device = torch.device(config.device if config.device != "auto" else
                                        "cuda" if torch.cuda.is_available() else "cpu")
         self.tokenizer = load_tokenizer(source)
-        # bf16 on a GPU; fp32 on the CPU (where bf16 is slower and coarser than the nodes' q8_0).
-        # LoRA adapters stay fp32 either way (peft casts them up).
-        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        # bf16 compute on a GPU; fp32 on the CPU (where bf16 is slower and coarser than the nodes' q8_0).
+        # Weights that AdamW steps stay fp32 (LoRA adapters: peft casts them up; full mode: all).
+        bf16 = config.precision == "bf16" or (config.precision == "auto" and self.device.type == "cuda")
+        self.compute_dtype = torch.bfloat16 if bf16 else torch.float32
+        dtype = self.compute_dtype if update == "lora" or frozen else torch.float32
+        self.frozen = frozen
+        self._held = (None, None)  # (weights, on the device) of the version `holding` last ran with
         base = load_model(source, dtype=dtype).to(self.device)
         if update == "lora":
             lora = LoraConfig(
@@ -91,7 +99,8 @@ class Trainer(TrainerWeights):
         self.scored = sharded.Scored(self.causal)
         if self.sharded:  # every rank starts from rank 0's weights, then keeps its shard of them
             distributed.broadcast([p for p in self.model.parameters() if p.requires_grad])
-            self.units = sharded.shard(self.scored, self.device)
+            mixed = update == "full" and self.compute_dtype != torch.float32
+            self.units = sharded.shard(self.scored, self.device, self.compute_dtype if mixed else None)
             with torch.no_grad(), distributed.collectives("starting"):  # FSDP sets itself up in a first forward
                 self.scored(torch.zeros((1, 2), dtype=torch.long, device=self.device),
                             torch.ones((1, 1), dtype=torch.bool, device=self.device))
@@ -256,7 +265,16 @@ class Trainer(TrainerWeights):
         order. The vocabulary projection, the largest matmul of a small model, and the softmax
         over it run only where a token is scored, not over prompts and padding. Right padding
         needs no attention mask: real tokens never attend to later pad tokens."""
-        return self.scored(ids, where).float() / self.temperature
+        with self.autocast():
+            return self.scored(ids, where).float() / self.temperature
+
+    def autocast(self):
+        """bf16 matmuls over full mode's fp32 weights, where compute is bf16; elsewhere nothing:
+        the weights are in the compute dtype (a LoRA base, a frozen model), compute is fp32, or
+        sharded, FSDP gathers them in bf16 (`sharded.shard`)."""
+        if self.update == "full" and not self.frozen and not self.sharded and self.compute_dtype != torch.float32:
+            return torch.autocast(self.device.type, dtype=self.compute_dtype)
+        return nullcontext()
 
     def _logprobs(self, ids: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
         """(B, L-1) logprob of each next token at the positions `where` marks, 0 elsewhere."""
@@ -283,7 +301,7 @@ class Trainer(TrainerWeights):
                  weights: dict[str, np.ndarray] | None = None) -> list[SampleEvidence]:
         """Verification: how each sample's model tokens compare with what these weights (or, given
         `weights`, what nodes hold at another version) sample under the lease's noise `seeds`."""
-        with self.holding(weights):
+        with self.holding(weights), self.autocast():
             self.model.eval()
             out = evidence.measure(self, samples, seeds)
         release_freed_memory()

@@ -23,7 +23,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from echo_coordinator.trainer import distributed
@@ -43,12 +43,15 @@ class Scored(torch.nn.Module):
         return self.causal.lm_head(hidden[where])
 
 
-def shard(scored: Scored, device: torch.device) -> list[FSDPModule]:
-    """Shard `scored` across the trainer ranks in place; its FSDP units, the root first."""
+def shard(scored: Scored, device: torch.device, compute: torch.dtype | None = None) -> list[FSDPModule]:
+    """Shard `scored` across the trainer ranks in place; its FSDP units, the root first. `compute`:
+    the dtype fp32 weights are gathered in for forward and backward (bf16 over full mode's master
+    weights; gradients are reduced in fp32), None to compute in the weights' own."""
     mesh = distributed.mesh(device.type)
+    policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if compute else MixedPrecisionPolicy()
     for layer in scored.causal.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(scored, mesh=mesh)
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(scored, mesh=mesh, mp_policy=policy)
     units = [m for m in scored.modules() if isinstance(m, FSDPModule)]
     for unit in units:
         # Sum, not FSDP's default mean: the loss is already normalised over every rank's tokens.

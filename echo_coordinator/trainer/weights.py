@@ -33,9 +33,17 @@ class TrainerWeights:
 
     @contextmanager
     def holding(self, weights: dict[str, np.ndarray] | None) -> Iterator[None]:
-        """Temporarily load `weights` (a `weights()`-shaped dict: what nodes held at some version),
-        then put the trainer's own back bit for bit. None: keep the trainer's weights. Sharded,
-        rank 0's forwards inside run on a gathered copy, which `weights` go into."""
+        """Temporarily run with `weights` (a `weights()`-shaped dict: what nodes held at some
+        version, the same dict for every lease of that version), then the trainer's own again, bit
+        for bit. None: keep the trainer's weights.
+
+        Nothing of the trainer's own is copied (before, every verified lease copied the whole model
+        to the host and back): each parameter's storage is swapped for the held version's, kept on
+        the device in the compute dtype for as long as leases keep asking for that version (one
+        version at a time: a model's worth of device memory). A `frozen` model (the verification
+        copy from an HF checkpoint) has no weights of its own to keep: the version goes into its
+        parameters and stays there. Sharded, rank 0's forwards inside run on a gathered copy,
+        which `weights` go into."""
         if self.sharded:
             self._tell(distributed.GATHER)
             with self._whole():
@@ -46,15 +54,35 @@ class TrainerWeights:
                             params[name].copy_(torch.from_numpy(value))
                 yield
             return
-        if weights is None:
+        if weights is None or (self.frozen and self._held[0] is weights):
             yield
             return
-        own = self.weights()
-        self.load_weights(weights)
+        if self.frozen:
+            self.load_weights(weights)
+            self._held = (weights, None)
+            yield
+            return
+        if self._held[0] is not weights:
+            self._held = (None, None)  # the previous version's memory first
+            self._held = (weights, self._on_device(weights))
+        params, own = self._named(), {}
         try:
+            for name, value in self._held[1].items():
+                own[name] = params[name].data
+                params[name].data = value
             yield
         finally:
-            self.load_weights(own)
+            for name, data in own.items():
+                params[name].data = data
+
+    def _on_device(self, weights: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """`weights` as `holding` swaps them in: on the parameters' device, in the dtype forwards
+        compute in (full mode's fp32 weights run bf16 matmuls on a GPU, so a held version is bf16
+        there: the numbers autocast would make of it). fp32 arrays on the CPU are taken as they are."""
+        params = self._named()
+        return {name: torch.from_numpy(value).to(device=params[name].device,
+                                                 dtype=params[name].dtype if self.update == "lora" else self.compute_dtype)
+                for name, value in weights.items()}
 
     def load_weights(self, weights: dict[str, np.ndarray]) -> None:
         tensors = {k: torch.from_numpy(v).to(self.device) for k, v in weights.items()}

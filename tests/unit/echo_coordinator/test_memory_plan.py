@@ -207,10 +207,11 @@ def test_qwen2_5_7b_full_is_refused_on_one_80gb_gpu_and_says_what_fits():
     one_gpu = Machine("cuda", "NVIDIA H100 80GB HBM3", GPU_80GB.memory, 1)
     message = refusal(shape, alone, one_gpu, local_ranks=1)
     assert message is not None
-    assert "102.0 GiB of NVIDIA H100 80GB HBM3 (79.6 GiB)" in message
-    assert "AdamW 28.4 GiB" in message and "verification copy (rank 0) 14.2 GiB" in message
+    # fp32 master weights: fp32 weights, gradients and AdamW, and a bf16 copy through each step
+    assert "172.9 GiB of NVIDIA H100 80GB HBM3 (79.6 GiB)" in message
+    assert "AdamW 56.7 GiB" in message and "bf16 copy 14.2 GiB" in message and "verification (rank 0) 14.2 GiB" in message
     # Fixes are offered with 10 % to spare: checkpointing alone (79.5 GiB) is not one.
-    assert 'sharding = "fsdp" over 4 GPUs (machines like this one, torchrun) (64.8 GiB on rank 0)' in message
+    assert 'sharding = "fsdp" over 8 GPUs (machines like this one, torchrun) (69.7 GiB on rank 0)' in message
     assert '[run] update = "lora" (70.4 GiB)' in message and "activation_checkpointing" not in message
     assert refusal(shape, setup_of(run, trainer, sharding="fsdp", ranks=8), GPU_80GB, local_ranks=8) is None
     assert "8 trainer processes on this machine need 8 GPUs, it has 1" in refusal(shape, setup_of(run, trainer),

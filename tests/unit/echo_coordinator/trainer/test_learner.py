@@ -52,3 +52,37 @@ def test_evidence_of_the_trainers_own_samples_is_clean(tiny):  # noqa: F811
     assert found.flips == 0 and found.max_margin == 0 and found.max_logprob_error < 1e-4
     shifted = trainer.evidence([sample], [seeds + 1])[0]  # another sample's noise: these tokens were not its
     assert shifted.flips > 0
+
+
+def test_bf16_compute_steps_fp32_weights_as_an_fp32_step_would(tiny):  # noqa: F811
+    """Full mode under bf16 compute (a GPU's) keeps fp32 master weights: at lr 1e-6 against weights
+    of ~0.3, an update is ~1/300000 of its weight, which bf16 weights (8 bits of mantissa) round to
+    nothing; the master weights move as the fp32 step's do."""
+    def moved(precision: str) -> torch.Tensor:
+        trainer = Trainer(tiny, TrainerConfig(learning_rate=1e-6, threads=1, precision=precision), 1.0, update="full")
+        before = torch.cat([p.detach().flatten().clone() for p in trainer.model.parameters()])
+        trainer.step(samples_for(trainer))
+        assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+        return torch.cat([p.detach().flatten() for p in trainer.model.parameters()]) - before
+
+    fp32, bf16 = moved("fp32"), moved("bf16")
+    assert (fp32 != 0).float().mean() > 0.2  # (embeddings of tokens the batch lacks get no gradient)
+    assert (bf16 != 0).float().mean() > 0.9 * (fp32 != 0).float().mean()  # bf16 weights: almost none would move
+    cosine = torch.nn.functional.cosine_similarity(fp32, bf16, dim=0)
+    assert cosine > 0.95 and abs(bf16.norm() / fp32.norm() - 1) < 0.1, (float(cosine), float(bf16.norm() / fp32.norm()))
+
+
+def test_holding_swaps_a_version_in_and_gives_the_trainers_own_back(tiny):  # noqa: F811
+    """`holding` runs with another version's weights and leaves the trainer's own bit for bit, without
+    copying them: the parameters get their own storage back."""
+    trainer = Trainer(tiny, TrainerConfig(threads=1), 1.0, update="full")
+    own = {n: p.data_ptr() for n, p in trainer.model.named_parameters()}
+    other = {k: v * 0.5 for k, v in trainer.weights().items()}
+    samples = samples_for(trainer)
+    mine = trainer.logprobs(samples[:1])[0]
+    for _ in range(2):  # the second time from the version kept on the device
+        with trainer.holding(other):
+            theirs = trainer.logprobs(samples[:1])[0]
+    assert all(p.data_ptr() == own[n] for n, p in trainer.model.named_parameters())
+    assert (trainer.logprobs(samples[:1])[0] == mine).all()
+    assert abs(theirs - mine).max() > 1e-3  # the held version did run
