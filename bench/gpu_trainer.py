@@ -5,15 +5,18 @@ Random Qwen2-0.5B- and Qwen2-1.5B-shaped models (bf16 weights, as the trainer lo
 a batch of 8 samples x 1024 tokens (16 prompt + 1008 completion tokens). The plain loop is
 what one writes by hand: the model's forward with SDPA attention, full-vocabulary log-softmax
 over every position, -A * logprob, backward, `torch.optim.AdamW(fused=True)`. The trainer is
-`echo_coordinator.trainer.Trainer` in full mode (bf16, fused AdamW; the vocabulary projection
-and softmax only at completion positions; micro-batches of `micro_batch_tokens`).
+`echo_coordinator.trainer.Trainer` in full mode (bf16 compute over fp32 master weights, so that a
+step at lr 1e-6 is not rounded away, fused AdamW; the vocabulary projection and softmax only at
+completion positions; micro-batches of `micro_batch_tokens`). Beside tok/s, each one's peak GPU
+memory: the master weights' cost (fp32 weights, gradients and AdamW state, a bf16 copy in a step).
 Reference (DESIGN.md, plain HF + fused AdamW bf16 on an H200): 72k tok/s (0.5B), 38.7k (1.5B).
 
     .venv/bin/python bench/gpu_trainer.py [--shapes 0.5b 1.5b] [--steps 10] [--compile]
     .venv/bin/python bench/gpu_trainer.py --quick     # a tiny shape on the CPU: checks the script
 
-Ends with a JSON line: per shape, `trainer_tokens_per_s`, `plain_tokens_per_s` and
-`ratio_trainer_over_plain` (medians over the timed steps, after 2 warm-up steps).
+Ends with a JSON line: per shape, `trainer_tokens_per_s`, `plain_tokens_per_s`,
+`ratio_trainer_over_plain` (medians over the timed steps, after 2 warm-up steps) and
+`trainer_peak_gib`, `plain_peak_gib`.
 """
 
 from __future__ import annotations
@@ -46,17 +49,21 @@ SHAPES = {  # Qwen2 configs (config.json of Qwen2-0.5B / Qwen2-1.5B)
 }
 
 
-def checkpoint(shape: str, directory: Path) -> Path:
-    """A random bf16 checkpoint of the shape, with the SmolLM2 tokenizer (ids < every vocab here)."""
+def checkpoint(shape: str, directory: Path, tokenizer: Path | None = None) -> Path:
+    """A random bf16 checkpoint of the shape, with the SmolLM2 tokenizer (ids < every vocab here;
+    `tokenizer`: its files, on a machine without the demo model)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from tests.support.tiny_model import _smollm2_tokenizer_dir
+    if tokenizer is None:
+        from tests.support.tiny_model import _smollm2_tokenizer_dir
+
+        tokenizer = _smollm2_tokenizer_dir()
 
     config = Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, tie_word_embeddings=True,
                          bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16")
     torch.manual_seed(0)
     Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
-    for f in _smollm2_tokenizer_dir().iterdir():
+    for f in tokenizer.iterdir():
         shutil.copy(f, directory / f.name)
     return directory
 
@@ -101,6 +108,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--compile", action="store_true", help="torch.compile the plain model and the trainer's")
     parser.add_argument("--quick", action="store_true", help="tiny shape, 2 x 128 tokens, on the CPU")
+    parser.add_argument("--tokenizer", type=Path, help="a directory of HF tokenizer files (default: the demo model's)")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     if not cuda and not args.quick:
@@ -113,30 +121,37 @@ def main() -> None:
     results = {}
     for shape in shapes:
         with tempfile.TemporaryDirectory(prefix=f"echo-gpu-{shape}-") as tmp:
-            path = checkpoint(shape, Path(tmp))
+            path = checkpoint(shape, Path(tmp), args.tokenizer)
             from transformers import AutoModelForCausalLM
 
             dtype = torch.bfloat16 if cuda else torch.float32
+            peak = torch.cuda.reset_peak_memory_stats if cuda else (lambda: None)
+            peak()
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device)
             model.train()
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=cuda)
             forward = torch.compile(model) if args.compile else model
             plain = timed(lambda: plain_step(forward, optimizer, data, device), args.steps, sync)
+            plain_peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
             del model, forward, optimizer
             if cuda:
                 torch.cuda.empty_cache()
+            peak()
             trainer = Trainer(path, TrainerConfig(learning_rate=1e-6, micro_batch_tokens=8192,
                                                   device="cuda" if cuda else "cpu"), 1.0, update="full")
             if args.compile:
                 trainer.model.model = torch.compile(trainer.model.model)
             ours = timed(lambda: trainer.step(data), args.steps, sync)
+            ours_peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
             del trainer
             if cuda:
                 torch.cuda.empty_cache()
         p, t = tokens / statistics.median(plain), tokens / statistics.median(ours)
         results[shape] = dict(trainer_tokens_per_s=round(t), plain_tokens_per_s=round(p),
-                              ratio_trainer_over_plain=round(t / p, 3))
-        print(f"{shape}: trainer {t:,.0f} tok/s, plain HF + fused AdamW {p:,.0f} tok/s, ratio {t / p:.3f}", flush=True)
+                              ratio_trainer_over_plain=round(t / p, 3), trainer_peak_gib=round(ours_peak, 1),
+                              plain_peak_gib=round(plain_peak, 1))
+        print(f"{shape}: trainer {t:,.0f} tok/s ({ours_peak:.1f} GiB), plain HF + fused AdamW {p:,.0f} tok/s "
+              f"({plain_peak:.1f} GiB), ratio {t / p:.3f}", flush=True)
     print(json.dumps(dict(shapes=results, device=torch.cuda.get_device_name() if cuda else "cpu",
                           batch=f"{samples}x{prompt + completion}", compile=args.compile, steps=args.steps)))
 

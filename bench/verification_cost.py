@@ -58,6 +58,8 @@ GPU_SHAPES = {  # (config class, shape, samples, tokens each)
                                  num_key_value_heads=2), 8, 1024),
     "4b": ("Qwen3Config", dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
                                num_key_value_heads=8, head_dim=128), 16, 1024),
+    "tiny": ("Qwen3Config", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, head_dim=16), 2, 64),  # checks the part on the CPU
 }
 CPU_152K = ("Qwen2Config", dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
                                 num_key_value_heads=2))
@@ -231,11 +233,14 @@ def holding_part(source: Path, rounds: int) -> dict:
 
 def gpu_part(shape_name: str, tokenizer: Path, rounds: int, before_samples: int) -> dict:
     config_class, shape, n, length = GPU_SHAPES[shape_name]
-    sync = torch.cuda.synchronize
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     with tempfile.TemporaryDirectory(prefix=f"echo-verify-{shape_name}-") as tmp:
-        source = random_checkpoint(Path(tmp), config_class, shape, tokenizer, "cuda", torch.bfloat16)
-        torch.cuda.reset_peak_memory_stats()
-        trainer = Trainer(source, TrainerConfig(learning_rate=1e-6, micro_batch_tokens=4096, device="cuda"), 1.0,
+        source = random_checkpoint(Path(tmp), config_class, shape, tokenizer, device, torch.bfloat16)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        trainer = Trainer(source, TrainerConfig(learning_rate=1e-6, micro_batch_tokens=4096, device=device), 1.0,
                           update="full")
     g = torch.Generator().manual_seed(0)
     prompt = 16
@@ -247,7 +252,7 @@ def gpu_part(shape_name: str, tokenizer: Path, rounds: int, before_samples: int)
     seeds = sample_seeds("bench-gpu", [s.group * 1000 + i for i, s in enumerate(samples)])
     held = {k: v.copy() for k, v in trainer.weights().items()}
     out = dict(step_s=median_of(lambda: trainer.step(samples), rounds, sync))
-    out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
     norm = trainer.causal.model.norm.weight
     for kind, scale in (("flat", 1.0), ("peaked", 30.0)):
         with torch.no_grad():
@@ -260,14 +265,15 @@ def gpu_part(shape_name: str, tokenizer: Path, rounds: int, before_samples: int)
             norm.div_(scale)
     out["verify_over_step"] = out["peaked_after_s"] / out["step_s"]
     out["hostile_over_honest"] = out["flat_after_s"] / out["peaked_after_s"]
-    print(f"\n4. GPU {shape_name} ({n} x {length} tokens, full mode, fp32 master weights): step {out['step_s']:.3f} s, "
+    print(f"\n4. {device} {shape_name} ({n} x {length} tokens, full mode, fp32 master weights): step {out['step_s']:.3f} s, "
           f"peak {out['peak_gib']:.1f} GiB")
     print("| rows | evidence before (s) | after (s) | after / step |\n|---|---|---|---|")
     for kind in ("peaked", "flat"):
         print(f"| {kind} | {out[kind + '_before_s']:.2f} | {out[kind + '_after_s']:.3f} | "
               f"{out[kind + '_after_s'] / out['step_s']:.3f} |")
     del trainer
-    torch.cuda.empty_cache()
+    if cuda:
+        torch.cuda.empty_cache()
     return out
 
 
@@ -296,7 +302,7 @@ def main() -> None:
                 result["cpu_152k"] = model_part("random Qwen2-shaped model, 152k vocabulary", big, prompts, args.rounds)
             if "holding" in args.parts:
                 result["holding_demo"] = holding_part(demo, args.rounds)
-    if "gpu" in args.parts and torch.cuda.is_available():
+    if "gpu" in args.parts and (torch.cuda.is_available() or args.gpu_shapes == ["tiny"]):
         for shape in args.gpu_shapes:
             result[f"gpu_{shape}"] = gpu_part(shape, tokenizer, args.rounds, args.before_samples)
     summary = {}
