@@ -17,6 +17,7 @@ Parts, each the median of `--rounds`:
    1,024) random models in full mode (bf16 compute over fp32 master weights): the step, and
    evidence on a flat batch (the random model as it is, random tokens) and a peaked one (its final
    norm scaled up); before on `--before-samples` samples only, scaled to the batch by its tokens.
+Before and after are timed in turn, a round at a time, so that the machine's drift falls on both.
 
     .venv/bin/python bench/verification_cost.py [--rounds 3] [--parts scan cpu holding gpu]
         [--gpu-shapes 0.5b 4b] [--tokenizer DIR]   # DIR: HF tokenizer files (a GPU machine without the demo model)
@@ -165,15 +166,31 @@ def hostile(samples: list[TrainSample], seed: int = 1) -> list[TrainSample]:
                         (-10.0,) * len(s.completion_ids), s.loss_mask, s.reward, s.group) for s in samples]
 
 
-def timed_evidence(trainer: Trainer, samples, seeds, weights, old: bool, rounds: int, sync) -> float:
-    """Median seconds of `Trainer.evidence` with the new scoring or the old (`old`)."""
+def evidence_with(trainer: Trainer, samples, seeds, weights, old: bool) -> float:
+    """Seconds of one `Trainer.evidence`, with the new scoring or the old (`old`)."""
     saved = evidence_module.Scoring
     evidence_module.Scoring = before.Scoring if old else saved
     try:
-        trainer.evidence(samples[:2], seeds[:2], weights)  # warm: compiled code, the version on the device
-        return median_of(lambda: trainer.evidence(samples, seeds, weights), rounds, sync)
+        started = time.perf_counter()
+        trainer.evidence(samples, seeds, weights)
+        if trainer.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - started
     finally:
         evidence_module.Scoring = saved
+
+
+def interleaved(calls: dict, rounds: int) -> dict:
+    """Each of `calls` (name -> fn returning seconds) once a round, in turn, after one warm-up
+    call each (compiled code, the version onto the device): the medians. In turn, so that a
+    machine's drift over the run falls on every figure alike."""
+    for fn in calls.values():
+        fn()
+    times = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            times[name].append(fn())
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def model_part(name: str, source: Path, prompts: list[tuple[int, ...]], rounds: int) -> dict:
@@ -182,9 +199,15 @@ def model_part(name: str, source: Path, prompts: list[tuple[int, ...]], rounds: 
     bad = hostile(samples)
     weights = {k: v.copy() for k, v in trainer.weights().items()}  # a held version: the same adapter, another dict
     verdict = [e.max_margin for e in trainer.evidence(samples, seeds, weights)]
-    out = {f"{kind}_{path}_s": timed_evidence(trainer, batch, seeds, weights, path == "before", rounds, lambda: None)
-           for kind, batch in (("honest", samples), ("hostile", bad)) for path in ("before", "after")}
-    out["step_s"] = median_of(lambda: trainer.step(samples), rounds)
+
+    def step() -> float:
+        started = time.perf_counter()
+        trainer.step(samples)
+        return time.perf_counter() - started
+
+    calls = {f"{kind}_{path}_s": (lambda batch=batch, old=path == "before": evidence_with(trainer, batch, seeds, weights, old))
+             for kind, batch in (("honest", samples), ("hostile", bad)) for path in ("before", "after")}
+    out = interleaved({**calls, "step_s": step}, rounds)
     out["honest_max_margin"] = max(verdict)
     print(f"\n2. {name}: evidence at full checking and a LoRA step, 64 samples x 32 tokens (median of {rounds})")
     print("| batch | evidence before (s) | after (s) | after / before | after / step |\n|---|---|---|---|---|")
@@ -196,7 +219,6 @@ def model_part(name: str, source: Path, prompts: list[tuple[int, ...]], rounds: 
     out["hostile_over_honest"] = out["hostile_after_s"] / out["honest_after_s"]
     out["hostile_over_honest_before"] = out["hostile_before_s"] / out["honest_before_s"]
     return out
-
 
 def prompts_of(tokenizer, count: int) -> list[tuple[int, ...]]:
     from engines.hf import prompt_ids
@@ -254,13 +276,15 @@ def gpu_part(shape_name: str, tokenizer: Path, rounds: int, before_samples: int)
     out = dict(step_s=median_of(lambda: trainer.step(samples), rounds, sync))
     out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
     norm = trainer.causal.model.norm.weight
+    part = max(1, before_samples)
     for kind, scale in (("flat", 1.0), ("peaked", 30.0)):
         with torch.no_grad():
             norm.mul_(scale)
-        out[f"{kind}_after_s"] = timed_evidence(trainer, samples, seeds, held, False, rounds, sync)
-        part = max(1, before_samples)
-        took = timed_evidence(trainer, samples[:part], seeds[:part], held, True, 1, sync)
-        out[f"{kind}_before_s"] = took * n / part  # scaled by tokens: the old path's cost is per row
+        found = interleaved(dict(
+            after=lambda: evidence_with(trainer, samples, seeds, held, False),
+            before=lambda: evidence_with(trainer, samples[:part], seeds[:part], held, True) * n / part), rounds)
+        out[f"{kind}_after_s"] = found["after"]
+        out[f"{kind}_before_s"] = found["before"]  # scaled by tokens: the old path's cost is per row
         with torch.no_grad():
             norm.div_(scale)
     out["verify_over_step"] = out["peaked_after_s"] / out["step_s"]

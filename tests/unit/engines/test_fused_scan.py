@@ -84,6 +84,8 @@ def run_interpreted(tie: float | None) -> dict:
 
 @pytest.mark.parametrize("tie", [None, 10.0], ids=["device-argmax", "every-row-rescanned"])
 def test_the_fused_kernel_gives_the_definitions_margins(tie):
+    if sys.platform != "linux":  # the dev extras bring Triton on Linux, where CI runs
+        pytest.importorskip("triton")
     found = run_interpreted(tie)
     assert found["worst"] <= 1e-12, found
     assert found["best_agrees"] and found["agree_zero"] and found["differ"] >= 15, found
@@ -95,3 +97,41 @@ def test_the_fused_kernel_on_cuda_gives_the_definitions_margins():
         pytest.skip("no CUDA device")
     found = check_against_the_definition("cuda", None)
     assert found["worst"] <= 1e-12 and found["best_agrees"] and found["agree_zero"], found
+
+
+def evidence_both_ways() -> dict:
+    """`Trainer.evidence` of a tiny model's batch through the fused path (the kernel interpreted
+    on the CPU, as on a GPU: chunks, one transfer, the exact noise of two entries a row) and
+    through the compiled scan: the same margins, bit for bit."""
+    import tempfile
+
+    from echo_coordinator.config import TrainerConfig
+    from echo_coordinator.trainer.learner import Trainer
+    from tests.support.tiny_model import build_tiny_gguf
+    from tests.unit.echo_coordinator.trainer.test_grpo import samples_for
+
+    trainer = Trainer(build_tiny_gguf(Path(tempfile.mkdtemp()) / "tiny.gguf", init_std=0.3),
+                      TrainerConfig(lora_rank=4, lora_init="random", threads=1), temperature=0.7)
+    from engines import device_sampler
+
+    samples = samples_for(trainer)
+    seeds = [3, 4, None, 5]
+    took_kernel = device_sampler.fused(trainer.device)
+    fused = trainer.evidence(samples, seeds)
+    os.environ["TRITON_INTERPRET"] = "0"  # `device_sampler.fused` reads it at each call
+    compiled = trainer.evidence(samples, seeds)
+    return dict(took_kernel=took_kernel, same=[f.max_margin == c.max_margin and f.flips == c.flips for f, c in zip(fused, compiled)],
+                logprob_gap=max(abs(f.mean_logprob_error - c.mean_logprob_error) for f, c in zip(fused, compiled)),
+                flips=sum(c.flips for c in compiled))
+
+
+def test_evidence_through_the_fused_path_is_the_compiled_scans():
+    if sys.platform != "linux":
+        pytest.importorskip("triton")
+    code = ("import json, sys; sys.path.insert(0, %r); from tests.unit.engines.test_fused_scan import "
+            "evidence_both_ways as e; print(json.dumps(e()))" % str(ROOT))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    assert found["took_kernel"] and all(found["same"]) and found["logprob_gap"] < 1e-5 and found["flips"] > 0, found
