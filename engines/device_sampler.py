@@ -50,7 +50,7 @@ class Scoring:
     None: greedy, no noise)."""
 
     def __init__(self, device: torch.device, seeds: list[int | None], positions: np.ndarray, tokens: np.ndarray):
-        self.device, self.seeds, self.positions = device, seeds, np.asarray(positions)
+        self.seeds, self.positions = seeds, np.asarray(positions)
         self.tokens = np.asarray(tokens, dtype=np.int64)
         n = len(self.tokens)
         self.keys = row_keys([s or 0 for s in seeds], [int(p) for p in self.positions])
