@@ -7,8 +7,9 @@ E_i < exp(l_i / T - z*), and E_i >= 1 - u_i, so an entry with 1 - u_i >= exp(l_i
 beat z*. The exp is the softmax's (the behaviour logprob needs it anyway), so per entry what is
 left is the hash and a compare. z* starts at the z of the largest logit (and of the node's token)
 and rises to the best z found as the scan goes, a block of entries at a time: the entries that
-pass are those that could be a new best, a few dozen a row however flat the row is (a fixed z* let ~e^-g / p_top entries of a flat row pass: all of them, at
-a random-token context). Each one that passes gets its noise computed exactly, by the one compiled
+pass are those that could be a new best, a few dozen a row however flat the row is (a fixed z*
+let ~e^-g / p_top entries of a flat row pass: all of them, at a random-token context). Each one
+that passes gets its noise computed exactly, by the one compiled
 function (`_noise`) that node and trainer both call, so both see the same bits. The filter keeps a
 relative slack of `SLACK`, far above the rounding of float32 exps; an extra candidate costs a log.
 
