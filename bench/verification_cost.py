@@ -9,7 +9,9 @@ Parts, each the median of `--rounds`:
 2. **CPU models**: `Trainer.evidence` at full checking against `Trainer.step` on the same batch
    (8 prompts x 8 samples x up to 32 tokens, LoRA): the demo model (SmolLM2-135M, 49k vocabulary)
    and a small random Qwen2-shaped model with Qwen's 151,936-entry vocabulary. Honest batch: the
-   trainer's own samples under the lease noise (every one accepted); hostile: random tokens.
+   trainer's own samples under the lease noise (every one accepted); hostile: random tokens. And
+   where verification is free (point 4: LoRA, staleness 0), the step verifying the batch itself
+   (4 leases) from its own forward: the scoring time inside it, and its time against the plain step.
 3. **holding** (full mode): what verifying a lease against another version costs besides the
    forward: before, the trainer's weights to the host, the version in, the trainer's back in; after,
    the parameters' storage swapped for the version kept on the device.
@@ -50,6 +52,7 @@ from echo_coordinator.config import TrainerConfig  # noqa: E402
 from echo_coordinator.trainer import evidence as evidence_module  # noqa: E402
 from echo_coordinator.trainer.learner import Trainer  # noqa: E402
 from echo_coordinator.trainer.samples import TrainSample  # noqa: E402
+from echo_coordinator.trainer.step_checks import Check  # noqa: E402
 from engines import sampler  # noqa: E402
 from protocols.sampling import sample_seeds  # noqa: E402
 
@@ -200,14 +203,22 @@ def model_part(name: str, source: Path, prompts: list[tuple[int, ...]], rounds: 
     weights = {k: v.copy() for k, v in trainer.weights().items()}  # a held version: the same adapter, another dict
     verdict = [e.max_margin for e in trainer.evidence(samples, seeds, weights)]
 
-    def step() -> float:
+    # Where point 4 applies (LoRA, staleness 0): the batch as 4 leases of 2 prompts, verified by the step.
+    checks = [Check(tuple(range(a, a + 16)), tuple(seeds[a : a + 16])) for a in range(0, len(samples), 16)]
+    scoring: list[float] = []
+
+    def step(checked: bool = False) -> float:
         started = time.perf_counter()
-        trainer.step(samples)
+        stats = trainer.step(samples, checks=checks, held=weights) if checked else trainer.step(samples)
+        if checked:
+            assert all(v.reason is None and v.free == 16 for v in stats.verdicts), stats.verdicts
+            scoring.append(stats.check_seconds)
         return time.perf_counter() - started
 
     calls = {f"{kind}_{path}_s": (lambda batch=batch, old=path == "before": evidence_with(trainer, batch, seeds, weights, old))
              for kind, batch in (("honest", samples), ("hostile", bad)) for path in ("before", "after")}
-    out = interleaved({**calls, "step_s": step}, rounds)
+    out = interleaved({**calls, "step_s": step, "step_checked_s": lambda: step(True)}, rounds)
+    out["in_step_s"] = statistics.median(scoring[1:])  # (after the warm-up call)
     out["honest_max_margin"] = max(verdict)
     print(f"\n2. {name}: evidence at full checking and a LoRA step, 64 samples x 32 tokens (median of {rounds})")
     print("| batch | evidence before (s) | after (s) | after / before | after / step |\n|---|---|---|---|---|")
@@ -215,7 +226,11 @@ def model_part(name: str, source: Path, prompts: list[tuple[int, ...]], rounds: 
         b, a = out[f"{kind}_before_s"], out[f"{kind}_after_s"]
         print(f"| {kind} | {b:.3f} | {a:.3f} | {a / b:.3f} | {a / out['step_s']:.3f} |")
     print(f"| step | {out['step_s']:.3f} s | | | |")
+    print(f"| in the step (point 4) | | {out['in_step_s']:.3f} | | {out['in_step_s'] / out['step_s']:.3f} |")
+    print(f"| step verifying its batch | {out['step_checked_s']:.3f} s | | | "
+          f"{out['step_checked_s'] / out['step_s']:.3f} x the step |")
     out["verify_over_step"] = out["honest_after_s"] / out["step_s"]
+    out["in_step_over_step"] = out["in_step_s"] / out["step_s"]
     out["hostile_over_honest"] = out["hostile_after_s"] / out["honest_after_s"]
     out["hostile_over_honest_before"] = out["hostile_before_s"] / out["honest_before_s"]
     return out
@@ -334,7 +349,10 @@ def main() -> None:
         summary.update(verify_over_step_cpu_152k=round(result["cpu_152k"]["verify_over_step"], 3),
                        hostile_over_honest_cpu=round(result["cpu_152k"]["hostile_over_honest"], 3),
                        verify_over_step_cpu_demo=round(result["demo"]["verify_over_step"], 3),
-                       hostile_over_honest_cpu_demo=round(result["demo"]["hostile_over_honest"], 3))
+                       hostile_over_honest_cpu_demo=round(result["demo"]["hostile_over_honest"], 3),
+                       in_step_over_step_cpu_152k=round(result["cpu_152k"]["in_step_over_step"], 3),
+                       in_step_over_step_cpu_demo=round(result["demo"]["in_step_over_step"], 3),
+                       checked_step_over_step_cpu_152k=round(result["cpu_152k"]["step_checked_s"] / result["cpu_152k"]["step_s"], 3))
     if "scan" in result:
         summary.update(scan_flat_over_peaked=round(result["scan"]["flat_over_peaked_after"], 3),
                        scan_flat_over_peaked_before=round(result["scan"]["flat_over_peaked_before"], 3))

@@ -34,6 +34,7 @@ CREATE TABLE IF NOT EXISTS buffer (
     count INTEGER NOT NULL,                         -- samples in the group
     samples BLOB NOT NULL,                          -- trainer.samples.encode
     taken_for INTEGER,                              -- the step (version) that took it; NULL: waiting
+    unchecked INTEGER NOT NULL DEFAULT 0,           -- 1: its verification waits for the step (Group.unchecked)
     PRIMARY KEY (lease_id, seed)
 );
 CREATE TABLE IF NOT EXISTS accepted (lease_id TEXT PRIMARY KEY);
@@ -53,6 +54,7 @@ class Group:
     peer_id: str
     name: str
     tokens: int
+    unchecked: bool = False  # accepted unverified: the step that trains it verifies it (`pushes`)
 
     @property
     def key(self) -> tuple[str, int]:
@@ -74,6 +76,12 @@ class Journal:
     def __init__(self, ledger: Ledger):
         self.ledger = ledger
         ledger.add_tables(SCHEMA)
+        ledger.submit(self._add_columns).result()
+
+    def _add_columns(self) -> None:
+        """A journal an older version wrote (a run resumed across an upgrade) lacks `unchecked`."""
+        if "unchecked" not in {row[1] for row in self.ledger.db.execute("PRAGMA table_info(buffer)")}:
+            self.ledger.db.execute("ALTER TABLE buffer ADD COLUMN unchecked INTEGER NOT NULL DEFAULT 0")
 
     def accept(self, lease_id: str, groups: list[Group], values: dict[str, object]) -> Future:
         """A batch's groups, its lease id and the lease book after it, all or nothing."""
@@ -81,10 +89,10 @@ class Journal:
             with self.ledger.transaction() as db:
                 db.execute("INSERT INTO accepted (lease_id) VALUES (?)", (lease_id,))
                 db.executemany(
-                    "INSERT INTO buffer (lease_id, seed, version, node_id, peer_id, name, tokens, count, samples) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    "INSERT INTO buffer (lease_id, seed, version, node_id, peer_id, name, tokens, count, samples, "
+                    "unchecked) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     [(g.lease_id, g.seed, g.version, g.node_id, g.peer_id, g.name, g.tokens, len(g.samples),
-                      codec.encode(g.samples)) for g in groups])
+                      codec.encode(g.samples), int(g.unchecked)) for g in groups])
                 self._save(db, values)
 
         return self.ledger.submit(write)
@@ -114,6 +122,17 @@ class Journal:
 
         return self.ledger.submit(write)
 
+    def refuse(self, groups: list[Group], code: str) -> Future:
+        """Groups a step's verification refused (`code`): out of the buffer, never credited, and
+        counted against their nodes, in one transaction."""
+        def write() -> None:
+            with self.ledger.transaction() as db:
+                db.executemany("DELETE FROM buffer WHERE lease_id = ? AND seed = ?", [g.key for g in groups])
+                for g in groups:
+                    self.ledger.reject(g.node_id, g.peer_id, g.name, code, len(g.samples))
+
+        return self.ledger.submit(write)
+
     def commit_step(self, step: int) -> Future:
         """The step from `step` is saved (the checkpoint names `step + 1`): credit what it trained
         on to the nodes that made it, once, and forget those groups."""
@@ -137,9 +156,10 @@ class Journal:
             with self.ledger.transaction() as db:
                 self._commit(db, "taken_for < ?", version)
                 db.execute("UPDATE buffer SET taken_for = NULL WHERE taken_for IS NOT NULL")
-            groups = [Group(lease_id, seed, v, tuple(codec.decode(blob)), node_id, peer_id, name, tokens)
-                      for lease_id, seed, v, node_id, peer_id, name, tokens, blob in self.ledger.db.execute(
-                          "SELECT lease_id, seed, version, node_id, peer_id, name, tokens, samples FROM buffer ORDER BY rowid")]
+            groups = [Group(lease_id, seed, v, tuple(codec.decode(blob)), node_id, peer_id, name, tokens, bool(unchecked))
+                      for lease_id, seed, v, node_id, peer_id, name, tokens, blob, unchecked in self.ledger.db.execute(
+                          "SELECT lease_id, seed, version, node_id, peer_id, name, tokens, samples, unchecked "
+                          "FROM buffer ORDER BY rowid")]
             accepted = {lease_id for (lease_id,) in self.ledger.db.execute("SELECT lease_id FROM accepted")}
             values = {k: json.loads(v) for k, v in self.ledger.db.execute("SELECT key, value FROM journal")}
             return Recovered(groups, accepted, values)

@@ -165,7 +165,7 @@ class Coordinator:
         presence = Presence(dht, self.fp)
         verifier = self._verifier()
         service = self.service = self._service(manifest, trainer.tokenizer, ledger, self._relay(base_file, presence),
-                                               verifier)
+                                               verifier, in_step=self.checker is trainer and trainer.verifies_in_step)
         versions = await self._resume(state, manifest, service, verifier, trainer)
         ledger.set_run(run_id=manifest.run_id, mode=cfg.mode, version=service.version, run_key=self.fp, steps=cfg.steps,
                        model=self.model.name, task=cfg.task, staleness=cfg.staleness,
@@ -235,7 +235,7 @@ class Coordinator:
         ), self.key)
 
     def _service(self, manifest: RunManifest, tokenizer, ledger: Ledger, relay: Relay,
-                 verifier: Verifier) -> RunService:
+                 verifier: Verifier, in_step: bool) -> RunService:
         from engines.hf import prompt_ids
 
         cfg = self.run_config
@@ -254,7 +254,7 @@ class Coordinator:
                                  first_seed=cfg.seed * 1_000_003 + 500_000,
                                  max_ahead=cfg.lead_steps * cfg.prompts_per_step)
         return RunService(manifest, self.key, ledger, work, settings,
-                          Policing(verifier, SpotCheck(cfg.verify_fraction), allow=self.allow), relay)
+                          Policing(verifier, SpotCheck(cfg.verify_fraction), allow=self.allow, in_step=in_step), relay)
 
     async def _resume(self, state: RunState | None, manifest: RunManifest, service: RunService, verifier: Verifier,
                       trainer) -> Versions:

@@ -13,6 +13,7 @@ never hear of a version that a restart could lose.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -24,8 +25,10 @@ from echo_coordinator.ledger import Ledger, MetricsLog
 from echo_coordinator.run_dir import RunDir
 from echo_coordinator.service import RunService, StepBatch
 from echo_coordinator.torch_thread import TorchThread
+from echo_coordinator.trainer.step_checks import Check
 from echo_coordinator.verify import Verifier
 from echo_coordinator.versions import Versions
+from protocols.errors import VerificationError
 from protocols.messages import RunManifest
 from protocols.sync import Mode
 
@@ -59,10 +62,12 @@ class Tally:
     verified_samples: int
     verify_seconds: float
     expired_leases: int
+    verified_free: int  # of verified_samples, scored from a step's own forward
 
     @classmethod
     def read(cls, service: RunService, verifier: Verifier) -> Tally:
-        return cls(service.rejection_counts(), verifier.checked_samples, verifier.seconds, service.expired_leases())
+        return cls(service.rejection_counts(), verifier.checked_samples, verifier.seconds, service.expired_leases(),
+                   verifier.free_samples)
 
 
 def step_record(mode: str, version: int, batch: StepBatch, stats, before: Tally, after: Tally,
@@ -78,13 +83,14 @@ def step_record(mode: str, version: int, batch: StepBatch, stats, before: Tally,
         accepted=len(batch.samples), rejected=sum(rejected.values()), rejected_by_reason=dict(rejected),
         verified_samples=after.verified_samples - before.verified_samples,
         verify_seconds=after.verify_seconds - before.verify_seconds,
+        verified_free=after.verified_free - before.verified_free,
         dropped_stale=batch.dropped, staleness_max=max(batch.staleness, default=0),
         leases_expired=after.expired_leases - before.expired_leases,
         staleness_histogram={str(k): histogram[k] for k in sorted(histogram)},
         turns_mean=sum(model_turns) / max(len(model_turns), 1),
         step_seconds=now - started, wait_seconds=waited,
         busy_fraction=stats.busy_seconds / max(now - started, 1e-9), time=now,
-        **{k: v for k, v in asdict(stats).items() if k != "samples"},
+        **{k: v for k, v in asdict(stats).items() if k not in ("samples", "verdicts")},
     )
 
 
@@ -126,9 +132,9 @@ class StepLoop:
         service, versions, torch = self.service, self.versions, self.torch
         version = service.version
         before = Tally.read(service, self.verifier)
-        batch = await self._collect(version)
+        batch = await self._verify_late(await self._collect(version), version)
         waited = time.time() - started
-        stats = await torch.call(self.trainer.step, batch.samples)
+        stats = await self._train_step(batch, version)
         weights = await torch.call(versions.step_weights)
         published, held = await torch.call(versions.build_updates, version + 1, weights)
         await torch.call(versions.save_checkpoint, version + 1, weights)
@@ -152,6 +158,37 @@ class StepLoop:
         )
         self._log_evals()
         return now
+
+    async def _train_step(self, batch: StepBatch, version: int):
+        """The trainer's step on `batch`, verifying its unchecked batches from its own forward
+        (`trainer.step_checks`); their verdicts settled before the step is committed."""
+        if not batch.unchecked:
+            return await self.torch.call(self.trainer.step, batch.samples)
+        checks = [Check(u.samples, tuple(u.seeds())) for u in batch.unchecked]
+        stats = await self.torch.call(functools.partial(self.trainer.step, batch.samples, checks=checks,
+                                                        held=self.verifier.held[version], rule=self.verifier.rule))
+        self.verifier.counted(sum(len(v.evidence) for v in stats.verdicts), stats.check_seconds,
+                              free=sum(v.free for v in stats.verdicts))
+        await asyncio.to_thread(self.service.settle, [(u, v.reason) for u, v in zip(batch.unchecked, stats.verdicts)])
+        return stats
+
+    async def _verify_late(self, batch: StepBatch, version: int) -> StepBatch:
+        """Unchecked batches this step cannot verify from its own forward (sampled with an older
+        version, or after a restart into a setting that does not allow it) are verified apart
+        now, as a push would have been; the refused leave the batch."""
+        in_step = self.service.policing.in_step and version in self.verifier.held
+        late = [u for u in batch.unchecked if not in_step or u.version != version]
+        verdicts = []
+        for u in late:
+            try:
+                reason, _ = await asyncio.to_thread(self.verifier.judged, u.version,
+                                                    [batch.samples[i] for i in u.samples], u.seeds())
+            except VerificationError as e:
+                reason = e.code
+            verdicts.append((u, reason))
+        if late:
+            await asyncio.to_thread(self.service.settle, verdicts)
+        return batch.without(late, [u for u, reason in verdicts if reason is not None])
 
     async def _collect(self, version: int) -> StepBatch:
         """Sequential: lease this version's seeds and wait for every group. Async: take the oldest

@@ -60,6 +60,7 @@ class Verifier:
         self.evidence, self.rule, self.keep_versions, self.run = evidence, rule, keep_versions, run
         self.held: dict[int, dict[str, np.ndarray]] = {}  # version -> what nodes hold at it
         self.checked_samples = 0  # for metrics: samples verified so far
+        self.free_samples = 0  # of them, scored from a training step's own forward (`trainer.step_checks`)
         # and the trainer time it took (forward passes, noise, margins), not the wait for the
         # trainer's thread, which a training step may hold for a while
         self.seconds = 0.0
@@ -74,22 +75,9 @@ class Verifier:
         """Raise VerificationError (naming the worst sample) unless the batch is what sampling with
         `version`'s weights and the lease's noise gives, up to quantization; return the evidence.
         An evaluation batch brings its round's `weights` and may be `greedy` (no noise)."""
-        weights = self.held.get(version) if weights is None else weights
-        if weights is None:
-            # Only after a restart (older versions died with the process) or for a version the
-            # bound no longer admits; either way nothing here can vouch for the batch.
-            raise VerificationError("unverifiable", f"no weights of version {version} to check against")
         train = [TrainSample.of(s) for s in samples]
         seeds = [None] * len(samples) if greedy else sample_seeds(lease_id, [s.seed for s in samples])
-
-        def timed() -> tuple[list[SampleEvidence], float]:
-            started = time.perf_counter()
-            return self.evidence(train, seeds, weights), time.perf_counter() - started
-
-        found, seconds = self.run(timed)
-        self.seconds += seconds
-        self.checked_samples += len(found)
-        reason = judge(found, self.rule)
+        reason, found = self.judged(version, train, seeds, weights)
         if reason is not None:
             worst = max(range(len(found)), key=lambda i: (found[i].max_margin, found[i].mean_logprob_error))
             e = found[worst]
@@ -99,3 +87,27 @@ class Verifier:
                 f"worst sample {worst} (seed {samples[worst].seed}): max margin {e.max_margin:.2f}, "
                 f"logprob error max {e.max_logprob_error:.3f} mean {e.mean_logprob_error:.3f}"))
         return found
+
+    def judged(self, version: int, samples: list[TrainSample], seeds: list[int | None],
+               weights: dict[str, np.ndarray] | None = None) -> tuple[str | None, list[SampleEvidence]]:
+        """(`judge`'s reason or None, the evidence) for a batch's samples and their noise `seeds`;
+        VerificationError `unverifiable` when no weights of `version` are held."""
+        weights = self.held.get(version) if weights is None else weights
+        if weights is None:
+            # Only after a restart (older versions died with the process) or for a version the
+            # bound no longer admits; either way nothing here can vouch for the batch.
+            raise VerificationError("unverifiable", f"no weights of version {version} to check against")
+
+        def timed() -> tuple[list[SampleEvidence], float]:
+            started = time.perf_counter()
+            return self.evidence(samples, seeds, weights), time.perf_counter() - started
+
+        found, seconds = self.run(timed)
+        self.counted(len(found), seconds)
+        return judge(found, self.rule), found
+
+    def counted(self, samples: int, seconds: float, free: int = 0) -> None:
+        """`samples` verified in `seconds` of trainer time, `free` of them from a step's own forward."""
+        self.seconds += seconds
+        self.checked_samples += samples
+        self.free_samples += free

@@ -17,7 +17,29 @@ from echo_coordinator.journal import Group, Journal, Recovered
 from echo_coordinator.service.judging import Refused
 from echo_coordinator.trainer.samples import TrainSample
 from protocols.messages import RolloutBatch
+from protocols.sampling import sample_seeds
 from protocols.sync import Entry, Mode, ReplayBuffer, RolloutGate, Verdict
+
+
+@dataclass(frozen=True)
+class Unchecked:
+    """An accepted batch in a step whose verification waited for it (`Group.unchecked`): its
+    groups, and its samples' places in `StepBatch.samples`."""
+
+    groups: tuple[Group, ...]
+    samples: tuple[int, ...]
+
+    @property
+    def lease_id(self) -> str:
+        return self.groups[0].lease_id
+
+    @property
+    def version(self) -> int:
+        return self.groups[0].version
+
+    def seeds(self) -> list[int]:
+        """Its samples' lease noise, in `samples`' order (`protocols.sampling.sample_seeds`)."""
+        return sample_seeds(self.lease_id, [s.group for g in self.groups for s in g.samples])
 
 
 @dataclass
@@ -26,6 +48,18 @@ class StepBatch:
     rewards: list[float]
     staleness: list[int]  # per sample: trainer version minus the sample's policy version
     dropped: int  # samples dropped as too stale when the batch was assembled
+    unchecked: list[Unchecked] = dataclasses.field(default_factory=list)
+
+    def without(self, settled: list[Unchecked], refused: list[Unchecked]) -> StepBatch:
+        """This batch with `settled` verified (no longer unchecked) and the samples of `refused`
+        (some of them) left out."""
+        gone = {i for u in refused for i in u.samples}
+        keep = [i for i in range(len(self.samples)) if i not in gone]
+        place = {i: k for k, i in enumerate(keep)}
+        return StepBatch([self.samples[i] for i in keep], [self.rewards[i] for i in keep],
+                         [self.staleness[i] for i in keep], self.dropped,
+                         [Unchecked(u.groups, tuple(place[i] for i in u.samples)) for u in self.unchecked
+                          if u not in settled])
 
 
 class TrainingBuffer:
@@ -66,16 +100,30 @@ class TrainingBuffer:
         return self._drop(dropped) if dropped else None
 
     def take(self, groups: int | None) -> tuple[StepBatch, Future]:
-        """Up to `groups` groups (all if None) the bound still admits; and the journal write to wait for."""
-        taken, dropped = self.replay.take(len(self.replay) if groups is None else groups, self.version)
+        """Up to `groups` groups (all if None) the bound still admits, and the rest of an unchecked
+        batch whose first groups are among them (its verification judges it whole); and the
+        journal write to wait for."""
+        dropped = self.replay.prune(self.version)
+        entries = list(self.replay)
+        count = len(entries) if groups is None else min(groups, len(entries))
+        while 0 < count < len(entries) and entries[count].item.unchecked and \
+                entries[count].item.lease_id == entries[count - 1].item.lease_id:
+            count += 1
+        taken, _ = self.replay.take(count, self.version)
         saved = self._drop(dropped, taken=taken)
         batch = StepBatch([], [], [], self._dropped)
         self._dropped = 0
+        unchecked: dict[str, tuple[list[Group], list[int]]] = {}
         for entry in taken:
             staleness = self.version - entry.version
+            if entry.item.unchecked:
+                groups_, places = unchecked.setdefault(entry.item.lease_id, ([], []))
+                groups_.append(entry.item)
+                places += range(len(batch.samples), len(batch.samples) + len(entry.item.samples))
             batch.samples += [dataclasses.replace(s, staleness=staleness) for s in entry.item.samples]
             batch.rewards += [s.reward for s in entry.item.samples]
             batch.staleness += [staleness] * len(entry.item.samples)
+        batch.unchecked = [Unchecked(tuple(g), tuple(p)) for g, p in unchecked.values()]
         return batch, saved
 
     def restore(self, gate: dict, version: int, recovered: Recovered) -> None:

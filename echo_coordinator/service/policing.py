@@ -86,6 +86,11 @@ class Policing:
     bans: BanRule = BanRule()
     allow: frozenset[str] | None = None  # node key fingerprints; None = anyone may join
     outliers: OutlierBudget = OutlierBudget()
+    # The step can verify a batch of its own version from its own forward (LoRA, one trainer
+    # process: `trainer.step_checks`), at next to no cost: such batches wait for it, from keys
+    # with `in_step_after` verified batches and no failed one.
+    in_step: bool = False
+    in_step_after: int = 1
 
     def admit(self, ledger: Ledger, node_id: str, now: float) -> None:
         """Refuse a key that is not on the allow-list or is serving a ban."""
@@ -95,28 +100,45 @@ class Policing:
         if banned_until > now:
             raise PeerRefused("banned", f"key {node_id} failed verification; banned for {banned_until - now:.0f} s more")
 
-    def verify(self, ledger: Ledger, batch: RolloutBatch, now: float, round_: EvalRound | None = None) -> None:
+    def verify(self, ledger: Ledger, batch: RolloutBatch, now: float, round_: EvalRound | None = None,
+               current: int | None = None) -> bool:
         """Check the sampling if the spot-check says so; a failure is a strike and a ban. An
-        evaluation batch is always checked, against its round's weights, greedy or with the lease's noise."""
+        evaluation batch is always checked, against its round's weights, greedy or with the lease's noise.
+        True: the check waits for the step (`in_step`; `current`: the trainer's version now), which
+        then checks every batch of a trusted key of that version, spot-check or not."""
         if self.verifier is None:
-            return
+            return False
         trust = ledger.trust(batch.node_id)
+        # A new key, or one that ever failed, is checked now: a batch the step refuses leaves the
+        # step smaller (its seeds were not leased again), so a key must have had verified work
+        # trained before it can cost a step that, once: it is banned then.
+        if self.in_step and round_ is None and batch.version == current and trust.failed == 0 and \
+                trust.verified >= self.in_step_after:
+            return True
         # Every evaluation batch is checked: held-out accuracy is the number a run is judged by,
         # and its batches are small (a lease of greedy answers).
         if round_ is None and not self.spot.should_check(trust.verified, trust.failed, _DRAWS.random()):
-            return
+            return False
         try:
             if round_ is None:
                 self.verifier.check(batch.lease_id, batch.version, batch.samples)
             else:
                 self.verifier.check(batch.lease_id, batch.version, batch.samples, round_.weights, round_.greedy)
         except VerificationError as e:
-            if e.code == "outlier":  # refused; a strike only past what honest keys show
-                ledger.record_outlier(batch.node_id, self.outliers.strikes, self.bans.seconds, now)
-            elif e.code != "unverifiable":
-                self.strike(ledger, batch.node_id, now)
+            self.settle(ledger, batch.node_id, e.code, len(batch.samples), now)
             raise
-        ledger.record_check(batch.node_id, True, self.bans.seconds, now, len(batch.samples))
+        self.settle(ledger, batch.node_id, None, len(batch.samples), now)
+        return False
+
+    def settle(self, ledger: Ledger, node_id: str, reason: str | None, samples: int, now: float) -> None:
+        """What a verdict on a key's batch of `samples` means for the key: a verified batch, a
+        strike (and a ban), or for a lone outlier, a strike only past what honest keys show."""
+        if reason is None:
+            ledger.record_check(node_id, True, self.bans.seconds, now, samples)
+        elif reason == "outlier":
+            ledger.record_outlier(node_id, self.outliers.strikes, self.bans.seconds, now)
+        elif reason != "unverifiable":
+            self.strike(ledger, node_id, now)
 
     def strike(self, ledger: Ledger, node_id: str, now: float) -> None:
         """A cheat caught (a failed verification, a truncated sample): a strike and a ban."""

@@ -19,7 +19,7 @@ from concurrent.futures import Future
 from echo_coordinator.evaluation import EvalRound
 from echo_coordinator.ledger import Ledger
 from echo_coordinator.service import judging
-from echo_coordinator.service.buffer import TrainingBuffer
+from echo_coordinator.service.buffer import TrainingBuffer, Unchecked
 from echo_coordinator.service.evaluating import EvalRounds
 from echo_coordinator.service.leasing import Leasing
 from echo_coordinator.service.policing import Policing
@@ -107,9 +107,9 @@ class Pushes:
                 # is on every batch, spot-checked or not.
                 self.policing.strike(self.ledger, batch.node_id, now)
                 raise
-            self.policing.verify(self.ledger, batch, now, round_)
+            waits = self.policing.verify(self.ledger, batch, now, round_, current=self.buffer.version)
             now += time.monotonic() - started  # the lease may have expired while we judged
-            groups = [] if round_ is not None else judging.groups(batch, rewards, peer_id, name)
+            groups = [] if round_ is not None else judging.groups(batch, rewards, peer_id, name, unchecked=waits)
             with self.lock:
                 self._held_lease(batch, now, round_)
                 if round_ is None:
@@ -125,16 +125,37 @@ class Pushes:
         except ProtocolError:
             # The holder's (signed) attempt failed: its seeds go straight back to other nodes, and
             # so do those of its other leases if that was a strike: a banned key never answers them.
-            banned = self.ledger.trust(batch.node_id).banned_until > now
-            with self.lock:
-                for b in [self.leasing.book, *self.rounds.books()] if banned else [book]:
-                    for x in b.outstanding:
-                        if x.node_id == batch.node_id and (banned or x.lease_id == batch.lease_id):
-                            b.release(x.lease_id, x.node_id, now)
+            self._release(batch.node_id, now, batch.lease_id, book)
             raise
         finally:
             with self.lock:
                 self.judging.discard(judging_now)
+
+    def settle(self, verdicts: list[tuple[Unchecked, str | None]], now: float) -> None:
+        """The verdicts (None, or the reason it was refused) on the batches a step verified
+        (`Group.unchecked`): what each means for its key (`Policing.settle`), and a refused one's
+        groups out of the journal's buffer, never credited. Called before the step is committed."""
+        refused = [(u, reason) for u, reason in verdicts if reason is not None]
+        with self.lock:
+            for u, reason in refused:
+                self.rejections[reason] += len(u.samples)
+            saved = [self.buffer.journal.refuse(list(u.groups), reason) for u, reason in refused]
+        for u, reason in verdicts:
+            self.policing.settle(self.ledger, u.groups[0].node_id, reason, len(u.samples), now)
+            if reason is not None:
+                self._release(u.groups[0].node_id, now)
+        for write in saved:
+            write.result()
+
+    def _release(self, node_id: str, now: float, lease_id: str | None = None, book=None) -> None:
+        """After a refusal: `node_id`'s lease `lease_id` in `book` goes back to other nodes; all its
+        leases if the refusal banned it."""
+        banned = self.ledger.trust(node_id).banned_until > now
+        with self.lock:
+            for b in [self.leasing.book, *self.rounds.books()] if banned else [book] if book else []:
+                for x in b.outstanding:
+                    if x.node_id == node_id and (banned or x.lease_id == lease_id):
+                        b.release(x.lease_id, x.node_id, now)
 
     def _held_lease(self, batch: RolloutBatch, now: float, round_: EvalRound | None) -> Lease:
         """Under the lock: the lease this batch answers (in `round_`'s book for an evaluation),

@@ -19,7 +19,7 @@ from echo_coordinator.capacity import Throughput
 from echo_coordinator.evaluation import EvalSet
 from echo_coordinator.journal import Journal
 from echo_coordinator.ledger import Ledger
-from echo_coordinator.service.buffer import StepBatch, TrainingBuffer
+from echo_coordinator.service.buffer import StepBatch, TrainingBuffer, Unchecked
 from echo_coordinator.service.evaluating import EvalRounds
 from echo_coordinator.service.leasing import Leasing
 from echo_coordinator.service.policing import Policing
@@ -152,6 +152,10 @@ class RunService:
             batch, saved = self.buffer.take(groups)
         saved.result()
         return batch
+
+    def settle(self, verdicts: list[tuple[Unchecked, str | None]], now: float | None = None) -> None:
+        """The step's verdicts on its unchecked batches (`Pushes.settle`), before it is committed."""
+        self.pushes.settle(verdicts, time.time() if now is None else now)
 
     def commit_step(self, version: int) -> None:
         """The step from `version` is checkpointed: credit the groups it trained on."""

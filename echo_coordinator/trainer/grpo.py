@@ -54,6 +54,14 @@ class LossParts:
     row_tokens: list[int]  # per sequence: trained tokens
 
 
+def pad_rows(rows: list[torch.Tensor], length: int) -> torch.Tensor:
+    """(B, length) from rows of at most `length` values, zero-padded on the right."""
+    out = torch.zeros((len(rows), length), device=rows[0].device if rows else None)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = row
+    return out
+
+
 def grpo_loss(
     new: torch.Tensor,  # (B, T) logprobs with grad
     old: torch.Tensor,  # (B, T)

@@ -24,12 +24,14 @@ from peft import LoraConfig, get_peft_model
 
 from echo_coordinator.config import TrainerConfig
 from echo_coordinator.trainer import distributed, evidence, sharded
-from echo_coordinator.trainer.grpo import grpo_loss, group_advantages
+from echo_coordinator.trainer.grpo import grpo_loss, group_advantages, pad_rows
+from echo_coordinator.trainer.routing import routers
 from echo_coordinator.trainer.samples import TrainSample, encode
+from echo_coordinator.trainer.step_checks import Check, StepChecks, Verdict
 from echo_coordinator.trainer.tensors import micro_batches, release_freed_memory
 from echo_coordinator.trainer.weights import TrainerWeights
 from engines.hf import load_model, load_tokenizer
-from protocols.sampling import SampleEvidence
+from protocols.sampling import SampleEvidence, SamplingRule
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -46,14 +48,8 @@ class StepStats:
     mean_log_ratio: float  # mean per token of log pi_trainer - log mu
     log_ratio_by_staleness: dict[int, float]  # the same mean, per staleness (trained samples only)
     busy_seconds: float  # forward, backward and optimiser time
-
-
-def pad_rows(rows: list[torch.Tensor], length: int) -> torch.Tensor:
-    """(B, length) from rows of at most `length` values, zero-padded on the right."""
-    out = torch.zeros((len(rows), length), device=rows[0].device if rows else None)
-    for i, row in enumerate(rows):
-        out[i, : len(row)] = row
-    return out
+    verdicts: tuple[Verdict, ...] = ()  # per check given to `step` (not a metric)
+    check_seconds: float = 0.0  # of busy_seconds, scoring and judging the checks
 
 
 class Trainer(TrainerWeights):
@@ -111,18 +107,25 @@ class Trainer(TrainerWeights):
         if ranks is not None and ranks.leader and not self.sharded:
             self.send_state()  # every rank starts from rank 0's weights
 
-    def step(self, samples: list[TrainSample], expected_steps: int | None = None) -> StepStats:
+    def step(self, samples: list[TrainSample], expected_steps: int | None = None, checks: list[Check] = (),
+             held: dict[str, np.ndarray] | None = None, rule: SamplingRule = SamplingRule()) -> StepStats:
         """One GRPO step on a batch: `ppo_epochs` passes, each in `ppo_minibatches` optimiser
         steps. The PPO ratio is taken against the weights at the start of the step (`old`), so
         with more than one optimiser step the clip binds; with one, old = new and it cannot.
         With several trainer ranks each computes its share of every optimiser step's gradient
         and they are summed (`distributed`); rank 0 sends the batch, the others are given it
-        with the step count rank 0 is at (`expected_steps`)."""
-        started = time.perf_counter()
-        with distributed.collectives("training") if self.sharded else nullcontext():
-            return self._step(samples, expected_steps, started)
+        with the step count rank 0 is at (`expected_steps`).
 
-    def _step(self, samples: list[TrainSample], expected_steps: int | None, started: float) -> StepStats:
+        `checks`: batches to verify from the step's own forwards (`step_checks`), which run under
+        `held`, the adapter nodes hold at this version; a refused batch leaves the loss."""
+        started = time.perf_counter()
+        if checks and (self.ranks is not None or self.update != "lora"):
+            raise ValueError("a step verifies batches only in one LoRA trainer process")
+        with distributed.collectives("training") if self.sharded else nullcontext():
+            return self._step(samples, expected_steps, started, list(checks), held, rule)
+
+    def _step(self, samples: list[TrainSample], expected_steps: int | None, started: float, checks: list[Check],
+              held: dict[str, np.ndarray] | None, rule: SamplingRule) -> StepStats:
         if self.ranks is not None:
             if self.ranks.leader:
                 self.channel.send(distributed.STEP, self.steps, encode(samples))
@@ -132,9 +135,15 @@ class Trainer(TrainerWeights):
         rewards = np.array([s.reward for s in samples], dtype=np.float32)
         advantages = group_advantages(rewards, np.array([s.group for s in samples]))
         # Groups whose samples all scored the same carry no signal (advantage 0): skip their compute.
-        trained = [(s, a) for s, a in zip(samples, advantages) if a != 0.0]
-        lengths = [len(s.prompt_ids) + len(s.completion_ids) for s, _ in trained]
+        which = [i for i, a in enumerate(advantages) if a != 0.0]  # the trained samples' places in `samples`
         cfg = self.config
+        checking = StepChecks(checks, rule).scored_apart(self, samples, which, held) if checks else None
+        if checking is not None:
+            which = [i for i in which if i not in checking.dropped]
+        if cfg.ppo_epochs * cfg.ppo_minibatches > 1:
+            held = None  # (the weights move between forwards: the checks were scored apart, train as before)
+        trained = [(samples[i], advantages[i]) for i in which]
+        lengths = [len(s.prompt_ids) + len(s.completion_ids) for s, _ in trained]
         minibatches = [m.tolist() for m in np.array_split(np.arange(len(trained)), min(cfg.ppo_minibatches,
                                                                                          max(len(trained), 1)))]
         world, rank = (1, 0) if self.ranks is None else (self.ranks.world, self.ranks.rank)
@@ -156,11 +165,13 @@ class Trainer(TrainerWeights):
                 if not minibatch:
                     continue
                 total_tokens = sum(sum(trained[i][0].loss_mask) for i in minibatch)  # the whole minibatch's
-                out = self._accumulate([trained[i] for i in part], None if old is None else [old[i] for i in part],
-                                       total_tokens, n)
+                with nullcontext() if held is None else self.holding(held):  # (sharded, holding gathers)
+                    out = self._accumulate([trained[i] for i in part], None if old is None else [old[i] for i in part],
+                                           total_tokens, n, checking and ([which[i] for i in part], samples, checking))
                 if self.ranks is not None and not self.sharded:  # (FSDP sums them in the backward)
                     distributed.sum_gradients(self.optimizer)
-                self.optimizer.step()
+                if out["tokens"] or not out["dropped"]:  # (every batch in it refused: momentum alone must not step)
+                    self.optimizer.step()
                 sums["clipped_ratio"] += out["clipped_ratio"]
                 sums["ratio_tokens"] += out["tokens"]
                 if epoch == 0:  # what the batch is, measured once: loss, tokens, mismatch
@@ -185,7 +196,15 @@ class Trainer(TrainerWeights):
             mismatch_kl=sums["kl"] / tokens, mean_log_ratio=sums["log_ratio"] / tokens,
             log_ratio_by_staleness={k: r / max(n, 1) for k, (r, n) in sorted(by_staleness.items()) if n},
             busy_seconds=time.perf_counter() - started,
+            verdicts=tuple(checking.verdicts) if checking else (), check_seconds=checking.seconds if checking else 0.0,
         )
+
+    @property
+    def verifies_in_step(self) -> bool:
+        """Whether `step` verifies batches of its version from its own forward (`step_checks`): LoRA
+        in one process, one optimiser step a batch, a dense model (MoE outliers: `evidence.rerouted`)."""
+        return (self.update == "lora" and self.ranks is None and not self.frozen and not routers(self.model)
+                and self.config.ppo_epochs * self.config.ppo_minibatches == 1)
 
     def _checksum(self) -> int:
         """What the ranks compare after a step: unsharded, their weights; sharded (each holds other
@@ -195,22 +214,34 @@ class Trainer(TrainerWeights):
         return distributed.digest(repr((self.config, self.update, self.temperature)))
 
     def _accumulate(self, part: list[tuple[TrainSample, float]], old: list[torch.Tensor] | None,
-                    total_tokens: int, rounds: int) -> dict:
+                    total_tokens: int, rounds: int, checks: tuple[list[int], list[TrainSample], StepChecks] | None) -> dict:
         """Gradients of the loss over `part` (this rank's share of one optimiser step's samples),
         micro-batched by padded tokens; `old`: each sample's (L-1,) start-of-step logprobs, None =
         on-policy; `total_tokens`: the optimiser step's masked tokens over every rank, so the
         parts' gradients sum to the gradient of the whole; `rounds`: sharded, the forwards every rank
-        runs (the busiest rank's micro-batches), idle ones before this rank's own."""
+        runs (the busiest rank's micro-batches), idle ones before this rank's own. `checks`: (the
+        part's places in the step's batch, its samples, the checks) to score from these forwards;
+        a refused batch's tokens leave the loss and the gradient is that of the rest."""
         self.optimizer.zero_grad(set_to_none=True)
         sums = dict(loss=0.0, tokens=0, clipped_tis=0, clipped_ratio=0, kl=0.0, log_ratio=0.0, by_staleness={})
         lengths = [len(s.prompt_ids) + len(s.completion_ids) for s, _ in part]
-        batches = micro_batches(lengths, self.config.micro_batch_tokens)
+        units = None
+        if checks is not None:
+            where, samples, checking = checks
+            units = checking.packing(where, lengths, self.config.micro_batch_tokens)
+        batches = micro_batches(lengths, self.config.micro_batch_tokens, units)
+        dropped = 0
         for _ in range(rounds - len(batches) if self.sharded else 0):
             sharded.idle_round(self.scored, self.device)
         for indices in batches:
             micro = [part[i] for i in indices]
             ids, mask, behaviour = self._pack([s for s, _ in micro])
-            new = self._logprobs(ids, mask > 0)  # (B, L-1)
+            scored = mask > 0
+            logits = self._scaled_logits(ids, scored)
+            if checks is not None:
+                dropped += checking.judge_micro_batch([where[i] for i in indices], samples, logits, mask)
+            new = self._chosen(logits, ids, scored)  # (B, L-1)
+            del logits  # (log_softmax keeps its output for the backward, not this: N x V floats less at the peak)
             start = new.detach() if old is None else pad_rows([old[i] for i in indices], new.shape[1])
             adv = torch.tensor([a for _, a in micro], dtype=torch.float32, device=self.device)
             out = grpo_loss(new, start, behaviour, adv, mask, total_tokens, self.config.clip_eps, self.config.tis_cap)
@@ -225,6 +256,13 @@ class Trainer(TrainerWeights):
                 bucket = sums["by_staleness"].setdefault(s.staleness, [0.0, 0])
                 bucket[0] += ratio
                 bucket[1] += n
+        if dropped and total_tokens > dropped:  # the mean over the tokens left
+            scale = total_tokens / (total_tokens - dropped)
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+            sums["loss"] *= scale
+        sums["dropped"] = dropped
         return sums
 
     @torch.no_grad()
@@ -278,7 +316,11 @@ class Trainer(TrainerWeights):
 
     def _logprobs(self, ids: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
         """(B, L-1) logprob of each next token at the positions `where` marks, 0 elsewhere."""
-        logits = self._scaled_logits(ids, where)
+        return self._chosen(self._scaled_logits(ids, where), ids, where)
+
+    @staticmethod
+    def _chosen(logits: torch.Tensor, ids: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+        """`_logprobs` from the (N, V) logits / T at the positions `where` marks."""
         chosen = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:][where][:, None]).squeeze(-1)
         return torch.zeros(where.shape, device=where.device).masked_scatter(where, chosen)
 

@@ -26,15 +26,17 @@ def release_freed_memory() -> None:
         pass
 
 
-def micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+def micro_batches(lengths: list[int], max_tokens: int, units: list[list[int]] | None = None) -> list[list[int]]:
     """Sample indices grouped so each group's padded size (count x longest) stays within
-    `max_tokens` (a longer sample goes alone); longest first, so similar lengths share padding."""
+    `max_tokens` (a longer sample goes alone); longest first, so similar lengths share padding.
+    `units`: indices that must share a group (a batch judged in the step, `step_checks`)."""
+    units = [[i] for i in range(len(lengths))] if units is None else [sorted(u, key=lambda i: -lengths[i]) for u in units]
     groups: list[list[int]] = []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= max_tokens:
-            groups[-1].append(i)
+    for unit in sorted(units, key=lambda u: -lengths[u[0]]):
+        if groups and (len(groups[-1]) + len(unit)) * lengths[groups[-1][0]] <= max_tokens:
+            groups[-1] += unit
         else:
-            groups.append([i])
+            groups.append(list(unit))
     return groups
 
 

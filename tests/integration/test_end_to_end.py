@@ -54,6 +54,9 @@ def test_sequential_run_with_two_nodes(tmp_path, tiny_model, processes):
                 "wait_seconds", "time"} <= set(r)
         assert r["mode"] == "sequential" and r["samples"] == 16 and r["accepted"] == 16 and r["staleness_max"] == 0
         assert 0 < r["reward_mean"] < 1 and r["trained_samples"] > 0
+    # Each node's first batch (4 samples) is verified at its push; every later one by the step that
+    # trains it, from the step's own forward (LoRA, staleness 0, a key with a verified batch).
+    assert sum(r["verified_free"] for r in records) >= 16 * STEPS - 2 * 4
 
     # Held-out evaluation of versions 0, 2 and the last (3), greedy and sampled, answered by the
     # nodes at exactly those versions; the trainer's own re-run agrees on greedy answers (the tiny

@@ -486,12 +486,12 @@ def sampled_batch(key, lease: TaskLease) -> RolloutBatch:
 
 @pytest.fixture
 def policed(tmp_path, made):
-    def make(spot=SpotCheck(), allow=None, outliers=OutlierBudget()):
+    def make(spot=SpotCheck(), allow=None, outliers=OutlierBudget(), in_step=False, seeds_per_lease=1):
         verifier = Verifier(toy_evidence, SamplingRule(), keep_versions=0)
         verifier.remember(0, {})
         svc = make_service(Ledger(tmp_path / f"ledger{len(made)}.sqlite"),
-                           LeaseSettings(lease_seconds=600, seeds_per_lease=1),
-                           Policing(verifier, spot, BanRule(first=60), allow, outliers))
+                           LeaseSettings(lease_seconds=600, seeds_per_lease=seeds_per_lease),
+                           Policing(verifier, spot, BanRule(first=60), allow, outliers, in_step=in_step, in_step_after=2))
         svc.open_step(list(range(100)))
         made.append(svc)
         return svc
@@ -537,6 +537,37 @@ def test_trusted_keys_are_spot_checked_new_ones_always(policed):
     lease = svc.handle_lease(lease_request(newcomer), now=NOW)
     push(svc, sampled_batch(newcomer, lease), "QmNew")
     assert svc.policing.verifier.checked_samples == checked + GROUP
+
+
+def test_a_trusted_keys_batch_is_verified_by_the_step_that_trains_it(policed):
+    """Where the step can verify a batch from its own forward (`Policing.in_step`), a trusted key's
+    batches of the current version are accepted unchecked and all verified there, whatever the
+    spot-check says: a refused one is struck, never credited, and leaves the journal."""
+    svc = policed(spot=SpotCheck(fraction=1e-9, trust_after=2), in_step=True, seeds_per_lease=2)
+    node, newcomer = generate_key(), generate_key()
+    for _ in range(2):  # a new key: checked at the push
+        push(svc, sampled_batch(node, svc.handle_lease(lease_request(node), now=NOW)), "QmNode")
+    verifier = svc.policing.verifier
+    checked = verifier.checked_samples
+    assert checked == 2 * 2 * GROUP
+    push(svc, sampled_batch(node, svc.handle_lease(lease_request(node), now=NOW)), "QmNode")
+    push(svc, answer_batch(svc, node, svc.handle_lease(lease_request(node), now=NOW)), "QmNode")  # written
+    push(svc, sampled_batch(newcomer, svc.handle_lease(lease_request(newcomer), now=NOW)), "QmNew")
+    assert verifier.checked_samples == checked + 2 * GROUP  # the newcomer's, at its push
+    assert [g.unchecked for g in svc.journal.recover(0).groups] == [False] * 4 + [True] * 4 + [False] * 2
+
+    batch = svc.take_batch(7)  # the fourth lease's second group comes too: a batch is judged whole
+    assert len(batch.samples) == 8 * GROUP and [len(u.groups) for u in batch.unchecked] == [2, 2]
+    verdicts = [(u, verifier.judged(0, [batch.samples[i] for i in u.samples], u.seeds())[0]) for u in batch.unchecked]
+    assert [reason for _, reason in verdicts] == [None, "bad_sampling"]  # (the honest one: right noise, in order)
+    svc.settle(verdicts, now=NOW)
+    trust = svc.ledger.trust(fingerprint(public_bytes(node)))
+    assert trust.failed == 1 and trust.banned_until == NOW + 60 and trust.verified == 3
+    assert svc.rejection_counts()["bad_sampling"] == 2 * GROUP
+    svc.commit_step(0)
+    peers = {p["node_id"]: p for p in svc.ledger.peers()}
+    assert peers[fingerprint(public_bytes(node))]["accepted"] == 3 * 2 * GROUP  # the written batch: never credited
+    assert [g.unchecked for g in svc.journal.recover(1).groups] == [False] * 2  # the newcomer's, waiting
 
 
 def test_a_lone_outlier_is_refused_and_struck_only_past_the_keys_budget(policed):
