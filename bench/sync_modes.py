@@ -25,6 +25,9 @@ a table, writes both curves to a PNG, and ends with a JSON line:
   reward_ratio_async_over_sync      mean rollout reward over the last quarter of steps, async / sync
                                     (penalises async by construction: its rollouts are older)
   max_staleness_seen, S
+  verified_free_share_sync, _async  of the samples trained on, the share verified from the step's own
+                                    forward (docs/verification.md); the rest at their push or apart
+  verify_over_busy_sync, _async     verification's trainer seconds (pushes and steps) / the steps' busy seconds
 """
 
 from __future__ import annotations
@@ -135,6 +138,9 @@ def summarise(records: list[dict], evals: list[dict]) -> dict:
         reward_last_quarter=statistics.mean(r["reward_mean"] for r in quarter),
         reward_first=records[0]["reward_mean"],
         max_staleness=max(r["staleness_max"] for r in records),
+        # of the samples trained on, the share verified from the step's own forward (issue 34 point 4)
+        free_share=sum(r.get("verified_free", 0) for r in records) / max(samples, 1),
+        verify_over_busy=sum(r["verify_seconds"] for r in records) / sum(r["busy_seconds"] for r in records),
     )
 
 
@@ -182,7 +188,8 @@ def main() -> None:
     print(f"\n{'':24}{'sequential':>12}{'async':>12}")
     for key, fmt in [("samples", "{:.0f}"), ("wall", "{:.1f}s"), ("throughput", "{:.3f}/s"), ("busy", "{:.2f}"),
                      ("gen_median", "{:.1f}s"), ("train_median", "{:.1f}s"), ("reward_first", "{:.3f}"),
-                     ("reward_last_quarter", "{:.3f}"), ("staleness_mean", "{:.2f}"), ("max_staleness", "{:.0f}")]:
+                     ("reward_last_quarter", "{:.3f}"), ("staleness_mean", "{:.2f}"), ("max_staleness", "{:.0f}"),
+                     ("free_share", "{:.3f}"), ("verify_over_busy", "{:.3f}")]:
         print(f"{key:24}{fmt.format(sync[key]):>12}{fmt.format(asyn[key]):>12}")
     print(f"{'final held-out accuracy':24}{final_sync:>12.3f}{final_async:>12.3f}")
     print(f"{f'seconds to {target:.3f}':24}{str(None if to_sync is None else round(to_sync, 1)):>12}"
@@ -200,6 +207,8 @@ def main() -> None:
         ideal_ratio=round((gen + train) / max(gen, train), 3),
         reward_ratio_async_over_sync=round(asyn["reward_last_quarter"] / max(sync["reward_last_quarter"], 1e-9), 3),
         max_staleness_seen=asyn["max_staleness"], S=args.staleness,
+        verified_free_share_sync=round(sync["free_share"], 3), verified_free_share_async=round(asyn["free_share"], 3),
+        verify_over_busy_sync=round(sync["verify_over_busy"], 3), verify_over_busy_async=round(asyn["verify_over_busy"], 3),
         steps=args.steps, samples_per_step=args.prompts * args.group, nodes=args.nodes, trainer_cpus=len(trainer_cpus),
         node_cpus=len(node_cpus), eval_prompts=args.eval_prompts,
     )))

@@ -54,8 +54,8 @@ class StepChecks:
         forwards will not (not trained: `which` are; or a batch more than one micro-batch holds),
         and judge the batches that makes whole. With more than one optimiser step a batch (the
         weights move between forwards) every checked sample is scored so. Returns self."""
-        config = trainer.config
-        apart = [i for i in self.owner if i not in set(which)]
+        config, trained = trainer.config, set(which)
+        apart = [i for i in self.owner if i not in trained]
         if config.ppo_epochs * config.ppo_minibatches > 1:
             apart = list(self.owner)
         else:
@@ -69,7 +69,7 @@ class StepChecks:
             self.refused()
         return self
 
-    def units(self, indices: list[int], lengths: list[int], max_tokens: int) -> tuple[list[list[int]], list[int]]:
+    def units(self, indices: list[int], lengths: dict[int, int], max_tokens: int) -> tuple[list[list[int]], list[int]]:
         """(`indices` (samples the step trains) as packing units: each check's together, the others
         alone; the checked samples a micro-batch cannot hold together, to be scored apart)."""
         by_check: dict[int, list[int]] = {}
@@ -127,7 +127,8 @@ class StepChecks:
         if mine:
             positions = [np.flatnonzero(samples[i].loss_mask) for i, _ in mine]
             rows = torch.from_numpy(np.concatenate([a + np.arange(len(p)) for (_, a), p in zip(mine, positions)]))
-            logits = scaled.detach()[rows.to(scaled.device)]
+            # (every row checked, the common case: the logits themselves, no N x V copy)
+            logits = scaled.detach() if len(rows) == len(scaled) else scaled.detach()[rows.to(scaled.device)]
             scoring = Scoring(scaled.device, [self.owner[i][1] for (i, _), p in zip(mine, positions) for _ in p],
                               np.concatenate(positions),
                               np.concatenate([np.asarray(samples[i].completion_ids)[p] for (i, _), p in zip(mine, positions)]))
