@@ -102,14 +102,16 @@ def test_streams_carry_large_payloads_errors_and_timeouts(swarm):
             await first
         with pytest.raises(TransportError):
             await client.call(server.peer_id, Rpc("t.nobody_serves_this", None, (Reply,), 1024, 10.0, 1), b"x")
+        # (idempotent: a fresh loopback stream that resets before its first frame is retried once,
+        # as nodes' reads are; once, on a loaded machine, it broke here before the empty answer)
         with pytest.raises(TransportError, match="expected one reply"):
-            await client.call_one(server.peer_id, ECHO, b"")
+            await client.call_one(server.peer_id, ECHO, b"", idempotent=True)
         # A reply that never ends: the caller stops reading at the declared count.
         with pytest.raises(TransportError, match="more than 1 replies"):
             await client.call_one(server.peer_id, ENDLESS, b"")
         assert client.errors["t.endless", "too_many_replies"] == 1
         # The server keeps serving after all of that.
-        assert await client.call_one(server.peer_id, ECHO, b"still here") == b"still here"
+        assert await client.call_one(server.peer_id, ECHO, b"still here", idempotent=True) == b"still here"
 
     asyncio.run(go())
 

@@ -9,9 +9,9 @@ from echo_coordinator.trainer.learner import Trainer
 _step = Trainer.step
 
 
-def _slow_step(self, samples):
+def _slow_step(self, samples, *args, **kwargs):
     time.sleep(float(os.environ["SLOW_STEP_SECONDS"]))
-    return _step(self, samples)
+    return _step(self, samples, *args, **kwargs)
 
 
 Trainer.step = _slow_step
