@@ -91,11 +91,8 @@ class Trainer(TrainerWeights):
         else:
             self.model = base
         if config.activation_checkpointing:  # (named gradient_checkpointing before transformers 5.2x)
-            enable = getattr(self.causal, "activation_checkpointing_enable", None)
-            if enable is not None:
-                enable(activation_checkpointing_kwargs={"use_reentrant": False})
-            else:
-                self.causal.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            name = "activation" if hasattr(self.causal, "activation_checkpointing_enable") else "gradient"
+            getattr(self.causal, f"{name}_checkpointing_enable")(**{f"{name}_checkpointing_kwargs": {"use_reentrant": False}})
         self.scored = sharded.Scored(self.causal)
         if self.sharded:  # every rank starts from rank 0's weights, then keeps its shard of them
             distributed.broadcast([p for p in self.model.parameters() if p.requires_grad])
@@ -142,8 +139,7 @@ class Trainer(TrainerWeights):
         which = [i for i, a in enumerate(advantages) if a != 0.0]  # the trained samples' places in `samples`
         cfg = self.config
         checking = StepChecks(checks, rule).scored_apart(self, samples, which, held) if checks else None
-        if checking is not None:
-            which = [i for i in which if i not in checking.dropped]
+        which = [i for i in which if checking is None or i not in checking.dropped]  # (refused by a check apart)
         if cfg.ppo_epochs * cfg.ppo_minibatches > 1:
             held = None  # (the weights move between forwards: the checks were scored apart, train as before)
         trained = [(samples[i], advantages[i]) for i in which]
