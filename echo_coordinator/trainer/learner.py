@@ -92,7 +92,8 @@ class Trainer(TrainerWeights):
             self.model = base
         if config.activation_checkpointing:  # (named gradient_checkpointing before transformers 5.2x)
             name = "activation" if hasattr(self.causal, "activation_checkpointing_enable") else "gradient"
-            getattr(self.causal, f"{name}_checkpointing_enable")(**{f"{name}_checkpointing_kwargs": {"use_reentrant": False}})
+            enable = getattr(self.causal, f"{name}_checkpointing_enable")
+            enable(**{f"{name}_checkpointing_kwargs": {"use_reentrant": False}})
         self.scored = sharded.Scored(self.causal)
         if self.sharded:  # every rank starts from rank 0's weights, then keeps its shard of them
             distributed.broadcast([p for p in self.model.parameters() if p.requires_grad])
@@ -165,9 +166,10 @@ class Trainer(TrainerWeights):
                 if not minibatch:
                     continue
                 total_tokens = sum(sum(trained[i][0].loss_mask) for i in minibatch)  # the whole minibatch's
+                checks = None if checking is None else ([which[i] for i in part], samples, checking)
                 with nullcontext() if held is None else self.holding(held):  # (sharded, holding gathers)
                     out = self._accumulate([trained[i] for i in part], None if old is None else [old[i] for i in part],
-                                           total_tokens, n, checking and ([which[i] for i in part], samples, checking))
+                                           total_tokens, n, checks)
                 if self.ranks is not None and not self.sharded:  # (FSDP sums them in the backward)
                     distributed.sum_gradients(self.optimizer)
                 if out["tokens"] or not out["dropped"]:  # (every batch in it refused: momentum alone must not step)
@@ -213,8 +215,8 @@ class Trainer(TrainerWeights):
             return distributed.weights_checksum(self.optimizer)
         return distributed.digest(repr((self.config, self.update, self.temperature)))
 
-    def _accumulate(self, part: list[tuple[TrainSample, float]], old: list[torch.Tensor] | None,
-                    total_tokens: int, rounds: int, checks: tuple[list[int], list[TrainSample], StepChecks] | None) -> dict:
+    def _accumulate(self, part: list[tuple[TrainSample, float]], old: list[torch.Tensor] | None, total_tokens: int,
+                    rounds: int, checks: tuple[list[int], list[TrainSample], StepChecks] | None) -> dict:
         """Gradients of the loss over `part` (this rank's share of one optimiser step's samples),
         micro-batched by padded tokens; `old`: each sample's (L-1,) start-of-step logprobs, None =
         on-policy; `total_tokens`: the optimiser step's masked tokens over every rank, so the
@@ -223,14 +225,13 @@ class Trainer(TrainerWeights):
         part's places in the step's batch, its samples, the checks) to score from these forwards;
         a refused batch's tokens leave the loss and the gradient is that of the rest."""
         self.optimizer.zero_grad(set_to_none=True)
-        sums = dict(loss=0.0, tokens=0, clipped_tis=0, clipped_ratio=0, kl=0.0, log_ratio=0.0, by_staleness={})
+        sums = dict(loss=0.0, tokens=0, clipped_tis=0, clipped_ratio=0, kl=0.0, log_ratio=0.0, by_staleness={}, dropped=0)
         lengths = [len(s.prompt_ids) + len(s.completion_ids) for s, _ in part]
         units = None
         if checks is not None:
             where, samples, checking = checks
             units = checking.packing(where, lengths, self.config.micro_batch_tokens)
         batches = micro_batches(lengths, self.config.micro_batch_tokens, units)
-        dropped = 0
         for _ in range(rounds - len(batches) if self.sharded else 0):
             sharded.idle_round(self.scored, self.device)
         for indices in batches:
@@ -239,7 +240,7 @@ class Trainer(TrainerWeights):
             scored = mask > 0
             logits = self._scaled_logits(ids, scored)
             if checks is not None:
-                dropped += checking.judge_micro_batch([where[i] for i in indices], samples, logits, mask)
+                sums["dropped"] += checking.judge_micro_batch([where[i] for i in indices], samples, logits, mask)
             new = self._chosen(logits, ids, scored)  # (B, L-1)
             del logits  # (log_softmax keeps its output for the backward, not this: N x V floats less at the peak)
             start = new.detach() if old is None else pad_rows([old[i] for i in indices], new.shape[1])
@@ -256,13 +257,12 @@ class Trainer(TrainerWeights):
                 bucket = sums["by_staleness"].setdefault(s.staleness, [0.0, 0])
                 bucket[0] += ratio
                 bucket[1] += n
-        if dropped and total_tokens > dropped:  # the mean over the tokens left
-            scale = total_tokens / (total_tokens - dropped)
+        if sums["dropped"] and total_tokens > sums["dropped"]:  # the mean over the tokens left
+            scale = total_tokens / (total_tokens - sums["dropped"])
             for p in self.model.parameters():
                 if p.grad is not None:
                     p.grad.mul_(scale)
             sums["loss"] *= scale
-        sums["dropped"] = dropped
         return sums
 
     @torch.no_grad()
