@@ -24,7 +24,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from engines.gguf_io import ARCHS, SUPPORTED, UnsupportedModel, add_hparams, arch_of, quantize, write_model
+from engines.gguf_io import (
+    ARCHS, SUPPORTED, UnsupportedModel, add_hparams, arch_of, quantize, unsupported, write_model,
+)
 from engines.gguf_read import read_field
 from protocols.chunks import DEFAULT_CHUNK_SIZE
 from protocols.errors import EchoError
@@ -109,6 +111,8 @@ def checkpoint_arch(directory: Path) -> str:
     if arch is None or (classes and classes[0] != arch.hf_class):
         raise ModelError(f"{directory.name}: architecture {classes[0] if classes else config.get('model_type')!r} "
                          f"is not supported; supported: {SUPPORTED}")
+    if (reason := unsupported(config)) is not None:
+        raise ModelError(f"{directory.name}: {reason}")
     if not any(directory.glob("*.safetensors")):
         raise ModelError(f"{directory} has no *.safetensors weights")
     return arch.name

@@ -205,13 +205,30 @@ def _tokenizer_fields(source: str, size: int, mtime_ns: int) -> tuple:
     return tuple(fields)
 
 
+def unsupported(config: Any) -> str | None:
+    """Why nodes could not run a model of this HF config (an object or config.json's dict), or None."""
+    get = config.get if isinstance(config, dict) else lambda name, default=None: getattr(config, name, default)
+    rope = get("rope_parameters") or get("rope_scaling") or {}
+    if (rope.get("rope_type") or rope.get("type") or "default") != "default":
+        return f"RoPE scaling {rope.get('rope_type') or rope.get('type')!r} is not supported yet; supported: none (default RoPE)"
+    if get("num_experts") or get("num_local_experts"):  # an object's name, config.json's
+        # llama.cpp's qwen3moe renormalises the top-k routing weights and has experts in every layer.
+        if not get("norm_topk_prob", True):
+            return ("a mixture of experts with norm_topk_prob = false is not supported (llama.cpp renormalises "
+                    "the top-k routing weights); supported: norm_topk_prob = true")
+        if get("mlp_only_layers") or get("decoder_sparse_step", 1) != 1:
+            return ("a mixture of experts with dense layers (mlp_only_layers, decoder_sparse_step) is not "
+                    "supported; supported: experts in every layer")
+    return None
+
+
 def add_hparams(writer: gguf.GGUFWriter, config: Any) -> None:
     """The `{arch}.*` hyperparameters llama.cpp reads, from an HF config."""
     n_head = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_head
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    if (rope.get("rope_type") or "default") != "default":
-        raise UnsupportedModel(f"RoPE scaling {rope['rope_type']!r} is not supported yet")
+    if (reason := unsupported(config)) is not None:
+        raise UnsupportedModel(reason)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
@@ -225,12 +242,6 @@ def add_hparams(writer: gguf.GGUFWriter, config: Any) -> None:
     writer.add_rope_dimension_count(head_dim)
     writer.add_vocab_size(config.vocab_size)
     if getattr(config, "num_experts", 0):
-        # llama.cpp's qwen3moe renormalises the top-k routing weights and has experts in every layer.
-        if not getattr(config, "norm_topk_prob", True):
-            raise UnsupportedModel("a mixture of experts with norm_topk_prob = false is not supported")
-        if getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) != 1:
-            raise UnsupportedModel("a mixture of experts with dense layers (mlp_only_layers, decoder_sparse_step) "
-                                   "is not supported")
         writer.add_expert_count(config.num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)

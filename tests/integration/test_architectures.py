@@ -115,6 +115,15 @@ def test_an_unsupported_architecture_is_refused_with_the_supported_list(tmp_path
         resolve(str(tmp_path / "empty"))
 
 
+def test_a_model_nodes_cannot_run_is_refused_at_start_in_one_line(tmp_path):
+    """A mixture of experts that does not renormalise its top-k weights: llama.cpp's always does, so
+    its nodes would sample another model. Once this escaped as a traceback from the vocabulary probe."""
+    build_tiny_checkpoint(tmp_path / "moe", "qwen3_moe", norm_topk_prob=False)
+    with pytest.raises(ModelError, match="norm_topk_prob = false is not supported.*supported: norm_topk_prob = true") as e:
+        prepare(str(tmp_path / "moe"), "q8_0", tmp_path / "cache")
+    assert "\n" not in str(e.value) and not (tmp_path / "cache").exists()
+
+
 def test_an_hf_id_is_read_from_the_local_cache_offline(tmp_path, monkeypatch):
     # The layout huggingface_hub writes: models--ORG--NAME/{refs/main, snapshots/REVISION/...}.
     repo = tmp_path / "hub" / "models--echo--tiny-qwen2"
