@@ -10,13 +10,11 @@ import contextlib
 import logging
 import time
 
-from rich.markup import escape
-
 from echo_node.config import Stopped
 from echo_node.session import Session, console
 from protocols import rpc
 from protocols.errors import ProtocolError, TransportError
-from protocols.messages import PeerAnnouncement, ReachReply, ReachRequest, verified_announcements
+from protocols.messages import HARDWARE_CHARS, PeerAnnouncement, ReachReply, ReachRequest, verified_announcements
 from protocols.multiaddr import is_loopback, peer_of, tcp_port
 from protocols.signing import sign_message
 from protocols.supervise import retry
@@ -119,7 +117,7 @@ class Presence:
             if await self._reach(relayed=True):
                 self.relay_addrs = (f"{self.via_relay}/p2p-circuit",)
                 self._now.set()
-                console.print(f"reachable through the relay at {escape(self.via_relay)} "
+                console.print(f"reachable through the relay at {self.via_relay} "
                               f"(after {time.monotonic() - started:.0f} s)")
                 return
             with contextlib.suppress(TimeoutError):
@@ -175,7 +173,7 @@ class Presence:
         return sign_message(PeerAnnouncement(
             peer_id=self.endpoint.peer_id, name=s.name, role="node", backend=self.backend.name,
             model_sha256=self.base_sha256, version=self.version, throughput=self.backend.throughput,
-            public_key=s.node_key, time=time.time(), left=left, hardware=self.backend.hardware,
+            public_key=s.node_key, time=time.time(), left=left, hardware=self.backend.hardware[:HARDWARE_CHARS],
             relay_addrs=self.relay_addrs, run_id=self.run_id or "",
         ), s.key)
 

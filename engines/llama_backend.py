@@ -16,7 +16,7 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
-from engines import llama_batch, llama_overrides
+from engines import llama_batch, llama_device, llama_overrides, llama_probe
 from engines.backend import Completion, Follow, Meter, Request, hardware_summary
 from engines.full_weights import export_quantized, file_type
 from engines.gguf_io import Layout
@@ -33,18 +33,30 @@ class LlamaBackend:
 
     def __init__(self, model_path: Path, threads: int = 0, n_ctx: int = 2048, interrupt: threading.Event | None = None,
                  gpu_layers: int | None = None, parallel: int = DEFAULT_PARALLEL, cpu_moe: bool = False,
-                 n_cpu_moe: int = 0):
+                 n_cpu_moe: int = 0, kv: str | None = None, max_vram_gib: float | None = None):
         """`n_ctx`: each sequence's window, tokens. `parallel`: sequences decoded at once; the KV
         cache holds `parallel x n_ctx` tokens. `interrupt`: when set (the node stopping),
         generation stops at the next step. `gpu_layers`: layers to offload; None: all of them
         when llama.cpp was built with a GPU backend. `cpu_moe`: a mixture of experts' expert
-        tensors stay in system RAM; `n_cpu_moe`: those of the first N layers (`llama_overrides`)."""
+        tensors stay in system RAM; `n_cpu_moe`: those of the first N layers (`llama_overrides`).
+        `kv`: the KV cache's type (f32, f16); None: the first that works here (`llama_device`).
+        `max_vram_gib`: the device memory the node may take; layers and `parallel` are fitted to it
+        (`self.fitted` says what was chosen)."""
         if parallel < 1:
             raise ValueError(f"parallel must be at least 1, got {parallel}")
         self.gpu = bool(llama_cpp.llama_supports_gpu_offload())
         if gpu_layers is None:
             gpu_layers = -1 if self.gpu else 0
+        self.fitted = None  # what --max-vram chose
+        if max_vram_gib is not None:
+            gpu_layers, parallel, self.fitted = llama_device.within(model_path, max_vram_gib, self.gpu, gpu_layers,
+                                                                    parallel, n_ctx, kv)
         self.threads, self.n_ctx, self.gpu_layers, self.parallel = threads, n_ctx, gpu_layers, parallel
+        offloaded = self.gpu and gpu_layers != 0
+        options = llama_device.candidates(offloaded, kv)
+        # On a GPU, settings are tried in a throwaway process first: a crashing backend must not take the node.
+        self.settings = (llama_probe.choose(Path(model_path), gpu_layers, parallel, n_ctx, options) if offloaded
+                         else options[0])
         patterns = llama_overrides.expert_patterns(None if cpu_moe else n_cpu_moe)  # [] for neither
         self._overrides = llama_overrides.cpu_overrides(patterns) if patterns else None  # read at every load
         use_threads(threads)
@@ -54,11 +66,9 @@ class LlamaBackend:
         meta = self.llm.metadata
         self.file_type = file_type(model_path)  # the quant type to requantize to
         self.layout = Layout.of_metadata(meta)  # what a LoRA adapter for this model must match
-        n_layers = self.layout.n_layers
-        offloaded = n_layers if gpu_layers < 0 else min(gpu_layers, n_layers)
-        self.hardware = hardware_summary(f"GPU offload {offloaded}/{n_layers} layers" if self.gpu and gpu_layers else None,
-                                         threads)
+        self.hardware = hardware_summary(self._placement(), threads) + f", {self.settings}"
         if patterns and self.layout.n_expert:
+            n_layers = self.layout.n_layers
             self.hardware += f", experts in RAM ({'every layer' if cpu_moe else f'first {min(n_cpu_moe, n_layers)} of {n_layers} layers'})"
         self.vocab_size = self.llm.n_vocab()
         self.n_params = int(llama_cpp.llama_model_n_params(self.llm.model))  # bounds what an adapter may declare
@@ -68,11 +78,20 @@ class LlamaBackend:
         self._adapter = None
         self.meter = Meter()
 
+    def _placement(self) -> str | None:
+        """Where the layers run, when not all on the CPU: `2/30 layers on CUDA NVIDIA H200 (139 GiB)`."""
+        if not (self.gpu and self.gpu_layers):
+            return None
+        n_layers = self.layout.n_layers
+        offloaded = n_layers if self.gpu_layers < 0 else min(self.gpu_layers, n_layers)
+        devices = llama_device.gpu_devices()
+        return f"{offloaded}/{n_layers} layers on {', '.join(map(str, devices)) or 'a GPU'}"
+
     def _load(self, path: Path) -> llama_cpp.Llama:
         """The model, and its generation context. The `Llama` object's own context only tokenizes."""
         with llama_overrides.loading_with(self._overrides):
             llm = llama_cpp.Llama(str(path), n_ctx=MIN_CONTEXT, verbose=False, n_gpu_layers=self.gpu_layers)
-        batch = llama_batch.BatchContext(llm.model, self.parallel, self.n_ctx, self.threads)
+        batch = llama_batch.BatchContext(llm.model, self.parallel, self.n_ctx, self.threads, self.settings)
         if self.batch is not None:
             self.batch.close()
         self.batch = batch

@@ -13,8 +13,9 @@
   `follow`, which may continue it (a multi-turn episode's next turn, whose prompt extends what the
   cache holds, so only the environment's reply is evaluated) or let it go, freeing its slot and
   cells for a request still queued. Sequences at different turns share steps.
-- The KV cache is kept in fp32, as the single-stream path did. Batched kernels still round
-  differently from single-stream ones (docs/verification.md measures what that changes).
+- The KV cache is fp32 and flash attention off, unless the GPU backend needs otherwise
+  (`engines.llama_device`). Batched kernels still round differently from single-stream ones
+  (docs/verification.md measures what that changes).
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ import numpy as np
 from llama_cpp._utils import suppress_stdout_stderr
 
 from engines.backend import Completion, Follow, Interrupted, Meter, Request
+from engines.llama_device import CPU_SETTINGS, KV_TYPES, ContextSettings
 from engines.sampler import sample_rows
 
-GGML_TYPE_F32 = 0
 MAX_STEP_TOKENS = 512  # tokens one llama_decode call takes: prompts longer than this go in parts
 
 
@@ -65,15 +66,15 @@ class _Sequence:
 class BatchContext:
     """A llama.cpp context for `parallel` sequences of up to `window` tokens each, and its batch."""
 
-    def __init__(self, model, parallel: int, window: int, threads: int):
+    def __init__(self, model, parallel: int, window: int, threads: int, settings: ContextSettings = CPU_SETTINGS):
         params = llama_cpp.llama_context_default_params()
         params.n_ctx = parallel * window
         params.n_batch = params.n_ubatch = MAX_STEP_TOKENS
         params.n_seq_max = parallel
         params.kv_unified = True  # a shared prompt's cells belong to every sequence of its group
-        params.type_k = params.type_v = GGML_TYPE_F32
-        # llama.cpp's CPU flash attention rounds to fp16 on the way (~2e-4 nat against the trainer)
-        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        params.type_k = params.type_v = KV_TYPES[settings.kv]
+        params.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if settings.flash_attn
+                                  else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         params.n_threads = params.n_threads_batch = threads or os.cpu_count() or 1
         params.embeddings = False
         with suppress_stdout_stderr(disable=False):  # llama.cpp's notes on context size, as `Llama(verbose=False)`

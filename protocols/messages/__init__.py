@@ -15,7 +15,7 @@ known by its fingerprint, so credit and bans follow the key, not a claimed name)
 """
 
 from protocols.messages.run import (
-    MAX_ADDRS, MAX_SAMPLE_TOKENS, MAX_TURNS, MODES, ROLES, UPDATE_MODES, ErrorReply, PeerAnnouncement, ReachReply,
+    HARDWARE_CHARS, MAX_ADDRS, MAX_SAMPLE_TOKENS, MAX_TURNS, MODES, ROLES, UPDATE_MODES, ErrorReply, PeerAnnouncement, ReachReply,
     ReachRequest, RunManifest, TaskSpec, TurnFormat, verified_announcements,
 )
 from protocols.messages.updates import (
@@ -28,7 +28,7 @@ from protocols.messages.work import (
 )
 
 __all__ = [
-    "MAX_ADDRS", "MAX_BATCH_TOKENS", "MAX_CHUNK_BYTES", "MAX_SAMPLES", "MAX_SAMPLE_TOKENS", "MAX_SEEDS", "MAX_TENSORS",
+    "HARDWARE_CHARS", "MAX_ADDRS", "MAX_BATCH_TOKENS", "MAX_CHUNK_BYTES", "MAX_SAMPLES", "MAX_SAMPLE_TOKENS", "MAX_SEEDS", "MAX_TENSORS",
     "MAX_TURNS", "MODES", "ROLES", "SEGMENT_ROLES", "UPDATE_MODES", "Chunk", "ChunkRequest", "ErrorReply", "LeaseRequest",
     "ModelFile", "NoWork", "PeerAnnouncement", "PushReceipt", "ReachReply", "ReachRequest", "RolloutBatch", "RolloutSample", "RunManifest", "Segment", "TaskLease", "TaskSpec",
     "TensorEntry", "TurnFormat", "UpdateIndex", "UpdateInfo", "UpdateRequest", "WeightUpdate", "verified_announcements",

@@ -13,6 +13,7 @@ MODES = ("sequential", "async")
 UPDATE_MODES = ("lora", "full")
 ROLES = ("node", "trainer")
 MAX_ADDRS = 16
+HARDWARE_CHARS = 128  # a peer's hardware line (its backend, devices and KV cache)
 MAX_RELAY_ADDRS = 4
 MAX_SAMPLE_TOKENS = 32768  # prompt + completion, per sample (also bounds max_new_tokens)
 MAX_TURNS = 100  # model turns per multi-turn episode
@@ -163,7 +164,7 @@ class PeerAnnouncement(WireMessage):
             version=f.integer("version"), throughput=f.number("throughput", 0.0),
             public_key=f.blob("public_key", PUBLIC_KEY_BYTES, exact=PUBLIC_KEY_BYTES),
             time=f.number("time", 0.0), left=f.flag("left") if f.has("left") else False,
-            hardware=f.text("hardware", 128) if f.has("hardware") else "",
+            hardware=f.text("hardware", HARDWARE_CHARS) if f.has("hardware") else "",
             relay_addrs=tuple(f.texts("relay_addrs", MAX_RELAY_ADDRS, 256)) if f.has("relay_addrs") else (),
             run_id=f.text("run_id", 128), signature=f.signature(),
         )

@@ -1,0 +1,94 @@
+"""Trying llama.cpp's settings in a throwaway process, so that a backend that crashes (a CUDA build
+died at its first decode with an fp32 KV cache) costs a probe, not the node.
+
+    python -m engines.llama_probe MODEL --gpu-layers N --parallel P --window W --kv f32 [--flash-attn]
+
+loads the model as the node would, decodes one step for every sequence and prints a JSON line;
+`choose` runs it for each candidate and keeps the first that works.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from engines.llama_device import ContextSettings, DeviceError
+
+PROBE_SECONDS = 600.0  # a big model's first load from a cold disk
+
+
+def choose(model: Path, gpu_layers: int, parallel: int, window: int, options: list[ContextSettings],
+           timeout: float = PROBE_SECONDS) -> ContextSettings:
+    """The first of `options` that loads and decodes in a probe process; a DeviceError that says
+    what each one did, and what to try, when none does."""
+    failures = []
+    for settings in options:
+        failure = probe(model, gpu_layers, parallel, window, settings, timeout)
+        if failure is None:
+            return settings
+        failures.append(f"{settings}: {failure}")
+    raise DeviceError(f"llama.cpp could not decode on this GPU with {gpu_layers if gpu_layers >= 0 else 'all'} "
+                      f"layers offloaded ({'; '.join(failures)}). Try fewer sequences (--parallel), "
+                      f"fewer layers (--gpu-layers), or the CPU (--gpu-layers 0); docs/volunteers.md lists the "
+                      f"builds that were run on each GPU family.")
+
+
+def probe(model: Path, gpu_layers: int, parallel: int, window: int, settings: ContextSettings,
+          timeout: float = PROBE_SECONDS) -> str | None:
+    """None when a process could load `model` and decode with `settings`; else what went wrong."""
+    command = probe_command(model, gpu_layers, parallel, window, settings)
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"no answer in {timeout:.0f} s"
+    if done.returncode < 0:
+        return f"llama.cpp crashed ({signal.Signals(-done.returncode).name})"
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return f"exit code {done.returncode}: {tail[:300]}"
+    answer = json.loads(lines[-1])
+    return None if answer.get("ok") else answer.get("error", "no answer")
+
+
+def probe_command(model: Path, gpu_layers: int, parallel: int, window: int, settings: ContextSettings) -> list[str]:
+    return [sys.executable, "-m", "engines.llama_probe", str(model), "--gpu-layers", str(gpu_layers), "--parallel",
+            str(parallel), "--window", str(window), "--kv", settings.kv] + (["--flash-attn"] if settings.flash_attn else [])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", type=Path)
+    parser.add_argument("--gpu-layers", type=int, default=-1)
+    parser.add_argument("--parallel", type=int, default=8)
+    parser.add_argument("--window", type=int, default=512)
+    parser.add_argument("--kv", default="f32")
+    parser.add_argument("--flash-attn", action="store_true")
+    args = parser.parse_args()
+
+    import llama_cpp
+    import numpy as np
+
+    from engines.llama_batch import BatchContext, DecodeError
+
+    started = time.perf_counter()
+    try:
+        llm = llama_cpp.Llama(str(args.model), n_ctx=32, verbose=False, n_gpu_layers=args.gpu_layers)
+        context = BatchContext(llm.model, args.parallel, args.window, 0, ContextSettings(args.kv, args.flash_attn))
+        # A shared two-token prompt, then a different token for every sequence: a prefill and a decode step.
+        context.decode([(t, k, list(range(args.parallel)), k == 1) for k, t in enumerate((1, 2))])
+        context.decode([(3 + s, 2, [s], True) for s in range(args.parallel)])
+        finite = bool(np.isfinite(np.stack([context.logits(i) for i in range(args.parallel)])).all())
+        error = None if finite else "non-finite logits"
+    except (DecodeError, ValueError) as e:  # a context or batch llama.cpp refused: no crash, but no use
+        error = str(e)
+    print(json.dumps(dict(ok=error is None, seconds=round(time.perf_counter() - started, 2), error=error)))
+
+
+if __name__ == "__main__":
+    main()
