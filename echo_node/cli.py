@@ -13,11 +13,6 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=N
                   help="Contribute rollouts to an Echo swarm run.")
 
 
-@app.callback()
-def _root() -> None:
-    """Keeps `join` a subcommand even while it is the only one."""
-
-
 @app.command()
 def join(
     address: str = typer.Argument(..., help="Coordinator multiaddr, as printed by `echo-coordinator start`."),
@@ -32,6 +27,14 @@ def join(
                                                   "CUDA when present)."),
     gpu_layers: Optional[int] = typer.Option(None, help="llama.cpp layers to offload to the GPU (default: all when "
                                                         "llama.cpp was built with CUDA, Metal or Vulkan; 0 = CPU only)."),
+    hours: Optional[str] = typer.Option(None, help="Local hours this node works, START-END (22-07: nights). Outside "
+                                                   "them it finishes its lease and takes no other (default: always)."),
+    max_vram: Optional[float] = typer.Option(None, help="GiB of GPU memory the node may take: it picks the layers "
+                                                        "it offloads and the sequences it decodes at once to fit, "
+                                                        "and says what it chose (default: what the model needs)."),
+    kv: Optional[str] = typer.Option(None, help="llama.cpp's KV cache: f32 (the closest to the trainer) or f16 (with "
+                                                "flash attention, what GPU kernels are built for). Default: f32 "
+                                                "where it runs, else f16."),
     parallel: Optional[int] = typer.Option(None, help="Sequences to decode at once (default: 8 with llama.cpp, "
                                                       "1.9x one at a time on a 2-core CPU; GPUs do well at 32-64). "
                                                       "The KV cache holds this many context windows."),
@@ -59,7 +62,8 @@ def join(
     try:
         config = NodeConfig(
             address=address, run_key=run_key, model=model, name=name, data_dir=data_dir.expanduser(), threads=threads,
-            backend=backend, gpu_layers=gpu_layers, parallel=parallel, host=host, verbose=verbose,
+            backend=backend, gpu_layers=gpu_layers, hours=hours, max_vram_gib=max_vram, kv=kv, parallel=parallel,
+            host=host, verbose=verbose,
             allow_tasks=frozenset(allow_task), upload_mib_per_s=upload_mib_per_s, upload_gib_per_hour=upload_gib_per_hour,
             max_disk_gib=max_disk, cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe,
         )
@@ -68,6 +72,24 @@ def join(
     from echo_node.main import run_node
 
     raise typer.Exit(run_node(config))
+
+
+@app.command()
+def pause(data_dir: Path = typer.Option(Path("~/.echo-node"), help="The running node's --data-dir.")) -> None:
+    """Pause a running node: it finishes its lease and takes no other until `echo-node resume`."""
+    from echo_node.schedule import set_paused
+
+    set_paused(data_dir.expanduser(), True)
+    print(f"paused: nodes on {data_dir} take no new lease until `echo-node resume`")
+
+
+@app.command()
+def resume(data_dir: Path = typer.Option(Path("~/.echo-node"), help="The running node's --data-dir.")) -> None:
+    """Let a paused node take leases again."""
+    from echo_node.schedule import set_paused
+
+    set_paused(data_dir.expanduser(), False)
+    print(f"resumed: nodes on {data_dir} take leases again")
 
 
 def main() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from echo_node.schedule import Hours
 from protocols.errors import ConfigError, EchoError
 from protocols.messages.work import MAX_PARALLEL
 from protocols.signing import FINGERPRINT_CHARS
@@ -31,6 +32,9 @@ class NodeConfig:
     threads: int = 0  # generation threads; 0 = all cores
     backend: str = "llama_cpp"  # "llama_cpp" (GGUF, any machine) or "transformers" (full mode, CUDA if present)
     gpu_layers: int | None = None  # llama.cpp layers to offload; None: all when llama.cpp has a GPU backend
+    hours: str | None = None  # local hours the node works, "22-07" (echo_node.schedule); None: always
+    max_vram_gib: float | None = None  # device memory llama.cpp may take; None: as much as the model needs
+    kv: str | None = None  # llama.cpp's KV cache type, f32 or f16; None: the first that runs here (engines.llama_device)
     parallel: int | None = None  # sequences decoded at once; None: the backend's default (llama.cpp: 8)
     cpu_moe: bool = False  # a mixture of experts' expert tensors stay in system RAM (llama.cpp) ...
     n_cpu_moe: int = 0  # ... or those of the first N layers
@@ -62,7 +66,18 @@ class NodeConfig:
             raise ConfigError(f"--max-disk must be a positive number of GiB, got {self.max_disk_gib}")
         if self.n_cpu_moe < 0 or (self.cpu_moe and self.n_cpu_moe):
             raise ConfigError("--n-cpu-moe must be a number of layers >= 0, and not given with --cpu-moe")
+        if (self.max_vram_gib is not None or self.kv) and self.backend != "llama_cpp":
+            raise ConfigError("--max-vram and --kv set up llama.cpp: use the llama_cpp backend")
         if (self.cpu_moe or self.n_cpu_moe) and self.backend != "llama_cpp":
             raise ConfigError("--cpu-moe and --n-cpu-moe place llama.cpp's expert tensors: use the llama_cpp backend")
+        if self.hours is not None:
+            try:
+                Hours.parse(self.hours)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+        if self.max_vram_gib is not None and not self.max_vram_gib > 0:
+            raise ConfigError(f"--max-vram must be a positive number of GiB, got {self.max_vram_gib}")
+        if self.kv not in (None, "f32", "f16"):
+            raise ConfigError(f"--kv must be f32 or f16, got {self.kv!r}")
         if self.backend not in BACKENDS:
             raise ConfigError(f"--backend must be llama_cpp or transformers, got {self.backend!r}")

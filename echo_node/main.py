@@ -9,6 +9,8 @@ import logging
 import signal
 from pathlib import Path
 
+from rich.text import Text
+
 from echo_node import join
 from echo_node.config import JoinRefused, NodeConfig, Stopped
 from echo_node.presence import Presence
@@ -36,13 +38,13 @@ def run_node(config: NodeConfig) -> int:
         with console.status("starting ...") if live else contextlib.nullcontext() as status:
             asyncio.run(live_node(Session(config, status)))
     except JoinRefused as e:
-        console.print(f"[red]refused to join:[/] {e}")
+        console.print(Text.assemble(("refused to join: ", "red"), str(e)))
         return 3
     except Stopped as e:  # asked to stop, like a Ctrl-C mid-run: not a failure
-        console.print(f"[yellow]{e}[/]")
+        console.print(Text(str(e), "yellow"))
         return 0
     except (EchoError, OSError) as e:
-        console.print(f"[red]error:[/] {e}")
+        console.print(Text.assemble(("error: ", "red"), str(e)))
         return 1
     return 0
 
@@ -124,7 +126,10 @@ def _load_backend(session: Session, manifest: RunManifest, model: Path):
         from engines.llama_backend import LlamaBackend
 
         backend = LlamaBackend(model, config.threads, window, interrupt=session.stop_requested,
-                               gpu_layers=config.gpu_layers, cpu_moe=config.cpu_moe, n_cpu_moe=config.n_cpu_moe,
+                               gpu_layers=config.gpu_layers, kv=config.kv, max_vram_gib=config.max_vram_gib,
+                               cpu_moe=config.cpu_moe, n_cpu_moe=config.n_cpu_moe,
                                **({"parallel": config.parallel} if config.parallel else {}))
+        if backend.fitted:
+            console.print(backend.fitted)
     master = backend.base_weights()[1] if manifest.update == "full" else {}
     return backend, master

@@ -13,14 +13,16 @@ from pathlib import Path
 from typing import TypeVar
 
 from rich.console import Console
-from rich.markup import escape
+from rich.text import Text
 
 from echo_node.config import NodeConfig, Stopped
 from echo_node.disk import Disk
 from protocols.signing import fingerprint, load_or_create_key, public_bytes
 
 log = logging.getLogger(__name__)
-console = Console(soft_wrap=True)
+# No markup: what the node prints carries peers' text (run ids, task names, error messages), and
+# rich markup in it would render, `[link=...]` as a terminal hyperlink. Colour goes through `Text`.
+console = Console(soft_wrap=True, markup=False, highlight=False)
 
 UNREACHABLE_SAY = 60.0  # seconds without an answer from the coordinator before we say so (then each such period)
 
@@ -56,12 +58,12 @@ class Session:
         if self.status is None:
             console.print(event)
         else:
-            self.status.update(f"{facts} · {event}")
+            self.status.update(Text(f"{facts} · {event}"))  # Text: a status line's str is read as markup
 
     def waiting(self, what: str) -> None:
         """A long wait, shown on the live line (and logged without one)."""
         if self.status is not None:
-            self.status.update(what)
+            self.status.update(Text(what))
         else:
             log.info(what)
 
@@ -76,9 +78,10 @@ class Session:
         silent = time.monotonic() - self.last_answer
         if silent > UNREACHABLE_SAY and time.monotonic() - self.said_unreachable > UNREACHABLE_SAY:
             self.said_unreachable = time.monotonic()
-            console.print(f"[yellow]cannot reach the coordinator at {escape(self.config.address)} for "
-                          f"{silent / 60:.0f} min[/] ({escape(str(error))}); still trying: this node picks up "
-                          "again when the coordinator is back")
+            console.print(Text.assemble((f"cannot reach the coordinator at {self.config.address} for "
+                                         f"{silent / 60:.0f} min", "yellow"),
+                                        f" ({error}); still trying: this node picks up again when the coordinator "
+                                        "is back"))
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.stopping.wait(), delay)
 

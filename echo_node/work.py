@@ -8,10 +8,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from datetime import datetime
 
 from echo_node.config import JoinRefused
 from echo_node.join import Phases
 from echo_node.rollouts import Rollouts
+from echo_node.schedule import Hours, idle_reason
 from echo_node.session import Session, console
 from echo_node.updates import UpdateError
 from echo_node.versions import Versions
@@ -28,6 +30,7 @@ log = logging.getLogger(__name__)
 # for as many as the trainer gives; the trainer sizes leases to its batch (`parallel`).
 FIRST_LEASE_SEEDS = 1
 ROUND_FAILURES = (TransportError, ProtocolError, UpdateError)  # a round that failed so is tried again
+IDLE_POLL = 2.0  # seconds between looks at the pause file and the clock while idle
 
 
 class Work:
@@ -42,6 +45,7 @@ class Work:
         self.latest = 0  # the newest version the trainer told us of
         self.update_failed = False  # our last update to `latest` failed: lease requests say so
         self.pushing: asyncio.Task | None = None
+        self.hours = Hours.parse(session.config.hours) if session.config.hours else None
 
     def say(self, event: str) -> None:
         version = self.versions.version
@@ -62,6 +66,7 @@ class Work:
     async def _round(self) -> bool:
         """Take a lease, generate its batch and start its push; True when instead the run is finished."""
         try:
+            await self._until_working()
             lease = await self._next_lease()
             if lease is None:
                 return True
@@ -81,6 +86,17 @@ class Work:
             if e.code == "not_allowed":
                 raise self._not_admitted() from None
             raise
+
+    async def _until_working(self) -> None:
+        """Outside the volunteer's hours or while paused, wait (the push in flight goes on)."""
+        said = None
+        while (reason := idle_reason(self.hours, self.session.config.data_dir, datetime.now())) is not None:
+            if reason != said:
+                self.say(reason)
+                said = reason
+            await asyncio.sleep(IDLE_POLL)
+        if said is not None:
+            self.say("working again")
 
     async def _next_lease(self) -> TaskLease | None:
         """A lease, waiting while the trainer has no work; None once the run is finished (then

@@ -9,6 +9,7 @@ import pytest
 
 from echo_node.config import JoinRefused
 from echo_node.join import Phases
+from echo_node.schedule import set_paused
 from echo_node.work import Work
 from protocols import rpc
 from protocols.errors import RemoteError, TransportError
@@ -169,7 +170,11 @@ def test_the_live_line_shows_version_lag_accepted_batch_and_throughput(tmp_path)
     work = work_for(session, SlowTrainer(leases=0, seconds=0))
     work.latest, work.accepted = 3, 16
     work.say("waiting for work")
-    assert shown == ["carol: version 0 (lag 3) · 16 samples accepted · batch 8 · 12 tok/s · waiting for work"]
+    assert [str(line) for line in shown] == [
+        "carol: version 0 (lag 3) · 16 samples accepted · batch 8 · 12 tok/s · waiting for work"]
+    # A peer's text is shown as it is: rich markup in it is not read (it would make terminal links).
+    work.say("lease [link=https://evil.example]L1[/link]")
+    assert shown[-1].plain.endswith("lease [link=https://evil.example]L1[/link]") and not shown[-1].spans
 
 
 class Behind:
@@ -211,3 +216,28 @@ def test_a_node_behind_updates_between_leases_and_says_so_when_it_cannot(session
     assert [(r.version, r.update_failed) for r in trainer.requests] == [(0, False), (0, True), (0, True)]
     assert events == [("generate", "L")]  # the lease of its own version, sampled as it was
     assert work.versions.finished_at[0] == 2  # it tried to update first, between leases
+
+
+def test_a_paused_node_pushes_the_lease_in_hand_then_takes_no_other_until_resumed(session, monkeypatch):
+    """`echo-node pause` while a lease is generated: that batch is still pushed and answered; no
+    lease is asked for until `echo-node resume`."""
+    monkeypatch.setattr("echo_node.work.IDLE_POLL", 0.05)
+    trainer = SlowTrainer(leases=2, seconds=0.1)
+    work = work_for(session, trainer, trainer.events)
+    data_dir = session.config.data_dir
+
+    async def scenario():
+        running = asyncio.create_task(work.run())
+        while not trainer.requests:  # the first lease is being generated
+            await asyncio.sleep(0.01)
+        set_paused(data_dir, True)
+        await asyncio.sleep(1.0)
+        paused_requests, paused_events = len(trainer.requests), list(trainer.events)
+        set_paused(data_dir, False)
+        await running
+        return paused_requests, paused_events
+
+    paused_requests, paused_events = asyncio.run(scenario())
+    assert paused_requests == 1  # nothing asked for while paused ...
+    assert paused_events == [("generate", "L1"), ("answered", "L1")]  # ... but the lease in hand was delivered
+    assert len(trainer.requests) == 3 and ("answered", "L0") in trainer.events  # and work went on once resumed
