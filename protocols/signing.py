@@ -88,13 +88,18 @@ def load_or_create_key(path: Path) -> Ed25519PrivateKey:
     return key
 
 
-def _sorted(value: Any) -> Any:
+MAX_NESTING = 16  # containers within containers in a signed body; our messages nest 4 deep at most
+
+
+def _sorted(value: Any, depth: int = 0) -> Any:
+    if depth > MAX_NESTING:  # peer data: 1,000 nested lists fit in 1 KB and would exhaust Python's stack
+        raise MalformedMessage(f"a signed body may nest containers {MAX_NESTING} deep at most")
     if isinstance(value, dict):
         if not all(isinstance(k, str) for k in value):  # peer data: msgpack also allows bytes keys
             raise MalformedMessage("a signed map may only have string keys")
-        return {k: _sorted(value[k]) for k in sorted(value)}
+        return {k: _sorted(value[k], depth + 1) for k in sorted(value)}
     if isinstance(value, (list, tuple)):
-        return [_sorted(v) for v in value]
+        return [_sorted(v, depth + 1) for v in value]
     return value
 
 

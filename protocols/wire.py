@@ -27,6 +27,8 @@ MAX_MESSAGE_BYTES = 64 * 2**20
 MAX_NAME_CHARS = 256
 MAX_INT = 2**63 - 1
 MAX_PARAMS = 64  # entries of a free-form parameter map
+# Control characters but tab and newline (C0, DEL, C1): text from peers reaches volunteers' terminals.
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -106,6 +108,8 @@ class Fields:
         value = self._get(name, (str,), "a string")
         if len(value) > max_chars:
             raise MessageTooLarge(f"{self.where}.{name}: {len(value)} characters exceeds {max_chars}")
+        if _CONTROL.search(value):  # a terminal would act on them: links, clipboard writes, fake lines
+            raise InvalidValue(f"{self.where}.{name}: control characters are not allowed in text")
         if choices and value not in choices:
             raise InvalidValue(f"{self.where}.{name}: {value!r} is not one of {', '.join(choices)}")
         return value
@@ -144,6 +148,8 @@ class Fields:
         for i, v in enumerate(values):
             if not isinstance(v, str) or len(v) > max_chars:
                 raise MalformedMessage(f"{self.where}.{name}[{i}]: expected a string of at most {max_chars} characters")
+            if _CONTROL.search(v):
+                raise InvalidValue(f"{self.where}.{name}[{i}]: control characters are not allowed in text")
         return values
 
     def integers(self, name: str, max_items: int, lo: int = 0, hi: int = MAX_INT) -> list[int]:

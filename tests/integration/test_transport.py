@@ -6,8 +6,11 @@ import os
 import pytest
 
 from protocols.errors import InvalidValue, RemoteError, TransportError
+from protocols.messages import RolloutBatch
 from protocols.rpc import Rpc
 from protocols.transport.dht import SwarmDHT
+from protocols.wire import pack
+from tests.unit.protocols import factories
 
 
 @pytest.fixture(scope="module")
@@ -142,3 +145,40 @@ def test_a_node_that_cannot_reach_the_coordinator_says_so_keeps_trying_and_stops
 
     assert asyncio.run(go()) is False
     assert "cannot reach the coordinator at" in capsys.readouterr().out
+
+
+PUSH_LIKE = Rpc("t.push", None, (Reply,), 64 * 1024, 10.0, per_peer=4)
+
+
+def test_a_deeply_nested_push_is_refused_as_malformed_not_a_traceback(caplog):
+    """1,000 nested lists fit in 1 KB; walking them for the signature check once raised
+    RecursionError, which the stream handler logged as a 134 KB traceback (issue 36 point 8)."""
+    nested: list = []
+    for _ in range(1000):
+        nested = [nested]
+    body = factories.batch().to_dict()
+    data = pack(RolloutBatch.KIND, {**body, "padding": nested, "signature": b"s" * 64})
+    assert len(data) < 2048
+
+    async def go():
+        server, client = await boot.endpoint(), await joiner.endpoint()  # a swarm of its own: no other test's streams
+
+        async def push(request: bytes, peer: str):
+            RolloutBatch.signed_body(request)
+            yield b"accepted"
+
+        await server.serve(PUSH_LIKE, push)
+        with pytest.raises(RemoteError) as e:
+            await client.call(server.peer_id, PUSH_LIKE, data)
+        assert e.value.code == "malformed" and "nest containers 16 deep" in str(e.value)
+        assert server.errors["t.push", "malformed"] == 1 and server.errors["t.push", "internal"] == 0
+
+    boot = SwarmDHT.start("127.0.0.1", 0)
+    joiner = SwarmDHT.start("127.0.0.1", 0, initial_peers=boot.addresses())
+    try:
+        with caplog.at_level("INFO"):
+            asyncio.run(go())
+    finally:
+        joiner.shutdown()
+        boot.shutdown()
+    assert "RecursionError" not in caplog.text and "handler failed" not in caplog.text

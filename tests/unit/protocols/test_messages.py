@@ -217,7 +217,8 @@ def samples(draw):
     return RolloutSample(draw(st.integers(0, 2**63 - 1)), tuple(draw(token_ids)), tuple(completion), tuple(logprobs))
 
 
-@given(st.lists(samples(), min_size=1, max_size=8), st.integers(0, 2**40), st.text(max_size=40))
+@given(st.lists(samples(), min_size=1, max_size=8), st.integers(0, 2**40),
+       st.text(st.characters(blacklist_categories=("Cc", "Cs")), max_size=40))
 def test_rollout_batch_round_trip_property(drawn, version, lease_id):
     batch = factories.batch(samples=tuple(drawn), version=version, lease_id=lease_id)
     assert RolloutBatch.from_wire(batch.to_wire()) == batch
@@ -281,3 +282,15 @@ def test_reachability_and_relay_values_are_checked():
         PeerAnnouncement.from_wire(envelope(announcement, relay_addrs=["/p2p-circuit"] * 5))
     with pytest.raises(MalformedMessage, match="relay_addrs"):
         PeerAnnouncement.from_wire(envelope(announcement, relay_addrs=["x" * 257]))
+
+
+@pytest.mark.parametrize("text", ["run\x1b]8;;https://evil.example\x1b\\click\x1b]8;;\x1b\\", "a\x1b]52;c;ZXZpbA==\x07",
+                                  "fake\rline", "c1\x9d", "nul\x00"])
+def test_text_a_terminal_would_act_on_is_refused_in_every_message(text):
+    """OSC links, clipboard writes, carriage returns that overwrite the status line (issue 36 point 9):
+    a manifest's run id, task name and base model reach the volunteer's console."""
+    for field in ("run_id", "base_model"):
+        body = factories.manifest().to_dict()
+        with pytest.raises(InvalidValue, match="control characters"):
+            RunManifest.from_dict({**body, field: text})
+    assert RunManifest.from_dict({**factories.manifest().to_dict(), "run_id": "tab\tand\nnewline ok"})
