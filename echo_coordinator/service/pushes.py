@@ -26,7 +26,7 @@ from echo_coordinator.service.policing import Policing
 from echo_coordinator.service.registry import Registry
 from echo_coordinator.service.settings import Work
 from engines.episodes import score
-from protocols.errors import InvalidValue, LeaseError, ProtocolError, Truncated
+from protocols.errors import InvalidValue, LeaseError, PeerRefused, ProtocolError, Truncated
 from protocols.messages import PushReceipt, RolloutBatch, RunManifest
 from protocols.sync import Lease, Mode, Verdict, judge_version
 
@@ -79,7 +79,13 @@ class Pushes:
         an evaluation answer: scored, nothing to train on)."""
         if batch.run_id != self.manifest.run_id:
             raise InvalidValue(f"batch for run {batch.run_id!r}, this is {self.manifest.run_id!r}")
-        self.policing.admit(self.ledger, batch.node_id, now)
+        try:
+            self.policing.admit(self.ledger, batch.node_id, now)
+        except PeerRefused:
+            # A lease can be given in the moment of a ban (issue 36 point 11): its push is the
+            # first word of it, and its seeds must not wait out the lease.
+            self.release(batch.node_id, now)
+            raise
         started = time.monotonic()
         judging_now = (batch.lease_id, batch.node_id)  # keyed by signer too: nobody can block another's push
         with self.lock:
@@ -125,7 +131,7 @@ class Pushes:
         except ProtocolError:
             # The holder's (signed) attempt failed: its seeds go straight back to other nodes, and
             # so do those of its other leases if that was a strike: a banned key never answers them.
-            self._release(batch.node_id, now, batch.lease_id, book)
+            self.release(batch.node_id, now, batch.lease_id, book)
             raise
         finally:
             with self.lock:
@@ -143,11 +149,11 @@ class Pushes:
         for u, reason in verdicts:
             self.policing.settle(self.ledger, u.groups[0].node_id, reason, len(u.samples), now)
             if reason is not None:
-                self._release(u.groups[0].node_id, now)
+                self.release(u.groups[0].node_id, now)
         for write in saved:
             write.result()
 
-    def _release(self, node_id: str, now: float, lease_id: str | None = None, book=None) -> None:
+    def release(self, node_id: str, now: float, lease_id: str | None = None, book=None) -> None:
         """After a refusal: `node_id`'s lease `lease_id` in `book` goes back to other nodes; all its
         leases if the refusal banned it."""
         banned = self.ledger.trust(node_id).banned_until > now

@@ -27,7 +27,7 @@ from echo_coordinator.service.pushes import Pushes
 from echo_coordinator.service.registry import Registry
 from echo_coordinator.service.settings import LeaseSettings, Work
 from engines.episodes import Transcripts
-from protocols.errors import InvalidValue
+from protocols.errors import InvalidValue, PeerRefused
 from protocols.messages import LeaseRequest, NoWork, PushReceipt, RunManifest, TaskLease, WeightUpdate
 from protocols.signing import verify_message
 from protocols.sync import Mode, ReplayBuffer, RolloutGate
@@ -274,6 +274,13 @@ class RunService:
             saved = None if work.evaluation else self.journal.save(self.leasing.book_state())
         if saved:
             saved.result()  # a training lease is in the journal before the node has it
+        try:
+            # Judged outside the lock: a ban recorded while this lease was issued released the
+            # key's leases before this one existed; a ban recorded after this look releases it.
+            self.policing.admit(self.ledger, request.node_id, now)
+        except PeerRefused:
+            self.pushes.release(request.node_id, now)
+            raise
         return work
 
     def handle_push(self, data: bytes, peer_id: str, now: float | None = None) -> PushReceipt:

@@ -650,3 +650,38 @@ def test_a_lease_is_judged_once_at_a_time_and_only_its_signer_is_held_back(polic
     release.set()
     judging.join(10)
     assert receipts[0].accepted == GROUP and verifier.checked_samples == GROUP  # verified once
+
+
+def test_a_lease_given_in_the_moment_of_a_ban_goes_back_at_once(service, monkeypatch):
+    """Issue 36 point 11: a lease went to a key just as it was banned; its push was refused as
+    banned and the lease held its seeds to expiry (a step waited 309 s instead of ~20 s)."""
+    cheat, honest = generate_key(), generate_key()
+    cheat_id = fingerprint(public_bytes(cheat))
+    service.open_step([1, 2, 3, 4, 5, 6, 7, 8])
+    first = service.handle_lease(lease_request(honest), now=NOW)  # the honest key proves itself
+    push(service, answer_batch(service, honest, first), "QmNode", now=NOW)
+    # 1. The lease is issued, then the ban lands (its release found nothing yet): the push says so.
+    lease = service.handle_lease(lease_request(cheat), now=NOW)
+    service.policing.strike(service.ledger, cheat_id, NOW)
+    with pytest.raises(PeerRefused) as e:
+        push(service, answer_batch(service, cheat, lease), "QmCheat", now=NOW + 1)
+    assert e.value.code == "banned"
+    assert not [x for x in service.leasing.book.outstanding if x.node_id == cheat_id]
+    # 2. The ban lands while the lease is being issued (between the handler's look and its commit).
+    other = generate_key()
+    other_id = fingerprint(public_bytes(other))
+    lease_of = service.leasing.lease
+
+    def banned_meanwhile(request, *args):
+        service.policing.strike(service.ledger, other_id, NOW + 2)
+        return lease_of(request, *args)
+
+    monkeypatch.setattr(service.leasing, "lease", banned_meanwhile)
+    with pytest.raises(PeerRefused) as e:
+        service.handle_lease(lease_request(other, time=NOW + 2), now=NOW + 2)
+    assert e.value.code == "banned"
+    assert not [x for x in service.leasing.book.outstanding if x.node_id == other_id]
+    monkeypatch.undo()
+    # Both leases' seeds went to the next key at once, not after their 15 s.
+    assert sorted(service.handle_lease(lease_request(honest, time=NOW + 3), now=NOW + 3).seeds for _ in range(2)) == [
+        (3, 4), (5, 6)]
