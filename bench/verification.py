@@ -398,7 +398,8 @@ def main() -> None:
     print(f"\nverification / train step time on the same {args.train_seeds * args.group} samples, "
           f"median over {len(costs)} versions: {ratio:.3f}")
     print(json.dumps(dict(**result, verify_over_train_ratio=round(ratio, 3), temperature=args.temperature,
-                          versions=args.versions, group=args.group)))
+                          versions=args.versions, group=args.group, trainer_device=str(trainer.device),
+                          nodes={kind: getattr(b, "hardware", "") for kind, b in nodes.backends.items()})))
 
 
 if __name__ == "__main__":
