@@ -46,9 +46,9 @@ def part_commands(quick: bool) -> dict[str, list[str]]:
     if quick:
         return {
             "env": [py, str(BENCH / "gpu_check.py"), "--env"],
-            "node": [py, str(BENCH / "gpu_node.py"), "--shape", "tiny", "--batches", "1,8"],
-            "honest": [py, str(BENCH / "verification.py"), "--versions", "1", "--seeds", "q4_1@8=2",
-                       "--cheat-seeds", "1", "--train-seeds", "1"],
+            "node": [py, str(BENCH / "gpu_node.py"), "--shape", "tiny", "--batches", "1,8", "--threads", "1"],
+            "honest": [py, str(BENCH / "verification.py"), "--versions", "1", "--seeds", "q4_1@8=1",
+                       "--cheat-seeds", "1", "--train-seeds", "1", "--threads", "1"],
             "trainer": [py, str(BENCH / "gpu_trainer.py"), "--quick", "--steps", "1"],
             "verify_cost": [py, str(BENCH / "verification_cost.py"), "--parts", "gpu", "--gpu-shapes", "tiny",
                             "--rounds", "1"],
@@ -172,7 +172,8 @@ def main() -> None:
     report: dict = dict(quick=args.quick, started=time.strftime("%Y-%m-%d %H:%M:%S"), parts={})
     if args.wheels:
         report["parts"]["setup"] = setup(args.wheels, args.llama, args.out, 0.8 * args.minutes * 60)
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="") if args.quick else None  # --quick: the CPU even on a GPU box
+    # --quick: the CPU even on a GPU box, one thread a part (it checks the parts; it measures nothing)
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1") if args.quick else None
     commands = part_commands(args.quick)
     for i, name in enumerate(args.parts):  # time a part leaves unused goes to the parts after it
         left = args.minutes * 60 - (time.monotonic() - started)

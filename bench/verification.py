@@ -73,7 +73,7 @@ def quantiles(values: list[float]) -> str:
 class Nodes:
     """The honest node kinds, each brought to a version's weights before it samples."""
 
-    def __init__(self, kinds: list[str], model: Path, work: Path):
+    def __init__(self, kinds: list[str], model: Path, work: Path, threads: int = 2):
         self.model, self.work, self.kinds = model, work, kinds
         self.backends = {}
         config, base = load_master(model)
@@ -81,16 +81,16 @@ class Nodes:
         for kind in kinds:
             quant, parallel = kind.split("@") if "@" in kind else (kind, "8")
             if quant in ("q4_1", "file"):  # llama.cpp on the run's file (the shipped Q4_1 unless --model)
-                self.backends[kind] = LlamaBackend(model, threads=2, n_ctx=512, parallel=int(parallel))
+                self.backends[kind] = LlamaBackend(model, threads=threads, n_ctx=512, parallel=int(parallel))
             elif quant in FTYPES:
                 path = work / f"{quant}.gguf"
                 if not path.exists():
                     export_quantized(config, base, model, path, FTYPES[quant])
-                self.backends[kind] = LlamaBackend(path, threads=2, n_ctx=512, parallel=int(parallel))
+                self.backends[kind] = LlamaBackend(path, threads=threads, n_ctx=512, parallel=int(parallel))
             elif kind == "transformers":
                 from engines.transformers_backend import TransformersBackend
 
-                self.backends[kind] = TransformersBackend(model, threads=2)
+                self.backends[kind] = TransformersBackend(model, threads=threads)
             else:
                 raise SystemExit(f"unknown node kind {kind}")
 
@@ -280,6 +280,7 @@ def main() -> None:
     parser.add_argument("--cheat-seeds", type=int, default=4, help="prompts per version for each cheat")
     parser.add_argument("--train-seeds", type=int, default=8, help="prompts per GRPO step")
     parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--threads", type=int, default=2, help="the trainer's and each node's threads")
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--from-version", type=int, default=0,
                         help="only train (no calibration) below this version: to add later versions to a record")
@@ -305,10 +306,10 @@ def main() -> None:
     seeds = {kind: int(n) for kind, n in (item.split("=") for item in args.seeds.split(","))}
     model = args.model or demo_model_path()
     task = make_task(args.task)
-    trainer = Trainer(model, TrainerConfig(learning_rate=args.lr, threads=2), args.temperature)
+    trainer = Trainer(model, TrainerConfig(learning_rate=args.lr, threads=args.threads), args.temperature)
     tokenizer, eos = trainer.tokenizer, trainer.tokenizer.eos_token_id
     work = Path(tempfile.mkdtemp(prefix="echo-verify-"))
-    nodes = Nodes(list(seeds), model, work)
+    nodes = Nodes(list(seeds), model, work, args.threads)
     records: list[dict] = []
     log = open(args.evidence, "w") if args.evidence else None
 
