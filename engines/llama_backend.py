@@ -3,7 +3,8 @@ a reload, and full-mode weights re-exported to GGUF.
 
 `llama_cpp.Llama` loads the model and tokenizes; generation runs in a context of its own that
 decodes `parallel` sequences at once (`engines.llama_batch`), sampled by `engines.sampler`, never
-by llama.cpp's sampler. Its KV cache is fp32: llama.cpp's default fp16 cache adds ~2e-2 logit error.
+by llama.cpp's sampler. Its KV cache is fp32 (llama.cpp's default fp16 cache adds ~2e-2 logit
+error on the CPU), unless a GPU backend runs only fp16 (`engines.llama_device`, tried by a probe).
 """
 
 from __future__ import annotations
