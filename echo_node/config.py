@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from echo_node.schedule import Hours
+from engines.llama_device import KV_TYPES
 from protocols.errors import ConfigError, EchoError
 from protocols.messages.work import MAX_PARALLEL
 from protocols.signing import FINGERPRINT_CHARS
@@ -77,7 +78,7 @@ class NodeConfig:
                 raise ConfigError(str(e)) from None
         if self.max_vram_gib is not None and not self.max_vram_gib > 0:
             raise ConfigError(f"--max-vram must be a positive number of GiB, got {self.max_vram_gib}")
-        if self.kv not in (None, "f32", "f16"):
-            raise ConfigError(f"--kv must be f32 or f16, got {self.kv!r}")
+        if self.kv is not None and self.kv not in KV_TYPES:
+            raise ConfigError(f"--kv must be one of {', '.join(KV_TYPES)}, got {self.kv!r}")
         if self.backend not in BACKENDS:
             raise ConfigError(f"--backend must be llama_cpp or transformers, got {self.backend!r}")
