@@ -26,8 +26,11 @@ def test_quick_runs_every_part_and_reports_each(tmp_path):
     node = parts["node"]["results"][-1]["summary"]
     assert set(node) == {"f32"} and node["f32"]["backend_over_raw_batched@8"] > 0  # the CPU's one setting
     honest = parts["honest"]["results"][-1]
-    assert honest["honest_samples"] == 8 and honest["false_rejections"] == 0
-    assert all(rate == 1.0 for rate in honest["detection"].values())  # every cheat of the version caught
+    assert honest["honest_samples"] == 4 and honest["false_rejections"] == 0
+    # Every cheat of the version caught, but the concentrated one: its every 40th token shaded is
+    # 2 or 3 tokens in a 4-sample batch, within the rule's allowance of 3 + 1 % (docs/verification.md).
+    caught = {name: rate for name, rate in honest["detection"].items() if not name.startswith("2.5 % of tokens")}
+    assert len(caught) == 8 and all(rate == 1.0 for rate in caught.values()), honest["detection"]
 
 
 @pytest.mark.parametrize("code, status", [
