@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from echo_node.disk import Disk, touch
-from echo_node.updates import UpdateError, fetch_chunks
+from echo_node.updates import Shunned, UpdateError, fetch_chunks
 from protocols import rpc
 from protocols.errors import IntegrityError
 from protocols.messages import ModelFile, RunManifest
@@ -109,13 +109,15 @@ async def download(endpoint, trainer: str, peers: Callable[[], Awaitable[list[st
     missing = [i for i in range(len(model_file.chunks)) if i not in held]
     done = sum(model_file.span(i)[1] for i in held)
     sources: Counter = Counter()
+    shunned = Shunned()  # across batches: a peer that failed one is not asked for the next
     started = time.monotonic()
     progress(done, model_file.size, 0.0, 0)
     with partial.open("r+b" if partial.exists() else "w+b") as f:
         f.truncate(model_file.size)
         for start in range(0, len(missing), BATCH_CHUNKS):
             batch = missing[start : start + BATCH_CHUNKS]
-            store = await _fetch(endpoint, trainer, peers, [model_file.chunks[i] for i in batch], timeout, sources)
+            store = await _fetch(endpoint, trainer, peers, [model_file.chunks[i] for i in batch], timeout, sources,
+                                 shunned)
             for i in batch:
                 offset, length = model_file.span(i)
                 f.seek(offset)
@@ -132,14 +134,15 @@ async def download(endpoint, trainer: str, peers: Callable[[], Awaitable[list[st
     return final, sources
 
 
-async def _fetch(endpoint, trainer: str, peers, digests: list[str], timeout: float, sources: Counter) -> dict[str, bytes]:
+async def _fetch(endpoint, trainer: str, peers, digests: list[str], timeout: float, sources: Counter,
+                 shunned: Shunned) -> dict[str, bytes]:
     """One batch of chunks from peers and the trainer; "busy" (the trainer sent its share) is
     retried at once with fresh peers, other failures with backoff, ATTEMPTS times."""
     failures = 0
 
     async def attempt() -> dict[str, bytes]:
-        providers = [p for p in dict.fromkeys(await peers()) if p != trainer] + [trainer]
-        return await fetch_chunks(endpoint, providers, list(dict.fromkeys(digests)), timeout, sources)
+        return await fetch_chunks(endpoint, await peers(), trainer, list(dict.fromkeys(digests)), timeout, sources,
+                                  shunned)
 
     def give_up(error: BaseException, delay: float) -> bool:
         nonlocal failures

@@ -182,11 +182,10 @@ class Presence:
         return [peer for peer, held in self.peer_versions.items() if held >= version and peer != self.endpoint.peer_id]
 
     async def holders(self, sha256: str) -> list[str]:
-        """Peers announcing the base model `sha256`, newest version first (likeliest to be up)."""
+        """Peers announcing the base model `sha256` (claims: `updates.fetch_chunks` draws from them)."""
         try:
             announced = verified_announcements(await self.dht.get(self.peers_key), self.run_id)
         except TransportError:
             return []
         self.endpoint.learn_relays(announced)  # the whole set, as the announcer's refresh does
-        found = [a for a in announced if a.model_sha256 == sha256]
-        return [a.peer_id for a in sorted(found, key=lambda a: -a.version)]
+        return [a.peer_id for a in announced if a.model_sha256 == sha256]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -60,6 +61,7 @@ async def fetch_manifest(endpoint, provider: str, run: RunManifest, step: catchu
 
 STALL_SECONDS = 10.0  # a provider that sends no chunk for this long is given up on
 SHUN_SECONDS = 600.0  # and not asked again for this long (it lied, or it is gone)
+PEERS_AT_ONCE = 8  # announced holders asked in one fetch: a round of silent ones costs one stall
 
 
 class Shunned:
@@ -80,17 +82,21 @@ class Shunned:
         return [p for p in providers if p not in self.until]
 
 
-async def fetch_chunks(endpoint, providers: list[str], digests: list[str], timeout: float,
+async def fetch_chunks(endpoint, peers: list[str], trainer: str, digests: list[str], timeout: float,
                        sources: Counter | None = None, shunned: Shunned | None = None,
-                       stall: float = STALL_SECONDS) -> dict[str, bytes]:
-    """Verified chunk bytes by digest, fetched from several providers in parallel. Digests a
-    provider withholds, corrupts, refuses ("busy"), loses mid-stream or sits on for `stall`
-    seconds are asked of the others; chunks received before a failure are kept. Raises
-    UpdateError only when every provider failed. `sources`, if given, counts the bytes each
-    provider sent; `shunned`, if given, is skipped and learns who failed."""
+                       stall: float | None = None) -> dict[str, bytes]:
+    """Verified chunk bytes by digest, fetched in parallel from the trainer and up to
+    PEERS_AT_ONCE of `peers` (announced holders, less those `shunned`), drawn at random: a
+    holder's claim is free to make, so no claim puts a peer first. Digests a provider withholds,
+    corrupts, refuses ("busy"), loses mid-stream or sits on for `stall` seconds are asked of the
+    others; chunks received before a failure are kept. Raises UpdateError only when every
+    provider failed. `sources`, if given, counts the bytes each provider sent; `shunned`, if
+    given, is skipped and learns which peers failed (never the trainer: it is the source)."""
     found: dict[str, bytes] = {}
-    shunned = shunned or Shunned()
-    remaining, live, busy = list(digests), shunned.filter(list(providers)), False
+    shunned, stall = shunned or Shunned(), STALL_SECONDS if stall is None else stall
+    candidates = shunned.filter([p for p in dict.fromkeys(peers) if p != trainer])
+    providers = [*random.sample(candidates, min(len(candidates), PEERS_AT_ONCE)), trainer]
+    remaining, live, busy = list(digests), list(providers), False
     while remaining and live:
         shares = {p: remaining[i :: len(live)] for i, p in enumerate(live)}
         results = await asyncio.gather(*(_fetch_from(endpoint, p, share, timeout, found, sources, stall)
@@ -100,13 +106,14 @@ async def fetch_chunks(endpoint, providers: list[str], digests: list[str], timeo
                 log.info("provider %s failed: %s", provider[-8:], result)
                 if getattr(result, "code", None) == "busy":
                     busy = True
-                else:
+                elif provider != trainer:
                     shunned.add(provider)
                 live.remove(provider)
             elif isinstance(result, BaseException):
                 raise result
             elif any(d not in found for d in shares[provider]):
-                shunned.add(provider)
+                if provider != trainer:
+                    shunned.add(provider)
                 live.remove(provider)  # it does not hold everything it was asked for
         remaining = [d for d in remaining if d not in found]
     if remaining:
@@ -150,7 +157,7 @@ async def catch_up(endpoint, trainer: str, peers: Callable[[int], list[str]], ru
         for step in chain:
             update = await fetch_manifest(endpoint, trainer, run, step, timeout)
             digests = list(dict.fromkeys(d for t in update.tensors for d in t.chunks))
-            store = await fetch_chunks(endpoint, [*peers(step.to_version), trainer], digests, timeout, shunned=shunned)
+            store = await fetch_chunks(endpoint, peers(step.to_version), trainer, digests, timeout, shunned=shunned)
             payloads = {t.name: chunks.assemble(t, store.__getitem__) for t in update.tensors}
             await apply(update, store, payloads)  # the applier records the new version
             held = update.to_version

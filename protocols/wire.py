@@ -19,6 +19,7 @@ import msgpack
 import numpy as np
 
 from protocols.errors import InvalidValue, MalformedMessage, MessageTooLarge, UnsupportedVersion
+from protocols.multiaddr import MAX_PEER_ID_CHARS, is_peer_id
 from protocols.signing import SIGNATURE_BYTES
 
 PROTOCOL_VERSION = 2  # 2: signatures cover the message kind (`protocols.signing.canonical`)
@@ -142,6 +143,13 @@ class Fields:
         if len(value) > max_items:
             raise MessageTooLarge(f"{self.where}.{name}: {len(value)} items exceeds {max_items}")
         return list(value)
+
+    def peer_id(self, name: str) -> str:
+        """A libp2p peer id (`protocols.multiaddr.is_peer_id`): peers dial it."""
+        value = self.text(name, MAX_PEER_ID_CHARS)
+        if not is_peer_id(value):
+            raise InvalidValue(f"{self.where}.{name}: {value[:MAX_PEER_ID_CHARS]!r} is not a libp2p peer id")
+        return value
 
     def texts(self, name: str, max_items: int, max_chars: int = MAX_NAME_CHARS) -> list[str]:
         values = self.items(name, max_items)

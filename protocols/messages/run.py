@@ -159,7 +159,7 @@ class PeerAnnouncement(WireMessage):
     def from_dict(cls, body: dict[str, Any]) -> PeerAnnouncement:
         f = Fields(body, cls.KIND)
         return cls(
-            peer_id=f.text("peer_id"), name=f.text("name", 64), role=f.text("role", choices=ROLES),
+            peer_id=f.peer_id("peer_id"), name=f.text("name", 64), role=f.text("role", choices=ROLES),
             backend=f.text("backend", 32), model_sha256=f.sha256("model_sha256"),
             version=f.integer("version"), throughput=f.number("throughput", 0.0),
             public_key=f.blob("public_key", PUBLIC_KEY_BYTES, exact=PUBLIC_KEY_BYTES),

@@ -57,7 +57,7 @@ class LeaseRequest(WireMessage):
         f = Fields(body, cls.KIND)
         return cls(
             run_id=f.text("run_id"), node_key=f.blob("node_key", PUBLIC_KEY_BYTES, exact=PUBLIC_KEY_BYTES),
-            peer_id=f.text("peer_id"), name=f.text("name", 64), version=f.integer("version"),
+            peer_id=f.peer_id("peer_id"), name=f.text("name", 64), version=f.integer("version"),
             max_seeds=f.integer("max_seeds", 1, MAX_SEEDS), time=f.number("time", 0.0), signature=f.signature(),
             backend=f.text("backend", 64) if f.has("backend") else "",
             parallel=f.integer("parallel", 1, MAX_PARALLEL) if f.has("parallel") else 1,

@@ -20,6 +20,7 @@ from hivemind.p2p.p2p_daemon_bindings.control import P2PDaemonError, P2PHandlerE
 
 from protocols.errors import MessageTooLarge, ProtocolError, RemoteError, TransportError
 from protocols.messages import ErrorReply
+from protocols.multiaddr import MAX_PEER_ID_CHARS, is_peer_id
 from protocols.rpc import Rpc
 
 log = logging.getLogger(__name__)
@@ -135,6 +136,8 @@ class Endpoint:
         `on_reply` as it arrives, for long streams). The whole call is bounded by the declaration's
         timeout, or a shorter `timeout`."""
         name, max_reply_bytes = rpc.name, rpc.max_reply_bytes
+        if not is_peer_id(peer):  # hivemind's PeerID raises ValueError out of the call for it
+            raise TransportError(f"{name}: {peer[:MAX_PEER_ID_CHARS]!r} is not a libp2p peer id")
         timeout = rpc.timeout if timeout is None else min(timeout, rpc.timeout)
         replies: list[bytes] = []
         count = 0

@@ -9,6 +9,7 @@ from protocols.messages import PeerAnnouncement, verified_announcements
 from protocols.signing import fingerprint, generate_key, public_bytes, sign_message
 from protocols.transport import dht as dht_module
 from protocols.transport.dht import SwarmDHT, record_key
+from tests.unit.protocols.factories import peer_id
 
 
 def test_the_peers_record_holds_a_bounded_number_of_announcements(monkeypatch):
@@ -22,7 +23,7 @@ def test_the_peers_record_holds_a_bounded_number_of_announcements(monkeypatch):
         for i in range(40):
             fresh = generate_key()
             announcement = sign_message(PeerAnnouncement(
-                f"QmFlood{i}", f"flood-{i}", "node", "llama_cpp", "ab" * 32, 0, 0.0, public_bytes(fresh),
+                peer_id(f"Flood{i}"), f"flood-{i}", "node", "llama_cpp", "ab" * 32, 0, 0.0, public_bytes(fresh),
                 time.time(), run_id="run-1"), fresh)
             await attacker.put(key, announcement.to_wire(), 120, subkey=announcement.node_id)
         return await replica.get(key), await attacker.get(key)

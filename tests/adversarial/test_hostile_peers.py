@@ -39,6 +39,7 @@ from protocols.wire import decode_one_of
 from tasks import make_task
 from tests.support.runs import VENV_BIN, join_argv, spawn, wait_for
 from tests.support.tiny_model import build_tiny_gguf
+from tests.unit.protocols.factories import peer_id
 
 T = 1.0
 TOKEN_CHEATS = ("gold answer, made-up logprobs", "gold answer, teacher-forced logprobs", "another temperature",
@@ -313,10 +314,29 @@ threads = 1
                                                  manifest.base_sha256, 0, 0.0, public_bytes(rogue), time.time()), rogue)
         await attacker_dht.put(record_key(run_fp, "peers"), impostor.to_wire(), 3600, subkey=honest_id)
         await attacker_dht.put(record_key(run_fp, "peers"), b"", 3600, subkey=honest_id)
-        return growth
+        return growth, manifest
+
+    async def claim_the_base(manifest: RunManifest) -> dict[str, bool]:
+        """Validly signed claims to hold the base at the newest version, stored through a peer that
+        validates as every peer of the run does: under a peer id that is no libp2p id (it killed
+        every node joining without --model, issue 36), and under a real-looking one nobody
+        answers at. The late node joins without --model."""
+        stored = {}
+        claimant = SwarmDHT.start("127.0.0.1", 0, [address], run_fingerprint=run_fp)
+        try:
+            for claimed in ("Qm-not-base58", peer_id("nobody")):
+                liar = generate_key()
+                claim = sign_message(PeerAnnouncement(claimed, "holder", "node", "llama_cpp", manifest.base_sha256,
+                                                      2**63 - 1, 0.0, public_bytes(liar), time.time(),
+                                                      run_id=manifest.run_id), liar)
+                stored[claimed] = await claimant.put(record_key(run_fp, "peers"), claim.to_wire(), 60,
+                                                     subkey=fingerprint(public_bytes(liar)))
+        finally:
+            claimant.shutdown()
+        return stored
 
     try:
-        growth = asyncio.run(attack())
+        growth, manifest = asyncio.run(attack())
         # Every peer of the run validates: the forged records exist only in the attacker's own store.
         watcher = SwarmDHT.start("127.0.0.1", 0, [address], run_fingerprint=run_fp)
         try:
@@ -326,7 +346,10 @@ threads = 1
             assert [a.name for a in live.values()] == ["honest"]
         finally:
             watcher.shutdown()
-        # A node joining after the forgeries joins and works.
+        # A node joining after the forgeries and the claims joins and works; the claim under no
+        # libp2p id was refused by the run's peers.
+        claims = asyncio.run(claim_the_base(manifest))
+        assert claims == {"Qm-not-base58": False, peer_id("nobody"): True}, claims
         late = spawn(processes, [*node, "--name", "late", "--data-dir", str(tmp_path / "late")], tmp_path / "late.log")
         wait_for(lambda: "joined run" in (tmp_path / "late.log").read_text(), 120, "the late node to join", [late])
         assert coordinator.wait(timeout=300) == 0, (tmp_path / "coordinator.log").read_text()[-3000:]

@@ -27,6 +27,7 @@ from protocols.transport.dht import SwarmDHT, record_key
 from protocols.wire import decode_one_of
 from tests.support.live_service import LiveService, Peer
 from tests.support.runs import stopped_run
+from tests.unit.protocols.factories import peer_id
 
 MARKUP = "[blink]mallory[/blink]"
 
@@ -72,7 +73,7 @@ def test_a_nodes_announcement_replayed_from_another_run_is_not_counted(tmp_path)
                 replayed, own = generate_key(), generate_key()
                 for key, run_id in ((replayed, "run-0"), (own, coordinator.manifest.run_id)):
                     announcement = sign_message(PeerAnnouncement(
-                        "QmSomewhere", "volunteer", "node", "llama_cpp", coordinator.manifest.base_sha256, 0, 0.0,
+                        peer_id("Somewhere"), "volunteer", "node", "llama_cpp", coordinator.manifest.base_sha256, 0, 0.0,
                         public_bytes(key), time.time(), run_id=run_id), key)
                     await attacker.put(record_key(coordinator.fp, "peers"), announcement.to_wire(), 60,
                                        subkey=announcement.node_id)

@@ -132,6 +132,36 @@ async def _list(peers):
     return peers
 
 
+def test_claimed_holders_that_cannot_serve_cost_one_stall_in_a_whole_download(swarm, base, tmp_path, monkeypatch):
+    """Announcements are claims: one naming a peer id that is no libp2p id, and one from a peer
+    that opens the stream and never answers, are asked in the first batch only (issue 36)."""
+    from echo_node import base_download, updates
+    from protocols import rpc
+
+    monkeypatch.setattr(base_download, "BATCH_CHUNKS", 2)  # 6 batches
+    monkeypatch.setattr(updates, "STALL_SECONDS", 1.0)
+    path, listing, run = base
+    asked = []
+
+    async def silent(request: bytes, peer: str):
+        asked.append(peer)
+        await asyncio.Event().wait()
+        yield b""
+
+    async def go():
+        trainer = await provider(swarm[0], listing, path)
+        sink = await swarm[1].endpoint()
+        await sink.serve(rpc.CHUNKS, silent)
+        endpoint = await swarm[2].endpoint()
+        claims = ["Qm-not-base58", "1" * 46, sink.peer_id]
+        got, sources = await download(endpoint, trainer, lambda: _list(claims), listing, Disk(tmp_path / "n", None),
+                                      lambda *a: None, 10)
+        assert sha256_file(got) == listing.sha256 and sources == {trainer: SIZE}
+        assert len(asked) == 1
+
+    asyncio.run(go())
+
+
 def test_a_chunk_list_not_signed_by_the_run_key_or_for_another_base_is_refused(swarm, base, tmp_path):
     path, listing, run = base
 

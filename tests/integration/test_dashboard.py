@@ -17,6 +17,7 @@ import pytest
 
 from echo_coordinator.ledger import Ledger
 from tests.support.runs import VENV_BIN, join_argv, spawn, wait_for, write_config
+from tests.unit.protocols.factories import peer_id
 
 pytestmark = pytest.mark.slow
 
@@ -159,11 +160,11 @@ def finished_run(run_dir: Path, peers: int, steps: int = 5) -> None:
     for i in range(peers):
         node_id = f"{i:026d}"
         for v in range(1, steps + 1):
-            ledger.credit(node_id, f"Qm{i}", f"volunteer-{i:03d}", 1 + i % 7, 20 + i, now=now - 60 * (steps - v), version=v)
+            ledger.credit(node_id, peer_id(f"{i}"), f"volunteer-{i:03d}", 1 + i % 7, 20 + i, now=now - 60 * (steps - v), version=v)
         if i % 10 == 0:
-            ledger.reject(node_id, f"Qm{i}", f"volunteer-{i:03d}", "stale", 2, now=now)
+            ledger.reject(node_id, peer_id(f"{i}"), f"volunteer-{i:03d}", "stale", 2, now=now)
     if peers:
-        ledger.reject("f" * 26, "QmX", '<img src=x onerror="document.body.dataset.pwned=1">', "bad_sampling", 16, now)
+        ledger.reject("f" * 26, peer_id("X"), '<img src=x onerror="document.body.dataset.pwned=1">', "bad_sampling", 16, now)
     ledger.close()
     with open(run_dir / "metrics.jsonl", "w") as f:
         for v in range(steps if peers else 0):

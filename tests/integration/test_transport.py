@@ -113,6 +113,11 @@ def test_streams_carry_large_payloads_errors_and_timeouts(swarm):
         with pytest.raises(TransportError, match="more than 1 replies"):
             await client.call_one(server.peer_id, ENDLESS, b"")
         assert client.errors["t.endless", "too_many_replies"] == 1
+        # A peer id that is no libp2p id (one an announcement might carry): a typed error, not
+        # hivemind's ValueError out of the caller (issue 36 point 1).
+        for bad in ("Qm-not-base58", "1" * 46):
+            with pytest.raises(TransportError, match="not a libp2p peer id"):
+                await client.call_one(bad, ECHO, b"x")
         # The server keeps serving after all of that.
         assert await client.call_one(server.peer_id, ECHO, b"still here", idempotent=True) == b"still here"
 

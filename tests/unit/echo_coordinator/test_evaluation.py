@@ -20,6 +20,7 @@ from tests.unit.echo_coordinator.service.test_run_service import (
     EOS, GROUP, LOGITS, NOW, TRANSCRIPTS, lease_request, push, toy_evidence,
 )
 from tests.unit.protocols import factories
+from tests.unit.protocols.factories import peer_id
 
 EVAL_SEEDS = (10**12, 10**12 + 1, 10**12 + 2, 10**12 + 3)
 
@@ -65,15 +66,15 @@ def test_sequential_evaluates_when_idle_and_never_trains_on_it(tmp_path):
     first = svc.handle_lease(lease_request(node), now=NOW)
     assert not first.evaluation  # training work first: sequential nodes evaluate while the trainer steps
     push(svc, sign_message(RolloutBatch("run-1", first.lease_id, 0, public_bytes(node), tuple(
-        RolloutSample(1, first.prompts[0], (7, EOS), (-0.5, -0.1)) for _ in range(GROUP))), node), "QmNode", now=NOW)
+        RolloutSample(1, first.prompts[0], (7, EOS), (-0.5, -0.1)) for _ in range(GROUP))), node), peer_id("Node"), now=NOW)
     lease = svc.handle_lease(lease_request(node), now=NOW)
     # Greedy: one completion per prompt, so about a training lease's worth of prompts (1 seed x G).
     assert lease.evaluation and lease.greedy and lease.samples == 1 and lease.version == 0
     assert lease.seeds == EVAL_SEEDS[:GROUP] and lease.prompts == tuple((4, 5, s % 50) for s in EVAL_SEEDS[:GROUP])
-    assert push(svc, answers(svc, node, lease), "QmNode", now=NOW).accepted == GROUP
+    assert push(svc, answers(svc, node, lease), peer_id("Node"), now=NOW).accepted == GROUP
     assert svc.take_eval_records() == []  # half the seeds answered: not finished
     second = svc.handle_lease(lease_request(node), now=NOW)
-    push(svc, answers(svc, node, second, right=False), "QmNode", now=NOW)
+    push(svc, answers(svc, node, second, right=False), peer_id("Node"), now=NOW)
     (record,) = svc.take_eval_records(now=NOW + 5)  # timed when it finished, not when logged
     assert record["eval_version"] == 0 and record["eval_accuracy"] == 0.5 and record["eval_samples"] == 4
     assert record["eval_complete"] and record["eval_sampling"] == "greedy" and record["eval_seconds"] < 1  # when done
@@ -119,12 +120,12 @@ def test_bad_evaluation_answers_are_refused_counted_and_reissued(tmp_path, tampe
     lease = svc.handle_lease(lease_request(node), now=NOW)
     bad = tamper(svc, node, other, lease)
     with pytest.raises(error):
-        push(svc, bad, "QmNode", now=NOW)
+        push(svc, bad, peer_id("Node"), now=NOW)
     (peer,) = [p for p in svc.ledger.peers() if p["node_id"] == bad.node_id]
     assert peer["rejected_by_reason"] == {reason: len(bad.samples)} and peer["eval_samples"] == 0
     if error is not LeaseError:  # the holder's failed attempt gives its seeds back at once
         assert svc.handle_lease(lease_request(other), now=NOW).seeds == lease.seeds
-    assert push(svc, answers(svc, node, svc.handle_lease(lease_request(node, time=NOW + 1), now=NOW + 1)), "QmNode",
+    assert push(svc, answers(svc, node, svc.handle_lease(lease_request(node, time=NOW + 1), now=NOW + 1)), peer_id("Node"),
                 now=NOW + 1).accepted > 0
     assert svc.take_eval_records() == []
 
@@ -153,16 +154,16 @@ def test_greedy_answers_are_verified_against_the_rounds_weights(tmp_path):
     svc, honest, cheat = make_service(tmp_path, verify=True), generate_key(), generate_key()
     svc.open_eval(0, {}, now=NOW)
     lease = svc.handle_lease(lease_request(honest), now=NOW)
-    assert push(svc, greedy_batch(honest, lease), "QmHonest", now=NOW).accepted == len(lease.seeds)
+    assert push(svc, greedy_batch(honest, lease), peer_id("Honest"), now=NOW).accepted == len(lease.seeds)
     lease = svc.handle_lease(lease_request(cheat, name="mallory"), now=NOW)
     with pytest.raises(VerificationError):
-        push(svc, greedy_batch(cheat, lease, noise=True), "QmCheat", now=NOW)  # sampled where greedy was asked
+        push(svc, greedy_batch(cheat, lease, noise=True), peer_id("Cheat"), now=NOW)  # sampled where greedy was asked
     assert svc.ledger.trust(fingerprint(public_bytes(cheat))).failed == 1
     assert svc.ledger.trust(fingerprint(public_bytes(honest))).verified == 1
     # The round's weights are what it verifies against, whatever the verifier holds for training.
     svc.policing.verifier.held.clear()
     lease = svc.handle_lease(lease_request(honest), now=NOW)
-    assert push(svc, greedy_batch(honest, lease), "QmHonest", now=NOW).accepted == len(lease.seeds)
+    assert push(svc, greedy_batch(honest, lease), peer_id("Honest"), now=NOW).accepted == len(lease.seeds)
 
 
 def test_lease_wire_round_trip():

@@ -7,6 +7,7 @@ from echo_coordinator.handlers import PUSH_THREADS, register_handlers
 from protocols import rpc
 from protocols.messages import NoWork, PushReceipt
 from tests.unit.protocols import factories
+from tests.unit.protocols.factories import peer_id
 
 
 class Served:
@@ -44,7 +45,7 @@ def test_a_lease_is_answered_while_every_push_thread_waits_for_verification():
         await register_handlers(endpoint, service, prober=None)
 
         async def one(name, request):
-            return [reply async for reply in endpoint.handlers[name](request, "QmPeer")]
+            return [reply async for reply in endpoint.handlers[name](request, peer_id("Peer"))]
 
         # Submitted first (tasks start in order): every push thread is taken, more pushes queue.
         waiting = [asyncio.create_task(one(rpc.PUSH.name, b"batch")) for _ in range(PUSH_THREADS + 4)]

@@ -18,6 +18,7 @@ from echo_coordinator.observe import RunView
 from echo_coordinator.report import read_report
 from protocols.signing import fingerprint, generate_key, public_bytes
 from tests.unit.echo_coordinator.service.test_run_service import NOW, answer_batch, lease_request, push, service  # noqa: F401
+from tests.unit.protocols.factories import peer_id
 
 STEP = dict(version=0, mode="sequential", samples=4, reward_mean=0.75, step_seconds=20.0, wait_seconds=15.0, time=NOW,
             mismatch_kl=0.01, tis_clipped_fraction=0.02, staleness_histogram={"0": 4}, rejected_by_reason={})
@@ -31,14 +32,14 @@ def run_dir(tmp_path, service):  # noqa: F811
     node, cheat = generate_key(), generate_key()
     service.open_step([10, 11])
     service.throughput.published_version(0, NOW - 1)
-    lease = service.handle_lease(lease_request(node, name="alice", backend="llama_cpp", parallel=16), "QmA", now=NOW)
-    push(service, answer_batch(service, node, lease), "QmA", now=NOW + 4)
+    lease = service.handle_lease(lease_request(node, name="alice", backend="llama_cpp", parallel=16), peer_id("A"), now=NOW)
+    push(service, answer_batch(service, node, lease), peer_id("A"), now=NOW + 4)
     service.take_batch()
     service.commit_step(0)
     service.publish([])
     service.gate.advance(1)
     service.ledger.set_run(version=1)
-    service.ledger.reject(fingerprint(public_bytes(cheat)), "QmC", "<img src=x onerror=alert(1)>", "bad_sampling", 4)
+    service.ledger.reject(fingerprint(public_bytes(cheat)), peer_id("C"), "<img src=x onerror=alert(1)>", "bad_sampling", 4)
     (tmp_path / "metrics.jsonl").write_text(json.dumps(STEP) + "\n")
     return tmp_path, fingerprint(public_bytes(node))
 
@@ -187,7 +188,7 @@ def test_status_command_renders_the_directory(run_dir, service):  # noqa: F811
     from echo_coordinator.cli import app
 
     path, alice = run_dir
-    service.ledger.reject(fingerprint(public_bytes(generate_key())), "QmM", "[blink]mallory[/blink]", "bad_lease", 1)
+    service.ledger.reject(fingerprint(public_bytes(generate_key())), peer_id("M"), "[blink]mallory[/blink]", "bad_lease", 1)
     out = CliRunner().invoke(app, ["status", "--data-dir", str(path)], env={"COLUMNS": "200"})
     assert out.exit_code == 0, out.output
     assert "version 1 / 10" in out.output and "(not running)" in out.output

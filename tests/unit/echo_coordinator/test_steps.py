@@ -14,6 +14,7 @@ from protocols.signing import fingerprint, generate_key, public_bytes
 from tests.unit.echo_coordinator.service.test_run_service import (NOW, GROUP, advance, answer_batch, lease_request,
                                                                   make_service, made, push, sampled_batch,  # noqa: F401
                                                                   toy_evidence)
+from tests.unit.protocols.factories import peer_id
 
 
 def test_a_batch_that_waited_past_its_version_is_verified_apart_before_the_step(tmp_path, made):  # noqa: F811
@@ -24,9 +25,9 @@ def test_a_batch_that_waited_past_its_version_is_verified_apart_before_the_step(
                        policing, mode="async", staleness=1)
     made.append(svc)
     node = generate_key()
-    push(svc, sampled_batch(node, svc.handle_lease(lease_request(node), now=NOW)), "QmNode")  # checked at its push
-    push(svc, sampled_batch(node, svc.handle_lease(lease_request(node), now=NOW)), "QmNode")  # waits for its step
-    push(svc, answer_batch(svc, node, svc.handle_lease(lease_request(node), now=NOW)), "QmNode")  # written; waits
+    push(svc, sampled_batch(node, svc.handle_lease(lease_request(node), now=NOW)), peer_id("Node"))  # checked at its push
+    push(svc, sampled_batch(node, svc.handle_lease(lease_request(node), now=NOW)), peer_id("Node"))  # waits for its step
+    push(svc, answer_batch(svc, node, svc.handle_lease(lease_request(node), now=NOW)), peer_id("Node"))  # written; waits
     verifier.remember(1, {})
     advance(svc, 1)  # no step trained them at version 0
     batch = svc.take_batch()

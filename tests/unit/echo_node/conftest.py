@@ -17,8 +17,9 @@ from protocols.messages import Chunk, ChunkRequest, UpdateRequest
 from protocols.signing import generate_key, public_bytes
 from protocols.transport.relay import Relay
 from tests.unit.protocols import factories
+from tests.unit.protocols.factories import peer_id
 
-ADDRESS = "/ip4/127.0.0.1/tcp/1/p2p/QmCoordinator"
+ADDRESS = f"/ip4/127.0.0.1/tcp/1/p2p/{peer_id('Coordinator')}"
 
 
 def config(tmp_path, **kw) -> NodeConfig:
@@ -35,7 +36,7 @@ class RelayTrainer:
     """An endpoint whose every peer is the trainer's `relay`: what `catch_up` asks of the trainer
     and of peers over streams, answered from it. `fail`: errors its chunk calls raise first."""
 
-    peer_id = "QmNode"
+    peer_id = peer_id("Node")
 
     def __init__(self, relay: Relay, *fail: Exception):
         self.relay, self.fail, self.calls = relay, list(fail), []

@@ -14,8 +14,9 @@ from protocols.messages import ModelFile
 from protocols.signing import sha256_hex
 from protocols.transport.relay import Relay
 from tests.unit.echo_node.conftest import RelayTrainer
+from tests.unit.protocols.factories import peer_id
 
-BUSY = RemoteError("busy", "sent its share of the base model", "QmTrainer", "echo.chunks")
+BUSY = RemoteError("busy", "sent its share of the base model", peer_id("Trainer"), "echo.chunks")
 
 
 def served_base(tmp_path, *fail):
@@ -35,7 +36,7 @@ async def no_peers():
 
 
 def fetch(tmp_path, endpoint, listed):
-    return asyncio.run(base_download.download(endpoint, "QmTrainer", no_peers, listed, Disk(tmp_path, None),
+    return asyncio.run(base_download.download(endpoint, peer_id("Trainer"), no_peers, listed, Disk(tmp_path, None),
                                               lambda *a: None, 10.0))
 
 
@@ -49,7 +50,7 @@ def test_busy_answers_do_not_count_as_failures(tmp_path):
     failures = [BUSY] * (base_download.ATTEMPTS + 2) + [TransportError("stream broke")] * (base_download.ATTEMPTS - 1)
     endpoint, listed, data = served_base(tmp_path, *failures)
     path, sources = fetch(tmp_path, endpoint, listed)
-    assert path.read_bytes() == data and sources["QmTrainer"] == len(data)
+    assert path.read_bytes() == data and sources[peer_id("Trainer")] == len(data)
 
 
 def test_a_download_gives_up_after_attempts_failures(tmp_path):

@@ -19,6 +19,7 @@ def test_a_valid_config_is_kept_as_given(tmp_path):
     ("run_key", "a" * 25 + "!", "--run-key must be"),
     ("backend", "vllm", "--backend must be llama_cpp or transformers, got 'vllm'"),
     ("address", "/ip4/127.0.0.1/tcp/1", "ending in /p2p/<peer id>"),
+    ("address", "/ip4/127.0.0.1/tcp/1/p2p/QmCut", "ending in /p2p/<peer id>"),  # a copy cut short
     ("parallel", 0, "--parallel must be between 1 and 1024, got 0"),
     ("parallel", 4096, "--parallel must be between 1 and 1024, got 4096"),
 ])

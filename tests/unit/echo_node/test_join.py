@@ -14,6 +14,7 @@ from protocols.errors import TransportError
 from protocols.signing import fingerprint, generate_key, public_bytes, sha256_file, sign_message
 from tests.unit.echo_node.conftest import ADDRESS, config
 from tests.unit.protocols import factories
+from tests.unit.protocols.factories import peer_id
 
 
 def signed_manifest(key=None, **kw):
@@ -114,14 +115,14 @@ def test_the_base_model_list_is_retried_while_unreachable_and_refused_if_not_the
     manifest, key = signed_manifest()
     listed = sign_message(factories.model_file(), key)
     trainer = Trainer(listed.to_wire(), failures=2)
-    assert asyncio.run(join.model_file(session, trainer, "QmTrainer", manifest)) == listed
+    assert asyncio.run(join.model_file(session, trainer, peer_id("Trainer"), manifest)) == listed
     assert trainer.calls == 3
     foreign = sign_message(factories.model_file(), generate_key())
     with pytest.raises(JoinRefused, match="base model list is not valid"):
-        asyncio.run(join.model_file(session, Trainer(foreign.to_wire()), "QmTrainer", manifest))
+        asyncio.run(join.model_file(session, Trainer(foreign.to_wire()), peer_id("Trainer"), manifest))
     other_base = sign_message(factories.model_file(sha256="0" * 64), key)
     with pytest.raises(JoinRefused, match="base model list is not valid"):
-        asyncio.run(join.model_file(session, Trainer(other_base.to_wire()), "QmTrainer", manifest))
+        asyncio.run(join.model_file(session, Trainer(other_base.to_wire()), peer_id("Trainer"), manifest))
 
 
 def test_a_stop_while_the_trainer_is_unreachable_ends_the_join(session):
@@ -129,7 +130,7 @@ def test_a_stop_while_the_trainer_is_unreachable_ends_the_join(session):
     trainer = Trainer(b"", failures=10**6)
 
     async def go():
-        fetching = asyncio.create_task(join.model_file(session, trainer, "QmTrainer", manifest))
+        fetching = asyncio.create_task(join.model_file(session, trainer, peer_id("Trainer"), manifest))
         await asyncio.sleep(0.1)
         session.request_stop()
         return await asyncio.wait_for(fetching, 5)
@@ -144,15 +145,15 @@ def test_your_model_must_be_the_runs_base(tmp_path):
     mismatch, _ = signed_manifest()
     session = session_trusting(tmp_path, mismatch, model=own)
     with pytest.raises(JoinRefused, match="is not this run's base model .*leave out --model"):
-        asyncio.run(join.base_model(session, None, "QmTrainer", mismatch, factories.model_file(), None))
+        asyncio.run(join.base_model(session, None, peer_id("Trainer"), mismatch, factories.model_file(), None))
     match, _ = signed_manifest(base_sha256=sha256_file(own))
     session = session_trusting(tmp_path, match, model=own)
-    assert asyncio.run(join.base_model(session, None, "QmTrainer", match, factories.model_file(), None)) == own
+    assert asyncio.run(join.base_model(session, None, peer_id("Trainer"), match, factories.model_file(), None)) == own
 
 
 def test_the_trainer_is_the_manifests_peer_address():
-    assert join.trainer_peer(factories.manifest(trainer_addrs=("/ip4/1.2.3.4/tcp/5", "/ip4/1.2.3.4/tcp/5/p2p/QmT"))) \
-        == "QmT"
+    assert join.trainer_peer(factories.manifest(trainer_addrs=("/ip4/1.2.3.4/tcp/5", f"/ip4/1.2.3.4/tcp/5/p2p/{peer_id('T')}"))) \
+        == peer_id("T")
     with pytest.raises(JoinRefused, match="names no trainer peer"):
         join.trainer_peer(factories.manifest(trainer_addrs=("/ip4/1.2.3.4/tcp/5",)))
 

@@ -12,6 +12,7 @@ from echo_node.config import JoinRefused, Stopped
 from protocols.errors import EchoError
 from protocols.supervise import BackgroundFailed
 from tests.unit.echo_node.conftest import config
+from tests.unit.protocols.factories import peer_id
 
 
 @pytest.mark.parametrize("raised, code, said", [
@@ -36,7 +37,7 @@ class Presence:
 
     def __init__(self, announce_fails=None, relay_fails=None):
         self.announce_fails, self.relay_fails, self.withdrawn = announce_fails, relay_fails, False
-        self.via_relay = "/ip4/1.2.3.4/tcp/1/p2p/QmC" if relay_fails else None
+        self.via_relay = f"/ip4/1.2.3.4/tcp/1/p2p/{peer_id('C')}" if relay_fails else None
 
     async def announce(self):
         await asyncio.sleep(0.05)

@@ -9,6 +9,7 @@ from protocols.messages import verified_announcements
 from protocols.signing import fingerprint, generate_key, public_bytes, sign_message
 from tests.unit.echo_node.conftest import Backend
 from tests.unit.protocols import factories
+from tests.unit.protocols.factories import peer_id
 
 
 class Records:
@@ -28,7 +29,7 @@ class Records:
 
 
 class Endpoint:
-    peer_id = "QmSelf"
+    peer_id = peer_id("Self")
 
     def __init__(self):
         self.relays = None
@@ -54,7 +55,7 @@ def announced(session, endpoint=None) -> tuple[Presence, Records]:
 def test_a_new_version_is_announced_at_once_and_peers_versions_learned(session, monkeypatch):
     monkeypatch.setattr(presence_module, "PEER_REFRESH", 30.0)  # so only a change can explain a re-announce
     presence, dht = announced(session)
-    peer(dht, presence.peers_key, peer_id="QmOther", version=5, relay_addrs=("/ip4/9.9.9.9/tcp/1/p2p/QmC/p2p-circuit",))
+    peer(dht, presence.peers_key, peer_id=peer_id("Other"), version=5, relay_addrs=(f"/ip4/9.9.9.9/tcp/1/p2p/{peer_id('C')}/p2p-circuit",))
 
     async def go():
         announcing = asyncio.create_task(presence.announce())
@@ -69,10 +70,10 @@ def test_a_new_version_is_announced_at_once_and_peers_versions_learned(session, 
     ours = dht.records[presence.peers_key][session.fingerprint]  # under our own key's fingerprint
     (mine,) = verified_announcements({session.fingerprint: ours}, "run-1")
     assert (mine.peer_id, mine.version, mine.name, mine.model_sha256, mine.left, mine.run_id) == \
-        ("QmSelf", 3, session.name, factories.SHA, False, "run-1")
-    assert presence.peer_versions == {"QmOther": 5, "QmSelf": 3}
-    assert presence.endpoint.relays == {"QmOther": ("/ip4/9.9.9.9/tcp/1/p2p/QmC/p2p-circuit",)}
-    assert presence.peers_holding(4) == ["QmOther"] and presence.peers_holding(6) == []  # never ourselves
+        (peer_id("Self"), 3, session.name, factories.SHA, False, "run-1")
+    assert presence.peer_versions == {peer_id("Other"): 5, peer_id("Self"): 3}
+    assert presence.endpoint.relays == {peer_id("Other"): (f"/ip4/9.9.9.9/tcp/1/p2p/{peer_id('C')}/p2p-circuit",)}
+    assert presence.peers_holding(4) == [peer_id("Other")] and presence.peers_holding(6) == []  # never ourselves
 
 
 def test_leaving_is_a_signed_withdrawal_readers_skip(session):
@@ -81,11 +82,12 @@ def test_leaving_is_a_signed_withdrawal_readers_skip(session):
     assert verified_announcements(dht.records[presence.peers_key]) == []
 
 
-def test_base_model_holders_come_newest_first_and_teach_the_endpoint_every_relay(session):
+def test_base_model_holders_are_every_claim_in_no_claimed_order_and_teach_the_endpoint_every_relay(session):
+    """A claimed version puts nobody first: `fetch_chunks` draws from the holders at random."""
     presence, dht = announced(session)
     key = presence.peers_key
-    peer(dht, key, peer_id="QmOld", version=1)
-    peer(dht, key, peer_id="QmNew", version=4)
-    peer(dht, key, peer_id="QmOtherBase", version=9, model_sha256="0" * 64, relay_addrs=("/ip4/1.1.1.1/tcp/1/p2p-circuit",))
-    assert asyncio.run(presence.holders(factories.SHA)) == ["QmNew", "QmOld"]
-    assert set(presence.endpoint.relays) == {"QmOtherBase"}
+    peer(dht, key, peer_id=peer_id("Old"), version=1)
+    peer(dht, key, peer_id=peer_id("New"), version=4)
+    peer(dht, key, peer_id=peer_id("OtherBase"), version=9, model_sha256="0" * 64, relay_addrs=("/ip4/1.1.1.1/tcp/1/p2p-circuit",))
+    assert sorted(asyncio.run(presence.holders(factories.SHA))) == sorted([peer_id("New"), peer_id("Old")])
+    assert set(presence.endpoint.relays) == {peer_id('OtherBase')}

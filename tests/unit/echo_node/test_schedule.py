@@ -7,6 +7,7 @@ import pytest
 from echo_node.config import NodeConfig
 from echo_node.schedule import Hours, idle_reason, set_paused
 from protocols.errors import ConfigError
+from tests.unit.echo_node.conftest import ADDRESS
 
 
 def at(hour: int, minute: int = 0) -> datetime:
@@ -31,7 +32,7 @@ def test_hours_that_do_not_read_as_start_end_are_refused(text):
 
 def test_a_config_with_bad_hours_is_refused_at_start():
     with pytest.raises(ConfigError, match="--hours must be START-END"):
-        NodeConfig(address="/ip4/127.0.0.1/tcp/1/p2p/Qm", run_key="a" * 26, hours="late")
+        NodeConfig(address=ADDRESS, run_key="a" * 26, hours="late")
 
 
 def test_idle_while_paused_or_outside_hours(tmp_path):

@@ -9,6 +9,7 @@ import pytest
 from echo_node import session as session_module
 from echo_node.config import Stopped
 from protocols.errors import TransportError
+from tests.unit.protocols.factories import peer_id
 
 
 def test_a_silent_coordinator_is_reported_once_a_period(session, monkeypatch, capsys):
@@ -19,7 +20,7 @@ def test_a_silent_coordinator_is_reported_once_a_period(session, monkeypatch, ca
     session.last_answer = time.monotonic() - 120
     asyncio.run(session.pause(error, 0.0))
     out = " ".join(capsys.readouterr().out.split())
-    assert "cannot reach the coordinator at /ip4/127.0.0.1/tcp/1/p2p/QmCoordinator for 2 min" in out
+    assert f"cannot reach the coordinator at /ip4/127.0.0.1/tcp/1/p2p/{peer_id('Coordinator')} for 2 min" in out
     assert "connection refused" in out and "still trying" in out
     asyncio.run(session.pause(error, 0.0))
     assert "cannot reach" not in capsys.readouterr().out  # not again within the period

@@ -14,12 +14,13 @@ from protocols.errors import RemoteError, TransportError
 from protocols.transport.relay import Relay
 from tests.unit.echo_node.conftest import Backend, RelayTrainer, full_run
 from tests.unit.protocols import factories
+from tests.unit.protocols.factories import peer_id
 
 
 def versions_for(session, relay, manifest, base, *fail):
     presence = Presence(session)
     presence.endpoint = RelayTrainer(relay, *fail)
-    ours = Versions(session, presence, "QmTrainer", manifest, Backend(), {k: v.copy() for k, v in base.items()},
+    ours = Versions(session, presence, peer_id("Trainer"), manifest, Backend(), {k: v.copy() for k, v in base.items()},
                     relay=Relay())
     return ours, presence
 
@@ -66,7 +67,7 @@ def test_an_evaluation_of_a_version_the_node_is_past_is_refused(session):
 
 def test_a_busy_trainer_is_asked_again_soon_after_rereading_peers_and_other_failures_are_not(session):
     base, relay, manifest, _ = full_run(versions=1)
-    busy = RemoteError("busy", "sent its share", "QmTrainer", "echo.chunks")
+    busy = RemoteError("busy", "sent its share", peer_id("Trainer"), "echo.chunks")
     versions, presence = versions_for(session, relay, manifest, base, busy, busy)
     refreshed = []
     presence.refresh = lambda: refreshed.append(versions.version)

@@ -16,6 +16,7 @@ from protocols.errors import RemoteError, TransportError
 from protocols.messages import LeaseRequest, NoWork, PushReceipt, RolloutBatch
 from tests.unit.echo_node.conftest import Backend
 from tests.unit.protocols import factories
+from tests.unit.protocols.factories import peer_id
 
 
 class Held:
@@ -53,7 +54,7 @@ def work_for(session, endpoint, events=None) -> Work:
 class FlakyTrainer:
     """An endpoint whose pushes fail with the given errors, then succeed."""
 
-    peer_id = "QmNode"
+    peer_id = peer_id("Node")
 
     def __init__(self, *errors):
         self.errors, self.calls = list(errors), 0
@@ -87,7 +88,7 @@ class SlowTrainer:
     """Hands out `leases` leases, then says the run is over; answers each push after `seconds`,
     refusing the first as stale. Records what happened when, and the lease requests."""
 
-    peer_id = "QmNode"
+    peer_id = peer_id("Node")
 
     def __init__(self, leases: int, seconds: float):
         self.left, self.seconds, self.events, self.pushing, self.most_pushing = leases, seconds, [], 0, 0
@@ -130,7 +131,7 @@ def test_a_push_overlaps_the_next_generation_and_one_refusal_does_not_stop_the_n
 class Closed:
     """A trainer that admits only listed keys, answering `times` transient failures first."""
 
-    peer_id = "QmNode"
+    peer_id = peer_id("Node")
 
     def __init__(self, times: int = 0):
         self.times, self.calls = times, 0
@@ -181,7 +182,7 @@ class Behind:
     """An async trainer at version 2: a node behind that did not say its update failed is told
     the latest version (no work); one that did gets a lease of its own version. Then the run ends."""
 
-    peer_id = "QmNode"
+    peer_id = peer_id("Node")
 
     def __init__(self):
         self.requests: list[LeaseRequest] = []

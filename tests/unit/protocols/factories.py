@@ -4,17 +4,31 @@ from protocols.messages import (
     Chunk, LeaseRequest, ModelFile, PeerAnnouncement, RolloutBatch, RolloutSample, RunManifest, Segment, TaskLease, TaskSpec,
     TensorEntry, TurnFormat, WeightUpdate,
 )
+from protocols.multiaddr import _BASE58
 from protocols.signing import sha256_hex
 
 KEY = bytes(range(32))
 SHA = sha256_hex(b"base model")
 
 
+def peer_id(name: str) -> str:
+    """A well-formed libp2p peer id standing for `name`: the base58 sha256 multihash of it."""
+    number = int.from_bytes(bytes([0x12, 0x20]) + bytes.fromhex(sha256_hex(name.encode())), "big")
+    digits = ""
+    while number:
+        number, digit = divmod(number, 58)
+        digits = _BASE58[digit] + digits
+    return digits
+
+
+PEER = peer_id("alice")
+
+
 def manifest(**kw) -> RunManifest:
     fields = dict(
         run_id="run-1", base_model="tiny.gguf", base_sha256=SHA, vocab_size=1000, mode="sequential",
         update="lora", staleness=4, task=TaskSpec("arithmetic", {"digits": 1, "ops": "+"}), group_size=4,
-        max_new_tokens=32, temperature=1.0, run_key=KEY, trainer_addrs=("/ip4/127.0.0.1/tcp/1/p2p/Qm",),
+        max_new_tokens=32, temperature=1.0, run_key=KEY, trainer_addrs=(f"/ip4/127.0.0.1/tcp/1/p2p/{peer_id('trainer')}",),
         update_params={"rank": 8, "alpha": 16.0}, created=1.5,
         turns=TurnFormat("<|im_end|>\n<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n", "<|im_end|>"),
     )
@@ -42,7 +56,7 @@ def update(**kw) -> WeightUpdate:
 
 
 def announcement(**kw) -> PeerAnnouncement:
-    fields = dict(peer_id="QmPeer", name="alice", role="node", backend="llama_cpp", model_sha256=SHA, version=2,
+    fields = dict(peer_id=PEER, name="alice", role="node", backend="llama_cpp", model_sha256=SHA, version=2,
                   throughput=91.5, public_key=KEY, time=4.0, hardware="x86_64, 2 cores, 23 GiB RAM, CPU only",
                   run_id="run-1")
     return PeerAnnouncement(**{**fields, **kw})
@@ -61,7 +75,7 @@ def lease(**kw) -> TaskLease:
 
 
 def lease_request(**kw) -> LeaseRequest:
-    fields = dict(run_id="run-1", node_key=KEY, peer_id="QmPeer", name="alice", version=2, max_seeds=4, time=5.0)
+    fields = dict(run_id="run-1", node_key=KEY, peer_id=PEER, name="alice", version=2, max_seeds=4, time=5.0)
     return LeaseRequest(**{**fields, **kw})
 
 

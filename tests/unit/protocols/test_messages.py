@@ -284,6 +284,28 @@ def test_reachability_and_relay_values_are_checked():
         PeerAnnouncement.from_wire(envelope(announcement, relay_addrs=["x" * 257]))
 
 
+@pytest.mark.parametrize("bad", ["Qm-not-base58", "QmPeer", "1" * 46, factories.peer_id("x")[:-1], "Qm" + "z" * 62,
+                                 "12D3KooW" + "A" * 40, ""])
+def test_a_peer_id_that_is_no_libp2p_id_is_refused(bad):
+    """Peers dial announced ids: one that is not base58, or not a sha256 or identity multihash,
+    would raise out of hivemind's PeerID in every joining node (issue 36 point 1)."""
+    for message in (factories.announcement(), factories.lease_request()):
+        with pytest.raises(InvalidValue, match="peer_id"):
+            type(message).from_wire(envelope(message, peer_id=bad))
+
+
+def test_real_peer_ids_pass():
+    from protocols.multiaddr import is_peer_id, peer_of
+
+    for real in ("QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N",  # sha256 of an RSA key (hivemind's)
+                 "12D3KooWD3eckifWpRn9wQpMG9R9hX3sD158z7EqHWmweQAJU5SA",  # an Ed25519 key itself
+                 "16Uiu2HAmLhLvBoYaoZfaMUKuibM6ac163GwKY74c5kiSLg5KvLpY"):  # a secp256k1 key
+        assert is_peer_id(real)
+        assert peer_of(f"/ip4/1.2.3.4/tcp/5/p2p/{real}") == real
+    with pytest.raises(ValueError, match="peer id"):
+        peer_of("/ip4/1.2.3.4/tcp/5/p2p/Qm-x")
+
+
 @pytest.mark.parametrize("text", ["run\x1b]8;;https://evil.example\x1b\\click\x1b]8;;\x1b\\", "a\x1b]52;c;ZXZpbA==\x07",
                                   "fake\rline", "c1\x9d", "nul\x00"])
 def test_text_a_terminal_would_act_on_is_refused_in_every_message(text):

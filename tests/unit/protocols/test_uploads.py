@@ -1,6 +1,7 @@
 import pytest
 
 from protocols.uploads import ByteQuota, UploadBudget
+from tests.unit.protocols.factories import peer_id
 
 
 def test_first_nodes_get_whole_copies_the_rest_fetch_from_peers():
@@ -59,10 +60,10 @@ def test_a_relay_past_its_quota_answers_busy(tmp_path):
                        chunks=(sha256_hex(data),))
     relay = Relay(quota=ByteQuota(rate=1.0, burst=len(data), per_hour=10 * len(data)))
     relay.serve_file(listed, path)
-    assert relay.chunk(listed.chunks[0], "QmA", now=0.0) == data
+    assert relay.chunk(listed.chunks[0], peer_id("A"), now=0.0) == data
     path.unlink()  # past the budget the file is not even read
     with pytest.raises(Busy, match="upload budget"):
-        relay.chunk(listed.chunks[0], "QmFresh", now=1.0)  # another peer id changes nothing
+        relay.chunk(listed.chunks[0], peer_id("Fresh"), now=1.0)  # another peer id changes nothing
     assert relay.bytes_served == len(data)
 
 
@@ -76,15 +77,15 @@ def test_a_late_joiners_snapshot_is_not_left_to_peers_that_hold_only_deltas():
     relay = Relay(keep_versions=2, budget=budget, peers_holding=lambda version: 5)
     relay.remember(factories.update(from_version=1, to_version=2, replaces=False), {"delta": b"d"})
     relay.remember(factories.update(from_version=0, to_version=2, replaces=True), {"snapshot": b"s"})
-    assert relay.chunk("delta", "QmFirst", now=0.0) == b"d" and relay.chunk("snapshot", "QmFirst", now=0.0) == b"s"
+    assert relay.chunk("delta", peer_id("First"), now=0.0) == b"d" and relay.chunk("snapshot", peer_id("First"), now=0.0) == b"s"
     with pytest.raises(Busy):
-        relay.chunk("delta", "QmLate", now=3.0)  # five peers hold version 2: fetch the delta from them
-    assert relay.chunk("snapshot", "QmLate", now=3.0) == b"s"
+        relay.chunk("delta", peer_id("Late"), now=3.0)  # five peers hold version 2: fetch the delta from them
+    assert relay.chunk("snapshot", peer_id("Late"), now=3.0) == b"s"
     with pytest.raises(Busy):
-        relay.chunk("snapshot", "QmLater", now=4.0)  # a burst of late joiners: one every 3 s
-    assert relay.chunk("snapshot", "QmLater", now=6.0) == b"s"
+        relay.chunk("snapshot", peer_id("Later"), now=4.0)  # a burst of late joiners: one every 3 s
+    assert relay.chunk("snapshot", peer_id("Later"), now=6.0) == b"s"
     # A first snapshot (0 -> 1) is every follower's step: later askers fetch it from them.
     relay.remember(factories.update(from_version=0, to_version=1, replaces=True), {"first": b"f"})
-    assert relay.chunk("first", "QmFirst", now=7.0) == b"f"
+    assert relay.chunk("first", peer_id("First"), now=7.0) == b"f"
     with pytest.raises(Busy):
-        relay.chunk("first", "QmLate", now=10.0)
+        relay.chunk("first", peer_id("Late"), now=10.0)

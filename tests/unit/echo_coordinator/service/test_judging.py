@@ -7,6 +7,7 @@ from echo_coordinator.service.judging import Refused, check_claimed_version, che
 from protocols.errors import InvalidValue
 from protocols.messages import RolloutBatch, RolloutSample, Segment
 from protocols.signing import fingerprint
+from tests.unit.protocols.factories import peer_id
 
 KEY = bytes(range(32))
 PROMPTS = {7: (1, 2, 3), 8: (1, 2, 4)}  # the leased seeds and their prompts
@@ -56,7 +57,7 @@ def test_groups_are_per_seed_with_our_rewards_and_the_nodes_tokens():
     env_turn = (Segment("model", 1), Segment("env", 2), Segment("model", 1))
     judged = batch(sample(7), sample(8, completion=(5, 6, 6, 5), segments=env_turn), sample(7, completion=(6,)),
                    sample(8), version=3)
-    made = groups(judged, [1.0, 0.0, 0.5, 0.25], "QmPeer", "alice")
+    made = groups(judged, [1.0, 0.0, 0.5, 0.25], peer_id("Peer"), "alice")
     assert [g.seed for g in made] == [7, 8]  # in the order seeds first appear
     seven, eight = made
     assert [s.reward for s in seven.samples] == [1.0, 0.5] and [s.reward for s in eight.samples] == [0.0, 0.25]
@@ -65,4 +66,4 @@ def test_groups_are_per_seed_with_our_rewards_and_the_nodes_tokens():
     assert (seven.tokens, eight.tokens) == (3, 4)  # env-written tokens are not the node's work
     assert eight.samples[0].loss_mask == (1, 0, 0, 1)
     assert {(g.lease_id, g.version, g.node_id, g.peer_id, g.name) for g in made} == {
-        ("L0", 3, fingerprint(KEY), "QmPeer", "alice")}
+        ("L0", 3, fingerprint(KEY), peer_id("Peer"), "alice")}

@@ -4,6 +4,7 @@ import pytest
 
 from echo_coordinator.service.policing import BanRule, RateLimit, SpotCheck, read_allow_list, relay_holders
 from tests.unit.protocols import factories
+from tests.unit.protocols.factories import peer_id
 
 
 def test_rate_limit_allows_bursts_then_the_rate():
@@ -41,9 +42,9 @@ def test_allow_list(tmp_path):
 
 
 def test_only_announcements_of_nodes_that_talked_count_as_relays():
-    live = factories.announcement(peer_id="QmLive", version=3, public_key=bytes(range(32)))
-    claim = factories.announcement(peer_id="QmFake", version=99, throughput=1e9, public_key=bytes(range(1, 33)))
-    moved = factories.announcement(peer_id="QmElsewhere", version=5, public_key=bytes(range(2, 34)))
-    future = factories.announcement(peer_id="QmFuture", version=10**9, public_key=bytes(range(3, 35)))
-    talked = {live.node_id: "QmLive", moved.node_id: "QmOther", future.node_id: "QmFuture"}  # moved: another peer spoke
-    assert relay_holders([live, claim, moved, future], talked, latest=3) == {"QmLive": 3}  # a version not yet published
+    live = factories.announcement(peer_id=peer_id("Live"), version=3, public_key=bytes(range(32)))
+    claim = factories.announcement(peer_id=peer_id("Fake"), version=99, throughput=1e9, public_key=bytes(range(1, 33)))
+    moved = factories.announcement(peer_id=peer_id("Elsewhere"), version=5, public_key=bytes(range(2, 34)))
+    future = factories.announcement(peer_id=peer_id("Future"), version=10**9, public_key=bytes(range(3, 35)))
+    talked = {live.node_id: peer_id("Live"), moved.node_id: peer_id("Other"), future.node_id: peer_id("Future")}  # moved: another peer spoke
+    assert relay_holders([live, claim, moved, future], talked, latest=3) == {peer_id("Live"): 3}  # a version not yet published

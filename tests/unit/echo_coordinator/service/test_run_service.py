@@ -21,6 +21,7 @@ from tasks import make_task
 from tests.unit.protocols import factories
 
 import numpy as np
+from tests.unit.protocols.factories import peer_id
 
 NOW = 1000.0
 GROUP = 2
@@ -53,7 +54,7 @@ def push(service, batch: RolloutBatch, peer: str, now: float = NOW):
 
 
 def lease_request(key, **kw) -> LeaseRequest:
-    fields = dict(run_id="run-1", node_key=public_bytes(key), peer_id="QmNode", name="alice", version=0, max_seeds=8,
+    fields = dict(run_id="run-1", node_key=public_bytes(key), peer_id=peer_id("Node"), name="alice", version=0, max_seeds=8,
                   time=NOW)
     return sign_message(LeaseRequest(**{**fields, **kw}), key)
 
@@ -75,7 +76,7 @@ def test_lease_push_and_rewards_recomputed(service):
     service.open_step([10, 11, 12])
     lease = service.handle_lease(lease_request(node), now=NOW)
     assert isinstance(lease, TaskLease) and lease.seeds == (10, 11) and lease.prompts == ((1, 2, 13), (1, 2, 14))
-    receipt = push(service, answer_batch(service, node, lease), "QmNode", now=NOW)
+    receipt = push(service, answer_batch(service, node, lease), peer_id("Node"), now=NOW)
     assert receipt.accepted == 4 and service.ledger.peers() == []  # credit comes when trained on
     batch = service.take_batch()
     assert batch.rewards == [1.0] * 4 and batch.staleness == [0] * 4 and batch.dropped == 0
@@ -86,7 +87,7 @@ def test_lease_push_and_rewards_recomputed(service):
     assert (peer["name"], peer["accepted"], peer["tokens"], peer["rejected"]) == ("alice", 4, 8, 0)
     assert not service.step_done(NOW)  # seed 12 still pending
     second = service.handle_lease(lease_request(node), now=NOW)
-    push(service, answer_batch(service, node, second, right=False), "QmNode", now=NOW)
+    push(service, answer_batch(service, node, second, right=False), peer_id("Node"), now=NOW)
     assert service.take_batch().rewards == [0.0, 0.0] and service.step_done(NOW)
     assert isinstance(service.handle_lease(lease_request(node), now=NOW), NoWork)
 
@@ -101,13 +102,13 @@ def test_leases_fill_a_proven_nodes_batch_and_a_claim_alone_earns_nothing(tmp_pa
     svc.open_step(list(range(100, 140)))
     first = svc.handle_lease(lease_request(big, parallel=8), now=NOW)
     assert len(first.seeds) == 2 and len(svc.handle_lease(lease_request(claims, parallel=1024), now=NOW).seeds) == 2
-    assert push(svc, answer_batch(svc, big, first), "QmNode").accepted == 4
+    assert push(svc, answer_batch(svc, big, first), peer_id("Node")).accepted == 4
     filled = svc.handle_lease(lease_request(big, parallel=8), now=NOW + 1)
-    assert len(filled.seeds) == 4 and push(svc, answer_batch(svc, big, filled), "QmNode", NOW + 2).accepted == 8
+    assert len(filled.seeds) == 4 and push(svc, answer_batch(svc, big, filled), peer_id("Node"), NOW + 2).accepted == 8
     assert svc.nodes.nodes(NOW + 1)[fingerprint(public_bytes(big))]["parallel"] == 8
     # (an accepted batch counts for 300 s)
     largest = svc.handle_lease(lease_request(big, parallel=1024, time=NOW + 100), now=NOW + 100)
-    assert len(largest.seeds) == 6 and push(svc, answer_batch(svc, big, largest), "QmNode", NOW + 101).accepted
+    assert len(largest.seeds) == 6 and push(svc, answer_batch(svc, big, largest), peer_id("Node"), NOW + 101).accepted
     asked_less = lease_request(big, parallel=1024, max_seeds=3, time=NOW + 200)
     assert len(svc.handle_lease(asked_less, now=NOW + 200).seeds) == 3
     svc.ledger.close()
@@ -148,9 +149,9 @@ def test_after_a_restart_the_run_ends_only_once_nodes_working_before_it_have_hea
     worker, idler, gone = generate_key(), generate_key(), generate_key()
     before.open_step([1, 2, 3])
     lease = before.handle_lease(lease_request(worker), now=NOW)
-    assert push(before, answer_batch(before, worker, lease), "QmNode", NOW + 1).accepted
+    assert push(before, answer_batch(before, worker, lease), peer_id("Node"), NOW + 1).accepted
     lease = before.handle_lease(lease_request(gone), now=NOW - LIVE_SECONDS - 5)
-    push(before, answer_batch(before, gone, lease), "QmGone", NOW - LIVE_SECONDS - 4)
+    push(before, answer_batch(before, gone, lease), peer_id("Gone"), NOW - LIVE_SECONDS - 4)
     before.handle_lease(lease_request(idler), now=NOW + 2)  # asked, but never delivered: keys are free
     state = before.state(now=NOW + 3)
     assert state["working"] == [fingerprint(public_bytes(worker))]
@@ -192,10 +193,10 @@ def test_bad_pushes_are_refused_counted_and_lose_nothing(service, tamper, error,
     good = answer_batch(service, node, lease)
     bad = tamper(good, service, node)
     if error is None:
-        assert push(service, bad, "QmNode", now=NOW).accepted == 4
+        assert push(service, bad, peer_id("Node"), now=NOW).accepted == 4
         return
     with pytest.raises(error, match=match):
-        push(service, bad, "QmNode", now=NOW)
+        push(service, bad, peer_id("Node"), now=NOW)
     if error is SignatureError:
         assert service.ledger.peers() == []  # a forged batch changes no row, not even the claimed key's
     else:
@@ -204,12 +205,12 @@ def test_bad_pushes_are_refused_counted_and_lose_nothing(service, tamper, error,
     assert sum(service.rejection_counts().values()) > 0 and service.buffered_groups() == 0
     if error is SignatureError or match in ("L999", "run"):
         # Not the lease holder's signed attempt at this lease: the lease is untouched.
-        assert push(service, good, "QmNode", now=NOW).accepted == 4 and service.buffered_groups() == 2
+        assert push(service, good, peer_id("Node"), now=NOW).accepted == 4 and service.buffered_groups() == 2
     else:
         # The holder's attempt failed: its seeds go straight back out, nothing waits for expiry
         # (to keys that deliver at once, to any other after `first_lease_seconds`).
         with pytest.raises(LeaseError, match="released"):
-            push(service, good, "QmNode", now=NOW)
+            push(service, good, peer_id("Node"), now=NOW)
         assert isinstance(service.handle_lease(lease_request(node), now=NOW), NoWork)
         later = NOW + service.settings.first_lease_seconds
         assert service.handle_lease(lease_request(node, time=later), now=later).seeds == lease.seeds
@@ -221,10 +222,10 @@ def test_lease_of_another_node_double_push_and_expiry(service):
     lease = service.handle_lease(lease_request(node), now=NOW)
     with pytest.raises(LeaseError, match="another node"):
         stolen = answer_batch(service, thief, lease)
-        push(service, stolen, "QmThief", now=NOW)
-    push(service, answer_batch(service, node, lease), "QmNode", now=NOW)
+        push(service, stolen, peer_id("Thief"), now=NOW)
+    push(service, answer_batch(service, node, lease), peer_id("Node"), now=NOW)
     with pytest.raises(LeaseError):
-        push(service, answer_batch(service, node, lease), "QmNode", now=NOW)
+        push(service, answer_batch(service, node, lease), peer_id("Node"), now=NOW)
     late = service.handle_lease(lease_request(node), now=NOW)
     # The expired lease's seeds are reassigned: at once to a key that delivers, to another (the
     # thief) once they have waited `first_lease_seconds`. Until they are, a late answer is taken.
@@ -232,10 +233,10 @@ def test_lease_of_another_node_double_push_and_expiry(service):
     later = late.expires_at + service.settings.first_lease_seconds
     assert service.handle_lease(lease_request(thief, time=later), now=later).seeds == late.seeds
     with pytest.raises(LeaseError, match="expired"):
-        push(service, answer_batch(service, node, late), "QmNode", now=later)
+        push(service, answer_batch(service, node, late), peer_id("Node"), now=later)
     service.open_step([5, 6])
     slow = service.handle_lease(lease_request(node, time=later), now=later)
-    assert push(service, answer_batch(service, node, slow), "QmNode", now=slow.expires_at + 1).accepted == 2 * GROUP
+    assert push(service, answer_batch(service, node, slow), peer_id("Node"), now=slow.expires_at + 1).accepted == 2 * GROUP
 
 
 def test_keys_that_never_deliver_hold_a_step_only_briefly(service):
@@ -245,7 +246,7 @@ def test_keys_that_never_deliver_hold_a_step_only_briefly(service):
     honest, hoarders = generate_key(), [generate_key(), generate_key()]
     service.open_step([1, 2, 3, 4])
     first = service.handle_lease(lease_request(honest), now=NOW)  # the honest key proves itself
-    push(service, answer_batch(service, honest, first), "QmNode", now=NOW + 1)
+    push(service, answer_batch(service, honest, first), peer_id("Node"), now=NOW + 1)
     service.open_step([1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
     held = [service.handle_lease(lease_request(k, time=NOW + 2), now=NOW + 2) for k in hoarders for _ in range(2)]
     assert [x.seeds for x in held] == [(3, 4), (5, 6), (7, 8), (9, 10)]
@@ -317,7 +318,7 @@ def test_a_flood_of_fresh_keys_holds_at_most_max_ahead_seeds_in_async_mode(async
     a thousand free keys must not grow it without end. A proven node still gets work."""
     svc, honest = async_services(max_ahead=4), generate_key()
     first = svc.handle_lease(lease_request(honest), now=NOW)
-    push(svc, answer_batch(svc, honest, first), "QmNode", now=NOW)
+    push(svc, answer_batch(svc, honest, first), peer_id("Node"), now=NOW)
     svc.take_batch()
     leased = [svc.handle_lease(lease_request(generate_key()), now=NOW) for _ in range(1000)]
     assert sum(isinstance(x, TaskLease) for x in leased) == 4 and len(svc.leasing.book.outstanding) == 4
@@ -337,7 +338,7 @@ def test_an_async_lease_fixes_one_version_for_a_node_behind(tmp_path, made):
     lease = svc.handle_lease(lease_request(node, version=0, update_failed=True), now=NOW)
     assert isinstance(lease, TaskLease) and lease.version == 0
     with pytest.raises(Refused) as e:
-        push(svc, answer_batch(svc, node, lease, version=1), "QmNode", now=NOW)
+        push(svc, answer_batch(svc, node, lease, version=1), peer_id("Node"), now=NOW)
     assert e.value.code == "future"  # newer than its lease's
     assert svc.handle_lease(lease_request(node, version=1), now=NOW).version == 1
 
@@ -345,12 +346,12 @@ def test_an_async_lease_fixes_one_version_for_a_node_behind(tmp_path, made):
 def test_async_leases_never_run_dry_and_stale_groups_are_dropped_not_credited(async_service):
     svc, fast, slow = async_service, generate_key(), generate_key()
     leases = [svc.handle_lease(lease_request(fast, name="fast"), now=NOW) for _ in range(2)]
-    push(svc, answer_batch(svc, fast, leases[0]), "QmFast", now=NOW)  # version 0, buffered
+    push(svc, answer_batch(svc, fast, leases[0]), peer_id("Fast"), now=NOW)  # version 0, buffered
     leases.append(svc.handle_lease(lease_request(fast, name="fast"), now=NOW))
     advance(svc, 1)
     slow_lease = svc.handle_lease(lease_request(slow, name="slow", version=1), now=NOW)  # at version 1
     assert [x.seeds for x in [*leases, slow_lease]] == [(100,), (101,), (102,), (103,)]  # fresh seeds on demand
-    push(svc, answer_batch(svc, slow, slow_lease), "QmSlow", now=NOW)  # generated with v1
+    push(svc, answer_batch(svc, slow, slow_lease), peer_id("Slow"), now=NOW)  # generated with v1
     advance(svc, 2)
     # Both buffered groups are now 2 and 1 versions old: the version-0 one is dropped, not credited.
     assert svc.buffered_groups() == 1
@@ -363,7 +364,7 @@ def test_async_leases_never_run_dry_and_stale_groups_are_dropped_not_credited(as
 
     late = answer_batch(svc, fast, leases[1])  # still tagged version 0, pushed at version 2
     with pytest.raises(Refused) as e:
-        push(svc, late, "QmFast", now=NOW)
+        push(svc, late, peer_id("Fast"), now=NOW)
     assert e.value.code == "stale" and svc.gate.counts(late.node_id)["dropped_stale"] == 1
     by_name = {p["name"]: p for p in svc.ledger.peers()}
     assert by_name["fast"]["rejected_by_reason"] == {"stale": 4}  # 2 dropped in the buffer + 2 refused
@@ -373,7 +374,7 @@ def test_async_leases_wait_while_the_buffer_holds_a_step(async_services):
     svc, node, other = async_services(max_ahead=2), generate_key(), generate_key()
     for _ in range(2):
         lease = svc.handle_lease(lease_request(node), now=NOW)
-        push(svc, answer_batch(svc, node, lease), "QmNode", now=NOW)
+        push(svc, answer_batch(svc, node, lease), peer_id("Node"), now=NOW)
     assert svc.buffered_groups() == 2
     assert isinstance(svc.handle_lease(lease_request(other), now=NOW), NoWork)  # full: wait for the trainer
     svc.take_batch(1)
@@ -397,17 +398,17 @@ def test_a_restart_keeps_the_gate_the_buffer_and_the_leases(async_service, tmp_p
     advance(svc, 2)
     leases = [svc.handle_lease(lease_request(node, version=2), now=NOW) for _ in range(2)]
     first = answer_batch(svc, node, leases[0])
-    push(svc, first, "QmNode", now=NOW)  # acknowledged, buffered: never trained on before the crash
+    push(svc, first, peer_id("Node"), now=NOW)  # acknowledged, buffered: never trained on before the crash
     svc.ledger.close()
 
     again = restart(svc, 2, tmp_path / "ledger.sqlite")
     assert again.version == 2 and again.leasing.next_seed == svc.leasing.next_seed
     assert again.gate.is_accepted(first.lease_id)  # the same batch cannot be counted twice ...
     with pytest.raises(LeaseError):
-        push(again, first, "QmNode", now=NOW + 1)
+        push(again, first, peer_id("Node"), now=NOW + 1)
     assert again.gate.offer(first.node_id, "new-lease", 0).value == "stale"  # ... and the bound holds
     # The lease the node held at the crash is still its own: what it generated is accepted.
-    assert push(again, answer_batch(again, node, leases[1]), "QmNode", now=NOW + 1).accepted == GROUP
+    assert push(again, answer_batch(again, node, leases[1]), peer_id("Node"), now=NOW + 1).accepted == GROUP
     fresh = again.handle_lease(lease_request(node, version=2), now=NOW + 1)
     assert fresh.lease_id not in {x.lease_id for x in leases} and fresh.seeds[0] not in leases[0].seeds + leases[1].seeds
     batch = again.take_batch()
@@ -421,7 +422,7 @@ def test_a_restart_keeps_the_gate_the_buffer_and_the_leases(async_service, tmp_p
 def test_a_step_that_dies_before_its_checkpoint_is_trained_again_and_credited_once(async_service, tmp_path):
     svc, node = async_service, generate_key()
     for _ in range(2):
-        push(svc, answer_batch(svc, node, svc.handle_lease(lease_request(node), now=NOW)), "QmNode", now=NOW)
+        push(svc, answer_batch(svc, node, svc.handle_lease(lease_request(node), now=NOW)), peer_id("Node"), now=NOW)
     assert len(svc.take_batch(1).samples) == GROUP  # the step from version 0 took one group, then the crash
     svc.ledger.close()
     again = restart(svc, 0, tmp_path / "ledger.sqlite")  # state.json still names version 0
@@ -442,13 +443,13 @@ def test_sequential_restart_leases_only_what_the_step_still_needs(service, tmp_p
     node = generate_key()
     service.open_step([10, 11, 12])
     lease = service.handle_lease(lease_request(node), now=NOW)
-    push(service, answer_batch(service, node, lease), "QmNode", now=NOW)
+    push(service, answer_batch(service, node, lease), peer_id("Node"), now=NOW)
     held = service.handle_lease(lease_request(node), now=NOW)  # seed 12, outstanding at the crash
     service.ledger.close()
     again = restart(service, 0, tmp_path / "ledger.sqlite")
     again.open_step([10, 11, 12])  # the step loop asks for the step's seeds again
     assert isinstance(again.handle_lease(lease_request(node), now=NOW), NoWork) and not again.step_done(NOW)
-    push(again, answer_batch(again, node, held), "QmNode", now=NOW)
+    push(again, answer_batch(again, node, held), peer_id("Node"), now=NOW)
     assert again.step_done(NOW) and sorted({s.group for s in again.take_batch().samples}) == [10, 11, 12]
     again.ledger.close()
 
@@ -502,12 +503,12 @@ def policed(tmp_path, made):
 def test_written_tokens_are_refused_struck_and_banned_for_a_growing_time(policed):
     svc, honest, cheat = policed(), generate_key(), generate_key()
     lease = svc.handle_lease(lease_request(honest), now=NOW)
-    assert push(svc, sampled_batch(honest, lease), "QmHonest").accepted == GROUP
+    assert push(svc, sampled_batch(honest, lease), peer_id("Honest")).accepted == GROUP
     assert svc.ledger.trust(fingerprint(public_bytes(honest))).verified == 1
 
     lease = svc.handle_lease(lease_request(cheat, name="mallory"), now=NOW)
     with pytest.raises(VerificationError) as e:
-        push(svc, answer_batch(svc, cheat, lease), "QmCheat")  # the right answers, written, not sampled
+        push(svc, answer_batch(svc, cheat, lease), peer_id("Cheat"))  # the right answers, written, not sampled
     assert e.value.code == "bad_sampling"
     trust = svc.ledger.trust(fingerprint(public_bytes(cheat)))
     assert trust.failed == 1 and trust.banned_until == NOW + 60
@@ -516,26 +517,26 @@ def test_written_tokens_are_refused_struck_and_banned_for_a_growing_time(policed
     assert e.value.code == "banned"
     lease = svc.handle_lease(lease_request(cheat, time=NOW + 61), now=NOW + 61)  # the ban ran out
     with pytest.raises(VerificationError):
-        push(svc, answer_batch(svc, cheat, lease), "QmCheat", now=NOW + 61)
+        push(svc, answer_batch(svc, cheat, lease), peer_id("Cheat"), now=NOW + 61)
     assert svc.ledger.trust(fingerprint(public_bytes(cheat))).banned_until == NOW + 61 + 120  # doubled
     # The honest node is untouched, and a pushing banned key is refused before any checking.
     assert svc.ledger.trust(fingerprint(public_bytes(honest))).failed == 0
     lease = svc.handle_lease(lease_request(honest), now=NOW)
-    assert push(svc, sampled_batch(honest, lease), "QmHonest").accepted == GROUP
+    assert push(svc, sampled_batch(honest, lease), peer_id("Honest")).accepted == GROUP
 
 
 def test_trusted_keys_are_spot_checked_new_ones_always(policed):
     svc, node = policed(spot=SpotCheck(fraction=1e-9, trust_after=2)), generate_key()
     for _ in range(2):
         lease = svc.handle_lease(lease_request(node), now=NOW)
-        push(svc, sampled_batch(node, lease), "QmNode")
+        push(svc, sampled_batch(node, lease), peer_id("Node"))
     checked = svc.policing.verifier.checked_samples
     lease = svc.handle_lease(lease_request(node), now=NOW)
-    push(svc, sampled_batch(node, lease), "QmNode")
+    push(svc, sampled_batch(node, lease), peer_id("Node"))
     assert svc.policing.verifier.checked_samples == checked  # trusted: not drawn this time
     newcomer = generate_key()
     lease = svc.handle_lease(lease_request(newcomer), now=NOW)
-    push(svc, sampled_batch(newcomer, lease), "QmNew")
+    push(svc, sampled_batch(newcomer, lease), peer_id("New"))
     assert svc.policing.verifier.checked_samples == checked + GROUP
 
 
@@ -546,13 +547,13 @@ def test_a_trusted_keys_batch_is_verified_by_the_step_that_trains_it(policed):
     svc = policed(spot=SpotCheck(fraction=1e-9, trust_after=2), in_step=True, seeds_per_lease=2)
     node, newcomer = generate_key(), generate_key()
     for _ in range(2):  # a new key: checked at the push
-        push(svc, sampled_batch(node, svc.handle_lease(lease_request(node), now=NOW)), "QmNode")
+        push(svc, sampled_batch(node, svc.handle_lease(lease_request(node), now=NOW)), peer_id("Node"))
     verifier = svc.policing.verifier
     checked = verifier.checked_samples
     assert checked == 2 * 2 * GROUP
-    push(svc, sampled_batch(node, svc.handle_lease(lease_request(node), now=NOW)), "QmNode")
-    push(svc, answer_batch(svc, node, svc.handle_lease(lease_request(node), now=NOW)), "QmNode")  # written
-    push(svc, sampled_batch(newcomer, svc.handle_lease(lease_request(newcomer), now=NOW)), "QmNew")
+    push(svc, sampled_batch(node, svc.handle_lease(lease_request(node), now=NOW)), peer_id("Node"))
+    push(svc, answer_batch(svc, node, svc.handle_lease(lease_request(node), now=NOW)), peer_id("Node"))  # written
+    push(svc, sampled_batch(newcomer, svc.handle_lease(lease_request(newcomer), now=NOW)), peer_id("New"))
     assert verifier.checked_samples == checked + 2 * GROUP  # the newcomer's, at its push
     assert [g.unchecked for g in svc.journal.recover(0).groups] == [False] * 4 + [True] * 4 + [False] * 2
 
@@ -589,18 +590,18 @@ def test_a_lone_outlier_is_refused_and_struck_only_past_the_keys_budget(policed)
     for outliers in (1, 2):
         lease = svc.handle_lease(lease_request(node), now=NOW)
         with pytest.raises(VerificationError) as e:
-            push(svc, edited(lease), "QmNode")
+            push(svc, edited(lease), peer_id("Node"))
         assert e.value.code == "outlier"
         assert svc.ledger.trust(key).outliers == outliers and svc.ledger.trust(key).failed == 0
     assert svc.pushes.rejections["outlier"] == 2 * GROUP and svc.buffered_groups() == 0
     # Two honest batches (2 x GROUP samples) earn one more.
     for _ in range(2):
-        assert push(svc, sampled_batch(node, svc.handle_lease(lease_request(node), now=NOW)), "QmNode").accepted
+        assert push(svc, sampled_batch(node, svc.handle_lease(lease_request(node), now=NOW)), peer_id("Node")).accepted
     with pytest.raises(VerificationError):
-        push(svc, edited(svc.handle_lease(lease_request(node), now=NOW)), "QmNode")
+        push(svc, edited(svc.handle_lease(lease_request(node), now=NOW)), peer_id("Node"))
     assert svc.ledger.trust(key).failed == 0
     with pytest.raises(VerificationError):  # past the budget: a strike and a ban
-        push(svc, edited(svc.handle_lease(lease_request(node), now=NOW)), "QmNode")
+        push(svc, edited(svc.handle_lease(lease_request(node), now=NOW)), peer_id("Node"))
     trust = svc.ledger.trust(key)
     assert (trust.outliers, trust.failed, trust.banned_until) == (4, 1, NOW + 60)
 
@@ -640,13 +641,13 @@ def test_a_lease_is_judged_once_at_a_time_and_only_its_signer_is_held_back(polic
     lease = svc.handle_lease(lease_request(node), now=NOW)
     batch = sampled_batch(node, lease)
     receipts = []
-    judging = threading.Thread(target=lambda: receipts.append(push(svc, batch, "QmNode")))
+    judging = threading.Thread(target=lambda: receipts.append(push(svc, batch, peer_id("Node"))))
     judging.start()
     assert entered.wait(10)
     with pytest.raises(LeaseError, match="already being judged"):
-        push(svc, batch, "QmElsewhere")  # the same batch again, from another peer
+        push(svc, batch, peer_id("Elsewhere"))  # the same batch again, from another peer
     with pytest.raises(LeaseError, match="another node"):
-        push(svc, sampled_batch(thief, lease), "QmThief")
+        push(svc, sampled_batch(thief, lease), peer_id("Thief"))
     release.set()
     judging.join(10)
     assert receipts[0].accepted == GROUP and verifier.checked_samples == GROUP  # verified once
@@ -659,12 +660,12 @@ def test_a_lease_given_in_the_moment_of_a_ban_goes_back_at_once(service, monkeyp
     cheat_id = fingerprint(public_bytes(cheat))
     service.open_step([1, 2, 3, 4, 5, 6, 7, 8])
     first = service.handle_lease(lease_request(honest), now=NOW)  # the honest key proves itself
-    push(service, answer_batch(service, honest, first), "QmNode", now=NOW)
+    push(service, answer_batch(service, honest, first), peer_id("Node"), now=NOW)
     # 1. The lease is issued, then the ban lands (its release found nothing yet): the push says so.
     lease = service.handle_lease(lease_request(cheat), now=NOW)
     service.policing.strike(service.ledger, cheat_id, NOW)
     with pytest.raises(PeerRefused) as e:
-        push(service, answer_batch(service, cheat, lease), "QmCheat", now=NOW + 1)
+        push(service, answer_batch(service, cheat, lease), peer_id("Cheat"), now=NOW + 1)
     assert e.value.code == "banned"
     assert not [x for x in service.leasing.book.outstanding if x.node_id == cheat_id]
     # 2. The ban lands while the lease is being issued (between the handler's look and its commit).
