@@ -52,11 +52,12 @@ class NodesHold:
 
 
 class Verifier:
-    """`run(fn)` runs `fn()` where the trainer's forward passes may run (the coordinator: its one
-    torch thread) and returns its result; by default, here."""
+    """`run(fn, behind)` runs `fn()` where the trainer's forward passes may run (the coordinator: its
+    one torch thread; `behind`: after the other work waiting there) and returns its result; by
+    default, here."""
 
     def __init__(self, evidence: Evidence, rule: SamplingRule, keep_versions: int,
-                 run: Callable[[Callable], object] = lambda fn: fn()):
+                 run: Callable[..., object] = lambda fn, behind=False: fn()):
         self.evidence, self.rule, self.keep_versions, self.run = evidence, rule, keep_versions, run
         self.held: dict[int, dict[str, np.ndarray]] = {}  # version -> what nodes hold at it
         self.checked_samples = 0  # for metrics: samples verified so far
@@ -71,13 +72,15 @@ class Verifier:
         self.held = {v: w for v, w in held.items() if v >= version - self.keep_versions}
 
     def check(self, lease_id: str, version: int, samples: Sequence[RolloutSample],
-              weights: dict[str, np.ndarray] | None = None, greedy: bool = False) -> list[SampleEvidence]:
+              weights: dict[str, np.ndarray] | None = None, greedy: bool = False, behind: bool = False,
+              ) -> list[SampleEvidence]:
         """Raise VerificationError (naming the worst sample) unless the batch is what sampling with
         `version`'s weights and the lease's noise gives, up to quantization; return the evidence.
-        An evaluation batch brings its round's `weights` and may be `greedy` (no noise)."""
+        An evaluation batch brings its round's `weights` and may be `greedy` (no noise). `behind`:
+        the forward waits for the trainer's other work (a new key's batch)."""
         train = [TrainSample.of(s) for s in samples]
         seeds = [None] * len(samples) if greedy else sample_seeds(lease_id, [s.seed for s in samples])
-        reason, found = self.judged(version, train, seeds, weights)
+        reason, found = self.judged(version, train, seeds, weights, behind)
         if reason is not None:
             worst = max(range(len(found)), key=lambda i: (found[i].max_margin, found[i].mean_logprob_error))
             e = found[worst]
@@ -89,7 +92,8 @@ class Verifier:
         return found
 
     def judged(self, version: int, samples: list[TrainSample], seeds: list[int | None],
-               weights: dict[str, np.ndarray] | None = None) -> tuple[str | None, list[SampleEvidence]]:
+               weights: dict[str, np.ndarray] | None = None, behind: bool = False,
+               ) -> tuple[str | None, list[SampleEvidence]]:
         """(`judge`'s reason or None, the evidence) for a batch's samples and their noise `seeds`;
         VerificationError `unverifiable` when no weights of `version` are held."""
         weights = self.held.get(version) if weights is None else weights
@@ -102,7 +106,7 @@ class Verifier:
             started = time.perf_counter()
             return self.evidence(samples, seeds, weights), time.perf_counter() - started
 
-        found, seconds = self.run(timed)
+        found, seconds = self.run(timed, behind)
         self.counted(len(found), seconds)
         return judge(found, self.rule), found
 

@@ -152,7 +152,9 @@ async def _fetch(endpoint, trainer: str, peers, digests: list[str], timeout: flo
         return failures >= ATTEMPTS
 
     async def wait(error: BaseException, delay: float) -> None:
-        if not error.busy:
+        if error.busy:
+            shunned.forgive()
+        else:
             log.info("base model chunks unavailable (%s); retrying", error)
         await asyncio.sleep(delay)
 

@@ -76,6 +76,11 @@ class Shunned:
     def add(self, provider: str) -> None:
         self.until[provider] = time.monotonic() + self.seconds
 
+    def forgive(self) -> None:
+        """The trainer says peers hold what we want ("busy"; it counts only peers that work for
+        the run): a failure may have been a moment's, a relay circuit being set up."""
+        self.until = {}
+
     def filter(self, providers: list[str]) -> list[str]:
         now = time.monotonic()
         self.until = {p: t for p, t in self.until.items() if t > now}

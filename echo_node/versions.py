@@ -61,6 +61,7 @@ class Versions:
             # The trainer sent its copy to another node (its upload budget; it lets one more
             # in if nobody relays): learn who holds it and retry soon, keeping our lease.
             self.presence.refresh()
+            self.shunned.forgive()
             await asyncio.sleep(delay)
 
         try:

@@ -185,8 +185,11 @@ class Work:
             await asyncio.sleep(delay)
 
         def give_up(error: BaseException, delay: float) -> bool:
-            # RemoteError: the trainer answered (stale, released, refused); pushing again cannot change that.
-            return isinstance(error, RemoteError) or time.time() + delay >= expires_at
+            # RemoteError: the trainer answered (stale, released, refused); pushing again cannot change
+            # that. But "busy" (other new keys' batches are being judged, or this peer's pushes are
+            # at their limit) is no verdict.
+            refused = isinstance(error, RemoteError) and error.code != "busy"
+            return refused or time.time() + delay >= expires_at
 
         return await retry(attempt, TransportError, wait=wait, give_up=give_up)
 

@@ -119,11 +119,15 @@ class Policing:
         # and its batches are small (a lease of greedy answers).
         if round_ is None and not self.spot.should_check(trust.verified, trust.failed, _DRAWS.random()):
             return False
+        # A new key's batch waits for the trainer's other work: keys are free, and a fresh one can
+        # push a lease of random tokens at once (issue 36 point 3).
+        behind = trust.verified == 0
         try:
             if round_ is None:
-                self.verifier.check(batch.lease_id, batch.version, batch.samples)
+                self.verifier.check(batch.lease_id, batch.version, batch.samples, behind=behind)
             else:
-                self.verifier.check(batch.lease_id, batch.version, batch.samples, round_.weights, round_.greedy)
+                self.verifier.check(batch.lease_id, batch.version, batch.samples, round_.weights, round_.greedy,
+                                    behind=behind)
         except VerificationError as e:
             self.settle(ledger, batch.node_id, e.code, len(batch.samples), now)
             raise

@@ -31,6 +31,9 @@ from protocols.messages import PushReceipt, RolloutBatch, RunManifest
 from protocols.sync import Lease, Mode, Verdict, judge_version
 
 
+NEW_KEY_PUSHES = 4  # new keys' batches judged at once (of echo_coordinator.handlers' 16 push threads)
+
+
 class Pushes:
     """Judges pushes against the service's parts. It takes the service's lock itself, since it
     must let go of it while judging; nothing else here is touched without it."""
@@ -43,6 +46,7 @@ class Pushes:
         self.judging: set[tuple[str, str]] = set()  # (lease id, signer) of batches being judged now
         self.rejections: Counter[str] = Counter()  # samples refused by reason (the buffer counts its stale drops)
         self.unsigned: Counter[str] = Counter()  # pushes refused before a key could be named (since start)
+        self.new_keys = threading.Semaphore(NEW_KEY_PUSHES)  # push threads new keys' batches hold
 
     def handle(self, data: bytes, peer_id: str, now: float) -> PushReceipt:
         """Judge a pushed batch (wire bytes) and buffer its groups. Credit comes later, when a step
@@ -86,6 +90,19 @@ class Pushes:
             # first word of it, and its seeds must not wait out the lease.
             self.release(batch.node_id, now)
             raise
+        # Keys are free: new keys' batches (verified behind the trainer's other work) hold at
+        # most NEW_KEY_PUSHES of the push threads, and the others are told to push again; the
+        # lease stays theirs.
+        new = self.policing.verifier is not None and self.ledger.trust(batch.node_id).verified == 0
+        if new and not self.new_keys.acquire(blocking=False):
+            raise PeerRefused("busy", f"{NEW_KEY_PUSHES} new keys' batches are being judged; push again shortly")
+        try:
+            return self._judge(batch, peer_id, name, now)
+        finally:
+            if new:
+                self.new_keys.release()
+
+    def _judge(self, batch: RolloutBatch, peer_id: str, name: str, now: float) -> Future | None:
         started = time.monotonic()
         judging_now = (batch.lease_id, batch.node_id)  # keyed by signer too: nobody can block another's push
         with self.lock:

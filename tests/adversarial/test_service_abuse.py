@@ -11,13 +11,15 @@ import os
 import threading
 import time
 
+import numpy as np
+
 from echo_coordinator.service import LeaseSettings
 from protocols.errors import RemoteError, TransportError
-from protocols.messages import LeaseRequest, NoWork, PushReceipt, TaskLease
+from protocols.messages import LeaseRequest, NoWork, PushReceipt, RolloutBatch, RolloutSample, TaskLease
 from protocols import rpc
 from protocols.signing import generate_key, public_bytes, sign_message
 from protocols.wire import decode_one_of
-from tests.support.live_service import LiveService, Peer, sampled_batch
+from tests.support.live_service import GROUP, LiveService, Peer, sampled_batch
 
 
 async def until(predicate, timeout: float, what: str) -> None:
@@ -63,13 +65,15 @@ def test_a_flood_of_fresh_keys_holds_at_most_max_ahead_seeds_in_async_mode(tmp_p
     assert isinstance(again, TaskLease)
 
 
-def test_a_lease_is_answered_while_pushes_fill_every_thread_waiting_for_verification(tmp_path):
-    """Pushes wait for verification on the torch thread, which a training step holds for minutes.
-    Hostile keys push valid-looking batches from several peers (two pushes in flight each, the
-    per-peer limit) until more wait than Python's default thread pool has threads: the honest
-    node's lease request must still be answered at once, not after the step."""
-    default_pool = min(32, (os.cpu_count() or 1) + 4)  # asyncio's default executor
-    pushes = default_pool + 2
+def test_garbage_from_fresh_keys_waits_behind_the_training_steps_and_holds_few_push_threads(tmp_path):
+    """Issue 36 point 3: fresh keys lease and push random maximum-length tokens at once, while a
+    training step holds the torch thread. At most NEW_KEY_PUSHES of them are judged (the rest are
+    told `busy`, no thread held), their verification waits behind the next training step, and an
+    honest node's lease request is answered at once, not after the step."""
+    from echo_coordinator.service.pushes import NEW_KEY_PUSHES
+
+    pushes = NEW_KEY_PUSHES + 4
+    rng = np.random.default_rng(0)
 
     async def go():
         async with LiveService(tmp_path) as coordinator:
@@ -88,30 +92,35 @@ def test_a_lease_is_answered_while_pushes_fill_every_thread_waiting_for_verifica
                         except TransportError:  # a fresh loopback stream now and then resets: a new key
                             continue
                     assert isinstance(lease, TaskLease), lease
-                    batches.append((peer, sampled_batch(coordinator.manifest.run_id, key, lease)))
+                    garbage = tuple(RolloutSample(seed, prompt, tuple(int(t) for t in rng.integers(0, 998, 8)),
+                                                  (-0.5,) * 8) for seed, prompt in zip(lease.seeds, lease.prompts)
+                                    for _ in range(GROUP))
+                    batches.append((peer, sign_message(RolloutBatch(coordinator.manifest.run_id, lease.lease_id,
+                                                                    lease.version, public_bytes(key), garbage), key)))
                 pushing = [asyncio.ensure_future(peer.endpoint.call_one(coordinator.peer, rpc.PUSH, batch.to_wire()))
                            for peer, batch in batches]
-                # Every thread that can take a push holds one, waiting for the torch thread
-                # (16: echo_coordinator.handlers' push pool, when it is the smaller).
-                await until(lambda: coordinator.verifying >= min(default_pool, 16), 20,
-                            "pushes to wait for verification")
+                await until(lambda: coordinator.verifying >= NEW_KEY_PUSHES, 20, "new keys' pushes to wait for verification")
                 try:
                     answer = await honest.ask(coordinator, generate_key(), timeout=5, name="honest")
                 except (TransportError, RemoteError) as e:
                     answer = e
+                # The next training step, queued after the garbage: it runs before any of it is verified.
+                checked_at_next_step = asyncio.ensure_future(
+                    coordinator.torch.call(lambda: coordinator.verifier.checked_samples))
                 step.set()
                 await training
-                receipts = await asyncio.gather(*pushing, return_exceptions=True)
-                return answer, receipts
+                results = await asyncio.gather(*pushing, return_exceptions=True)
+                return answer, await checked_at_next_step, results, coordinator.verifier.checked_samples
             finally:
                 step.set()
                 await asyncio.gather(honest.shutdown(), *(a.shutdown() for a in attackers))
 
-    answer, receipts = asyncio.run(go())
+    answer, checked_at_next_step, results, checked = asyncio.run(go())
     assert isinstance(answer, TaskLease), f"the honest node's lease request waited behind the pushes: {answer!r}"
-    # The pushes were judged once the step let go of the torch thread: honest toy samples, accepted.
-    assert all(PushReceipt.from_wire(r).accepted == 2 for r in receipts if isinstance(r, bytes)), receipts
-    assert sum(isinstance(r, bytes) for r in receipts) >= len(receipts) - 1, receipts
+    assert checked_at_next_step == 0 and checked == NEW_KEY_PUSHES * GROUP
+    codes = sorted(r.code for r in results if isinstance(r, RemoteError))
+    assert codes.count("bad_sampling") == NEW_KEY_PUSHES, results  # judged, refused, struck
+    assert codes.count("busy") == pushes - NEW_KEY_PUSHES, results  # told to push again, nothing held
 
 
 def test_an_async_batch_may_claim_only_its_leases_version(tmp_path):

@@ -99,9 +99,9 @@ class LiveService:
             staleness=1, trainer_addrs=(self.address,), created=time.time()), self.key)
         self.ledger = Ledger(self.tmp_path / "ledger.sqlite")
 
-        def run(fn):  # verification on the torch thread, as the coordinator's Verifier does it
+        def run(fn, behind=False):  # verification on the torch thread, as the coordinator's Verifier does it
             self.verifying += 1
-            return self.torch.run(fn)
+            return self.torch.run(fn, behind)
 
         self.verifier = Verifier(toy_evidence, SamplingRule(), keep_versions=2, run=run)
         self.verifier.remember(0, {})
@@ -122,7 +122,7 @@ class LiveService:
         self.refresh.cancel()
         await asyncio.gather(self.refresh, return_exceptions=True)
         self.dht.shutdown()
-        self.torch.executor.shutdown(wait=False, cancel_futures=True)
+        self.torch.shutdown()
         self.ledger.close()
 
     def publish(self, version: int = 1) -> dict[str, bytes]:

@@ -68,3 +68,32 @@ def test_a_base_larger_than_the_free_disk_is_refused_before_a_byte_is_written(tm
     with pytest.raises(DiskFull, match="512.00 GiB.* free"):
         fetch(tmp_path, endpoint, huge)
     assert list((tmp_path / "models").iterdir()) == [] and endpoint.calls == []
+
+
+def test_a_peer_that_failed_once_is_asked_again_when_the_trainer_says_peers_hold_it(tmp_path):
+    """A relayed peer's first stream broke (its circuit was being set up), and the trainer, having
+    sent its share, answers "busy": the peer is forgiven, not shunned for ever (seen in the NAT test)."""
+    relayed = peer_id("relayed")
+    endpoint, listed, data = served_base(tmp_path)
+    asked = []
+    serve = endpoint.call
+
+    async def call(peer, handler, payload, on_reply=None, timeout=None):
+        asked.append(peer)
+        if peer == relayed and asked.count(relayed) == 1:
+            raise TransportError("stream broke")
+        if peer == "QmTrainer":
+            raise BUSY
+        return await serve(peer, handler, payload, on_reply, timeout)
+
+    endpoint.call = call
+
+    async def holders():
+        return [relayed]
+
+    async def go():
+        return await asyncio.wait_for(base_download.download(endpoint, "QmTrainer", holders, listed, Disk(tmp_path, None),
+                                                             lambda *a: None, 10.0), 10)
+
+    path, sources = asyncio.run(go())
+    assert path.read_bytes() == data and sources == {relayed: len(data)} and asked.count(relayed) >= 2

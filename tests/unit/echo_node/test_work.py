@@ -77,6 +77,10 @@ def test_a_push_is_retried_across_a_broken_stream_but_not_after_a_refusal(sessio
     with pytest.raises(RemoteError, match="stale"):
         asyncio.run(work._push(batch, lasts))
     assert work.endpoint.calls == 1
+    # "busy" (the trainer judges other new keys' batches, or this peer's pushes are at their
+    # limit) is no verdict: the same batch is pushed again while the lease lasts.
+    work = work_for(session, FlakyTrainer(RemoteError("busy", "4 new keys' batches are being judged", "p", "echo.push")))
+    assert asyncio.run(work._push(batch, lasts)).accepted == 4 and work.endpoint.calls == 2
     # A broken stream past the lease's expiry is given up.
     work = work_for(session, FlakyTrainer(TransportError("stream broke")))
     with pytest.raises(TransportError, match="stream broke"):

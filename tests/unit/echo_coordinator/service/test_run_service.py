@@ -686,3 +686,44 @@ def test_a_lease_given_in_the_moment_of_a_ban_goes_back_at_once(service, monkeyp
     # Both leases' seeds went to the next key at once, not after their 15 s.
     assert sorted(service.handle_lease(lease_request(honest, time=NOW + 3), now=NOW + 3).seeds for _ in range(2)) == [
         (3, 4), (5, 6)]
+
+
+def test_new_keys_batches_hold_a_few_push_threads_and_the_rest_are_told_to_push_again(tmp_path, made):
+    """Keys are free (issue 36 point 3): while NEW_KEY_PUSHES new keys' batches are being judged,
+    another new key's push is refused `busy` at once, before any checking, and its lease stays
+    its own: pushed again later, it is accepted."""
+    from echo_coordinator.service.pushes import NEW_KEY_PUSHES
+
+    gate, entered, lock = threading.Event(), [], threading.Lock()
+
+    def slow_evidence(samples, seeds, weights):
+        with lock:
+            entered.append(1)
+        assert gate.wait(10)
+        return toy_evidence(samples, seeds, weights)
+
+    verifier = Verifier(slow_evidence, SamplingRule(), keep_versions=0)
+    verifier.remember(0, {})
+    svc = make_service(Ledger(tmp_path / "ledger.sqlite"), LeaseSettings(lease_seconds=600, seeds_per_lease=1),
+                       Policing(verifier))
+    made.append(svc)
+    svc.open_step(list(range(100)))
+    keys = [generate_key() for _ in range(NEW_KEY_PUSHES + 1)]
+    batches = [sampled_batch(k, svc.handle_lease(lease_request(k), now=NOW)) for k in keys]
+    receipts = {}
+    threads = [threading.Thread(target=lambda i=i: receipts.update({i: push(svc, batches[i], peer_id(f"n{i}"))}))
+               for i in range(NEW_KEY_PUSHES)]
+    for t in threads:
+        t.start()
+    for _ in range(1000):
+        if len(entered) == NEW_KEY_PUSHES:
+            break
+        threading.Event().wait(0.01)
+    with pytest.raises(PeerRefused) as e:
+        push(svc, batches[-1], peer_id("late"))
+    assert e.value.code == "busy" and len(entered) == NEW_KEY_PUSHES  # refused before any checking
+    gate.set()
+    for t in threads:
+        t.join(10)
+    assert [receipts[i].accepted for i in range(NEW_KEY_PUSHES)] == [GROUP] * NEW_KEY_PUSHES
+    assert push(svc, batches[-1], peer_id("late")).accepted == GROUP  # its lease stayed its own
