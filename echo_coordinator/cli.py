@@ -35,7 +35,8 @@ def start(
     host: Optional[str] = typer.Option(None, help="Listen address."),
     port: Optional[int] = typer.Option(None, help="Listen port (0 = any free port)."),
     allow_keys: Optional[Path] = typer.Option(None, help="Only node keys listed in this file (fingerprints, one a line) may join."),
-    verify_fraction: Optional[float] = typer.Option(None, help="Share of a trusted node's batches whose sampling is verified."),
+    verify_fraction: Optional[float] = typer.Option(None, help="Share of a trusted node's batches whose sampling is verified (default 1: all; "
+                                                                  "less trains and credits the rest unchecked)."),
     dashboard: Optional[bool] = typer.Option(None, "--dashboard/--no-dashboard", help="Serve the dashboard (default: on)."),
     dashboard_port: Optional[int] = typer.Option(None, help="Dashboard port on 127.0.0.1 (default 8765; any free "
                                                             "port if taken)."),

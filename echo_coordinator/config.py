@@ -55,7 +55,7 @@ class RunConfig:
     # every batch of a key that ever failed, always are; evaluation batches always are). Verifying a
     # batch costs the trainer 0.46 of a training step on it (bench/trainer_step.py; 0.35-0.46 before
     # the step got faster), so 0.3 adds about 14 %; docs/verification.md has the odds.
-    verify_fraction: float = 0.3
+    verify_fraction: float = 1.0  # every trained sample verified; less: spot checks of trusted keys
     # Held-out evaluation (docs/protocols.md): every `eval_every` versions, and at version 0 and
     # the last, nodes answer `eval_prompts` fixed seeds of the task (with `eval_task_params` if
     # given) at that version; metrics.jsonl gets eval_accuracy. 0 = no evaluation.

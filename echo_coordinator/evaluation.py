@@ -68,6 +68,12 @@ class EvalRound:
     def sampling(self) -> str:
         return "greedy" if self.greedy else "sampled"
 
+    @property
+    def noise_id(self) -> str:
+        """What every sample's noise in the round derives from (`TaskLease.noise`): a seed that
+        one node leaves and another answers is sampled the same. "" when greedy (no noise)."""
+        return "" if self.greedy else self.book.prefix
+
     def done(self) -> bool:
         return self.book.pending_count == 0 and not self.book.outstanding
 

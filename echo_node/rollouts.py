@@ -56,7 +56,7 @@ class Rollouts:
             raise InvalidValue(f"lease {lease.lease_id} has a prompt token id outside this model's {vocab} ids")
         group = lease.samples if lease.evaluation else self.manifest.group_size
         order = [(seed, prompt) for seed, prompt in zip(lease.seeds, lease.prompts) for _ in range(group)]
-        noise = sampling.sample_seeds(lease.lease_id, [seed for seed, _ in order])
+        noise = sampling.sample_seeds(lease.noise_id, [seed for seed, _ in order])
         items = [(seed, prompt, None if lease.greedy else sample_seed)  # None: greedy
                  for (seed, prompt), sample_seed in zip(order, noise)]
         m = self.manifest

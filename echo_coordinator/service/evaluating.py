@@ -68,6 +68,7 @@ class EvalRounds:
                     lease_id=lease.lease_id, run_id=self.run_id, node_id=node_id, seeds=lease.seeds,
                     prompts=tuple(self.evaluation.prompts[s] for s in lease.seeds), version=r.version,
                     expires_at=lease.expires_at, evaluation=True, samples=r.samples, greedy=r.greedy,
+                    noise=r.noise_id,
                 )
         return None
 

@@ -91,7 +91,9 @@ class Leasing:
         books = [self.book] + rounds.books()
         for book in books:
             book.expire(now)  # an expired lease no longer counts against its key
-        lapses, last = self.book.lapses(node_id)
+        # Evaluation leases lapse too: a key that leaves them must wait as for training ones.
+        counts = [book.lapses(node_id) for book in books]
+        lapses, last = sum(n for n, _ in counts), max(at for _, at in counts)
         if now < last + lapse_wait(lapses, self.settings.first_lease_seconds):
             raise PeerRefused("lapsed", f"{lapses} leases of this key expired unanswered; the next one in "
                                         f"{last + lapse_wait(lapses, self.settings.first_lease_seconds) - now:.0f} s")

@@ -126,8 +126,8 @@ class Policing:
             if round_ is None:
                 self.verifier.check(batch.lease_id, batch.version, batch.samples, behind=behind)
             else:
-                self.verifier.check(batch.lease_id, batch.version, batch.samples, round_.weights, round_.greedy,
-                                    behind=behind)
+                self.verifier.check(round_.noise_id or batch.lease_id, batch.version, batch.samples, round_.weights,
+                                    round_.greedy, behind=behind)
         except VerificationError as e:
             self.settle(ledger, batch.node_id, e.code, len(batch.samples), now)
             raise

@@ -88,6 +88,14 @@ class TaskLease(WireMessage):
     evaluation: bool = False
     samples: int = 0  # evaluation: completions per prompt (training leases: the run's group size)
     greedy: bool = False  # evaluation: argmax decoding instead of the lease's noise
+    # What the sampling noise derives from (`protocols.sampling.sample_seeds`), if not the lease id:
+    # a sampled evaluation round's, so that a seed one node abandons and another answers is
+    # sampled with the same noise; otherwise leaving the seeds that scored badly re-rolls them.
+    noise: str = ""
+
+    @property
+    def noise_id(self) -> str:
+        return self.noise or self.lease_id
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -96,6 +104,7 @@ class TaskLease(WireMessage):
             "version": self.version, "expires_at": self.expires_at,
             # optional: a training lease reads as it always did
             **({"evaluation": True, "samples": self.samples, "greedy": self.greedy} if self.evaluation else {}),
+            **({"noise": self.noise} if self.noise else {}),
         }
 
     @classmethod
@@ -116,6 +125,7 @@ class TaskLease(WireMessage):
             prompts=tuple(prompts), version=f.integer("version"), expires_at=f.number("expires_at", 0.0),
             **(dict(evaluation=True, samples=f.integer("samples", 1, MAX_EVAL_SAMPLES), greedy=f.flag("greedy"))
                if f.has("evaluation") and f.flag("evaluation") else {}),
+            noise=f.text("noise") if f.has("noise") else "",
         )
 
 

@@ -11,7 +11,7 @@ from echo_coordinator.ledger import Ledger
 from echo_coordinator.service import LeaseSettings, Policing, Refused, RunService, Work
 from echo_coordinator.service.policing import SpotCheck
 from echo_coordinator.verify import Verifier
-from protocols.errors import InvalidValue, LeaseError, VerificationError
+from protocols.errors import InvalidValue, LeaseError, PeerRefused, VerificationError
 from protocols.messages import NoWork, RolloutBatch, RolloutSample, TaskLease
 from protocols.sampling import SamplingRule, choose, gumbel, log_softmax, sample_seed
 from protocols.signing import fingerprint, generate_key, public_bytes, sign_message
@@ -166,8 +166,43 @@ def test_greedy_answers_are_verified_against_the_rounds_weights(tmp_path):
     assert push(svc, greedy_batch(honest, lease), peer_id("Honest"), now=NOW).accepted == len(lease.seeds)
 
 
+def sampled_answers(key, lease: TaskLease, noise_id: str) -> RolloutBatch:
+    """The toy model sampling an evaluation lease with the noise of `noise_id`."""
+    samples = []
+    for seed, prompt in zip(lease.seeds, lease.prompts):
+        for j in range(lease.samples):
+            ids = tuple(choose(LOGITS, row) for row in gumbel(sample_seed(noise_id, seed, j), np.arange(8), len(LOGITS)))
+            samples.append(RolloutSample(seed, prompt, ids, tuple(float(log_softmax(LOGITS)[i]) for i in ids)))
+    return sign_message(RolloutBatch("run-1", lease.lease_id, lease.version, public_bytes(key), tuple(samples)), key)
+
+
+def test_a_sampled_rounds_noise_is_the_rounds_so_an_abandoned_seed_is_not_re_rolled(tmp_path):
+    """Issue 36 point 4: a node that lets the leases whose answers scored badly lapse used to have
+    those seeds sampled again, with another lease's noise, by whoever took them next. The noise
+    is the round's: the next node samples the same answers, and one sampling with its lease id's
+    noise is refused."""
+    svc, quitter, taker, cheat = make_service(tmp_path, sampling="sampled", verify=True), *(generate_key() for _ in range(3))
+    svc.open_eval(0, {}, now=NOW)
+    first = svc.handle_lease(lease_request(quitter), now=NOW)
+    assert first.noise and first.noise_id != first.lease_id
+    later = NOW + 61  # the quitter's lease lapsed, unanswered
+    again = svc.handle_lease(lease_request(taker, time=later), now=later)
+    assert again.seeds == first.seeds and again.lease_id != first.lease_id and again.noise_id == first.noise_id
+    with pytest.raises(PeerRefused) as e:  # an evaluation lease's lapse counts as a training one's (point 2)
+        svc.handle_lease(lease_request(quitter, time=later), now=later)
+    assert e.value.code == "lapsed"
+    batch = sampled_answers(taker, again, again.noise_id)
+    assert [s.completion_ids for s in batch.samples] == \
+        [s.completion_ids for s in sampled_answers(quitter, first, first.noise_id).samples]
+    assert push(svc, batch, peer_id("Taker"), now=later).accepted == len(batch.samples)
+    lease = svc.handle_lease(lease_request(cheat, time=later), now=later)
+    with pytest.raises(VerificationError):
+        push(svc, sampled_answers(cheat, lease, lease.lease_id), peer_id("Cheat"), now=later)
+
+
 def test_lease_wire_round_trip():
     base = TaskLease("L1", "run-1", "n", (1, 2), ((3,), (4,)), 2, 9.0)
-    for lease in (base, dataclasses.replace(base, evaluation=True, samples=4, greedy=True)):
+    for lease in (base, dataclasses.replace(base, evaluation=True, samples=4, greedy=True),
+                  dataclasses.replace(base, evaluation=True, samples=4, noise="ab12-e3s-")):
         assert TaskLease.from_wire(lease.to_wire()) == lease
     assert "evaluation" not in base.to_dict()  # a training lease reads as it always did
