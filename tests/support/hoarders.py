@@ -1,17 +1,20 @@
 """Keys that take leases and never answer: what a peer that wants to stall a run does. They ask
 for work as often as the rate limit lets them (so they are there the moment a step opens or a
-lease expires), keep every lease and push nothing. Used by the hoarding test and bench."""
+lease expires), keep every lease and push nothing. Or (`garbage`) a fresh key each time that
+pushes random maximum-length tokens for its lease at once, to keep the trainer verifying.
+Used by the hoarding test and bench."""
 
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections import Counter
 from collections.abc import Callable
 
 from protocols import rpc
 from protocols.errors import RemoteError, TransportError
-from protocols.messages import LeaseRequest, RunManifest, TaskLease
+from protocols.messages import LeaseRequest, RolloutBatch, RolloutSample, RunManifest, TaskLease
 from protocols.multiaddr import peer_of
 from protocols.signing import generate_key, public_bytes, sign_message
 from protocols.transport.dht import SwarmDHT
@@ -22,8 +25,8 @@ class Hoarders:
     """`keys` hoarding keys on one DHT peer; `replies` counts what they were answered (`lease` or
     a refusal's code), `held` is every lease they got, with when."""
 
-    def __init__(self, address: str, keys: int = 2, interval: float = 0.2):
-        self.address, self.interval = address, interval
+    def __init__(self, address: str, keys: int = 2, interval: float = 0.2, garbage: bool = False):
+        self.address, self.interval, self.garbage = address, interval, garbage
         self.keys = [generate_key() for _ in range(keys)]
         self.replies: Counter[str] = Counter()
         self.held: list[tuple[float, TaskLease]] = []
@@ -35,13 +38,35 @@ class Hoarders:
             coordinator = peer_of(self.address)
             manifest = RunManifest.from_wire(await endpoint.call_one(coordinator, rpc.MANIFEST, b""))
             while not until():
-                for key in self.keys:
-                    await self._ask(endpoint, coordinator, manifest, key)
+                if self.garbage:
+                    await asyncio.gather(*(self._push_garbage(endpoint, coordinator, manifest) for _ in self.keys))
+                else:
+                    for key in self.keys:
+                        await self._ask(endpoint, coordinator, manifest, key)
                 await asyncio.sleep(self.interval)
         finally:
             dht.shutdown()
 
-    async def _ask(self, endpoint, coordinator: str, manifest: RunManifest, key) -> None:
+    async def _push_garbage(self, endpoint, coordinator: str, manifest: RunManifest) -> None:
+        key = generate_key()
+        lease = await self._ask(endpoint, coordinator, manifest, key)
+        if lease is None:
+            return
+        samples = tuple(RolloutSample(seed, prompt, tuple(random.randrange(100, manifest.vocab_size)
+                                                          for _ in range(manifest.max_new_tokens)),
+                                      (-1.0,) * manifest.max_new_tokens)
+                        for seed, prompt in zip(lease.seeds, lease.prompts) for _ in range(manifest.group_size))
+        batch = sign_message(RolloutBatch(manifest.run_id, lease.lease_id, lease.version, public_bytes(key), samples,
+                                          created=time.time()), key)
+        try:
+            await endpoint.call_one(coordinator, rpc.PUSH, batch.to_wire())
+            self.replies["push accepted"] += 1
+        except RemoteError as e:
+            self.replies[f"push {e.code}"] += 1
+        except TransportError:
+            self.replies["push unreachable"] += 1
+
+    async def _ask(self, endpoint, coordinator: str, manifest: RunManifest, key) -> TaskLease | None:
         request = sign_message(LeaseRequest(manifest.run_id, public_bytes(key), endpoint.peer_id, "hoarder",
                                             0, 64, time.time()), key)
         try:
@@ -49,10 +74,12 @@ class Hoarders:
                                   tuple(rpc.LEASE.replies))
         except RemoteError as e:
             self.replies[e.code] += 1
-            return
+            return None
         except TransportError:
             self.replies["unreachable"] += 1
-            return
-        if isinstance(reply, TaskLease):
-            self.held.append((time.time(), reply))
-            self.replies["lease"] += 1
+            return None
+        if not isinstance(reply, TaskLease):
+            return None
+        self.held.append((time.time(), reply))
+        self.replies["lease"] += 1
+        return reply
