@@ -46,7 +46,7 @@ def part_commands(quick: bool) -> dict[str, list[str]]:
     if quick:
         return {
             "env": [py, str(BENCH / "gpu_check.py"), "--env"],
-            "node": [py, str(BENCH / "gpu_node.py"), "--shape", "tiny", "--batches", "1,8", "--threads", "1"],
+            "node": [py, str(BENCH / "gpu_node.py"), "--shape", "tiny", "--batches", "8", "--threads", "1"],
             "honest": [py, str(BENCH / "verification.py"), "--versions", "1", "--seeds", "q4_1@8=1",
                        "--cheat-seeds", "1", "--train-seeds", "1", "--threads", "1", "--group", "4"],
             "trainer": [py, str(BENCH / "gpu_trainer.py"), "--quick", "--steps", "1"],
