@@ -9,7 +9,7 @@ from echo_node.schedule import Hours
 from engines.llama_device import KV_TYPES
 from protocols.errors import ConfigError, EchoError
 from protocols.messages.work import MAX_PARALLEL
-from protocols.multiaddr import is_peer_id
+from protocols.multiaddr import peer_of
 from protocols.signing import FINGERPRINT_CHARS
 
 BACKENDS = ("llama_cpp", "transformers")
@@ -54,9 +54,11 @@ class NodeConfig:
     max_disk_gib: float | None = 100.0
 
     def __post_init__(self):
-        if "/p2p/" not in self.address or not is_peer_id(self.address.rsplit("/p2p/", 1)[1]):
+        try:
+            peer_of(self.address)
+        except ValueError:
             raise ConfigError(f"the coordinator address must be the multiaddr from the join line, ending in "
-                              f"/p2p/<peer id>; got {self.address!r}")
+                              f"/p2p/<peer id>; got {self.address!r}") from None
         if len(self.run_key) != FINGERPRINT_CHARS or not self.run_key.isalnum():
             raise ConfigError(f"--run-key must be the {FINGERPRINT_CHARS}-character fingerprint the coordinator "
                               f"printed; got {self.run_key!r}")

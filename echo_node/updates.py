@@ -109,17 +109,17 @@ async def fetch_chunks(endpoint, peers: list[str], trainer: str, digests: list[s
         for provider, result in zip(shares, results):
             if isinstance(result, (ProtocolError, TransportError)):
                 log.info("provider %s failed: %s", provider[-8:], result)
-                if getattr(result, "code", None) == "busy":
-                    busy = True
-                elif provider != trainer:
-                    shunned.add(provider)
-                live.remove(provider)
+                refused_busy = getattr(result, "code", None) == "busy"
+                busy, shun = busy or refused_busy, not refused_busy
             elif isinstance(result, BaseException):
                 raise result
             elif any(d not in found for d in shares[provider]):
-                if provider != trainer:
-                    shunned.add(provider)
-                live.remove(provider)  # it does not hold everything it was asked for
+                shun = True  # it does not hold everything it was asked for
+            else:
+                continue
+            if shun and provider != trainer:
+                shunned.add(provider)
+            live.remove(provider)
         remaining = [d for d in remaining if d not in found]
     if remaining:
         raise UpdateError(f"{len(remaining)} of {len(digests)} chunks unavailable from {len(providers)} providers",

