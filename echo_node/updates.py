@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +30,9 @@ log = logging.getLogger(__name__)
 
 
 # Applies one verified update: (manifest, chunks by digest, payload bytes per tensor name) -> None.
-Applier = Callable[[WeightUpdate, dict[str, bytes], dict[str, bytes]], Awaitable[None]]
+Applier = Callable[[WeightUpdate, dict[str, bytes], Mapping[str, bytes]], Awaitable[None]]
+# Checks a verified manifest against the weights it would apply to, before its chunks are fetched.
+Checker = Callable[[WeightUpdate], None]
 
 
 class UpdateError(EchoError):
@@ -151,20 +154,22 @@ async def _fetch_from(endpoint, provider: str, digests: list[str], timeout: floa
 
 
 async def catch_up(endpoint, trainer: str, peers: Callable[[int], list[str]], run: RunManifest, held: int, target: int,
-                   apply: Applier, timeout: float, shunned: Shunned | None = None) -> list[catchup.Step]:
+                   apply: Applier, timeout: float, shunned: Shunned | None = None,
+                   check: Checker | None = None) -> list[catchup.Step]:
     """Bring the node from `held` to `target`, one verified update at a time, and return the chain
     taken. Manifests come from the trainer; chunks from `peers(version)` (nodes that announced
-    holding it, less those `shunned`) and the trainer."""
+    holding it, less those `shunned`) and the trainer, once `check` has passed the manifest."""
     try:
         index = await fetch_index(endpoint, trainer, timeout)
         offered = [catchup.Step(u.from_version, u.to_version, u.nbytes, u.replaces) for u in index.updates]
         chain = catchup.plan(held, target, offered)
         for step in chain:
             update = await fetch_manifest(endpoint, trainer, run, step, timeout)
+            if check is not None:
+                check(update)
             digests = list(dict.fromkeys(d for t in update.tensors for d in t.chunks))
             store = await fetch_chunks(endpoint, peers(step.to_version), trainer, digests, timeout, shunned=shunned)
-            payloads = {t.name: chunks.assemble(t, store.__getitem__) for t in update.tensors}
-            await apply(update, store, payloads)  # the applier records the new version
+            await apply(update, store, Payloads(update, store))  # the applier records the new version
             held = update.to_version
     except UpdateError as e:
         raise UpdateError(f"update to version {target} stopped at version {held}: {e}", busy=e.busy) from None
@@ -174,36 +179,70 @@ async def catch_up(endpoint, trainer: str, peers: Callable[[int], list[str]], ru
     return chain
 
 
-def apply_update(held: dict[str, np.ndarray], update: WeightUpdate, payloads: dict[str, bytes],
-                 max_elements: int | None = None) -> dict[str, np.ndarray]:
-    """The weights after `update`: the whole new dict for a snapshot, else the tensors it touches.
-    `held` itself is not modified, so a failure part-way leaves nothing half-applied. A snapshot
-    must cover every tensor held; the first LoRA snapshot (nothing held yet) defines them, and
-    the backend checks the names when it loads the adapter. Its shapes are all the coordinator's
-    word, and a few bytes of payload may declare gigabytes: in all it may hold at most
-    `max_elements` values (the base model's parameter count), checked before anything is decoded.
-    LoRA views are bf16 (`protocols.delta`)."""
-    declared = sum(int(np.prod(t.shape, dtype=np.int64)) for t in update.tensors)
-    if not held and max_elements is not None and declared > max_elements:
-        raise CodecError(f"update {update.to_version} declares {declared:,} values, more than the base model's "
-                         f"{max_elements:,} parameters")
-    new = {}
+def check_manifest(held: Mapping[str, tuple[int, ...]], update: WeightUpdate, max_elements: int | None) -> None:
+    """What a signed manifest says, checked before one chunk is fetched: its sizes are the
+    coordinator's word, and a few bytes of manifest may declare gigabytes to download and hold.
+    `held` is the shape of every tensor updates apply to (none before the first LoRA snapshot).
+    Names and shapes must be those held; each payload's size at most what its encoding can take
+    for its shape; a first LoRA snapshot's values at most `max_elements` (the base model's
+    parameter count); a snapshot covers every tensor held."""
+    where = f"update {update.to_version}"
+    if not held and not update.replaces:
+        raise CodecError(f"{where} is a delta, but there is nothing to apply it to")
+    declared = 0
     for t in update.tensors:
         if held and t.name not in held:
-            raise CodecError(f"update {update.to_version} names tensor {t.name!r}, which this model does not have")
-        if t.name in held and tuple(t.shape) != held[t.name].shape:
-            raise CodecError(f"update {update.to_version}: tensor {t.name!r} has shape {tuple(t.shape)}, "
-                             f"this model's is {held[t.name].shape}")
+            raise CodecError(f"{where} names tensor {t.name!r}, which this model does not have")
+        if held and tuple(t.shape) != held[t.name]:
+            raise CodecError(f"{where}: tensor {t.name!r} has shape {tuple(t.shape)}, this model's is {held[t.name]}")
+        most = delta.max_payload_bytes(t.shape, t.encoding, f"{where}: tensor {t.name!r}")
+        if t.nbytes > most:
+            raise CodecError(f"{where}: tensor {t.name!r} declares {t.nbytes:,} payload bytes, "
+                             f"{t.encoding} of shape {tuple(t.shape)} takes at most {most:,}")
+        declared += math.prod(t.shape)
+    if not held and max_elements is not None and declared > max_elements:
+        raise CodecError(f"{where} declares {declared:,} values, more than the base model's {max_elements:,} parameters")
+    if update.replaces and held and len(update.tensors) != len(held):
+        raise CodecError(f"snapshot {update.to_version} lacks {len(held) - len(update.tensors)} tensors")
+
+
+def shapes(weights: Mapping[str, np.ndarray]) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(w.shape) for name, w in weights.items()}
+
+
+def apply_update(held: dict[str, np.ndarray], update: WeightUpdate, payloads: Mapping[str, bytes],
+                 max_elements: int | None = None) -> dict[str, np.ndarray]:
+    """The weights after `update` (checked again by `check_manifest`, for callers that did not
+    fetch it): the whole new dict for a snapshot, else the tensors it touches. `held` itself is
+    not modified, so a failure part-way leaves nothing half-applied. The first LoRA snapshot
+    (nothing held yet) defines the tensors, and the backend checks the names when it loads the
+    adapter. LoRA views are bf16 (`protocols.delta`)."""
+    check_manifest(shapes(held), update, max_elements)
+    new = {}
+    for t in update.tensors:
         if update.replaces:
             new[t.name] = delta.decode(payloads[t.name], t.encoding, t.shape, name=t.name)
-        elif not held:
-            raise CodecError(f"update {update.to_version} is a delta, but there is nothing to apply it to")
         else:
             new[t.name] = delta.apply(held[t.name], payloads[t.name], t.encoding, name=t.name,
                                       bf16=update.mode == "lora")
-    if update.replaces and held and set(new) != set(held):
-        raise CodecError(f"snapshot {update.to_version} lacks {len(set(held) - set(new))} tensors")
     return new
+
+
+class Payloads(Mapping):
+    """Each tensor's payload, assembled from verified chunks when read: a full-mode snapshot is
+    held once as chunks (which the node serves on), not a second time as payloads."""
+
+    def __init__(self, update: WeightUpdate, store: Mapping[str, bytes]):
+        self.entries, self.store = {t.name: t for t in update.tensors}, store
+
+    def __getitem__(self, name: str) -> bytes:
+        return chunks.assemble(self.entries[name], self.store.__getitem__)
+
+    def __iter__(self):
+        return iter(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
 
 
 async def load_lora(adapter: dict[str, np.ndarray], update: WeightUpdate, backend, disk: Disk) -> Path:

@@ -6,11 +6,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from echo_node.presence import Presence
 from echo_node.session import Session
-from echo_node.updates import Shunned, UpdateError, apply_update, catch_up, load_lora
+from echo_node.updates import Shunned, UpdateError, apply_update, catch_up, check_manifest, load_lora, shapes
 from protocols.messages import RunManifest, TaskLease, WeightUpdate
 from protocols.supervise import retry
 from protocols.transport.relay import Relay
@@ -35,6 +36,7 @@ class Versions:
         self.loaded = 0  # full mode: the version the backend serves (master weights may be ahead mid-chain)
         self.master = master  # what updates apply to: the LoRA adapter (none at version 0), or full weights
         self.shunned = Shunned()  # providers that failed us, skipped for a while
+        self.max_elements = getattr(backend, "n_params", None)  # what a first LoRA snapshot may declare
 
     async def prepare(self, lease: TaskLease) -> str | None:
         """Move to the lease's version before sampling: a lease fixes the one version its batch
@@ -55,7 +57,7 @@ class Versions:
 
         async def attempt():
             return await catch_up(self.presence.endpoint, self.trainer, self.presence.peers_holding, self.manifest,
-                                  self.version, version, self._apply, CALL_TIMEOUT, self.shunned)
+                                  self.version, version, self._apply, CALL_TIMEOUT, self.shunned, self._check)
 
         async def busy_wait(error: BaseException, delay: float) -> None:
             # The trainer sent its copy to another node (its upload budget; it lets one more
@@ -73,8 +75,11 @@ class Versions:
         route = " + ".join(f"{'snapshot' if s.replaces else 'delta'} {s.from_version}->{s.to_version}" for s in chain)
         return f"updated to version {version} via {route} in {time.perf_counter() - started:.2f}s"
 
-    async def _apply(self, update: WeightUpdate, store: dict[str, bytes], payloads: dict[str, bytes]) -> None:
-        new = await asyncio.to_thread(apply_update, self.master, update, payloads, getattr(self.backend, "n_params", None))
+    def _check(self, update: WeightUpdate) -> None:
+        check_manifest(shapes(self.master), update, self.max_elements)
+
+    async def _apply(self, update: WeightUpdate, store: dict[str, bytes], payloads: Mapping[str, bytes]) -> None:
+        new = await asyncio.to_thread(apply_update, self.master, update, payloads, self.max_elements)
         new = new if update.replaces else {**self.master, **new}
         if update.mode == "lora":
             await load_lora(new, update, self.backend, self.session.disk)  # raises: nothing changed

@@ -18,7 +18,7 @@ from echo_node.session import Session, console
 from echo_node.updates import UpdateError
 from echo_node.versions import Versions
 from protocols import rpc
-from protocols.errors import ProtocolError, RemoteError, TransportError
+from protocols.errors import InvalidValue, ProtocolError, RemoteError, TransportError
 from protocols.messages import LeaseRequest, NoWork, PushReceipt, RolloutBatch, RunManifest, TaskLease
 from protocols.signing import sign_message
 from protocols.supervise import retry
@@ -31,6 +31,21 @@ log = logging.getLogger(__name__)
 FIRST_LEASE_SEEDS = 1
 ROUND_FAILURES = (TransportError, ProtocolError, UpdateError)  # a round that failed so is tried again
 IDLE_POLL = 2.0  # seconds between looks at the pause file and the clock while idle
+CLOCK_SLACK = 600.0  # seconds a lease's expiry may lie in our past: the trainer's clock is not ours
+LONGEST_LEASE = 86_400.0  # seconds: a lease further out would hold our one push slot for days
+
+
+def check_lease(lease: TaskLease, asked: LeaseRequest, now: float) -> TaskLease:
+    """The trainer's lease, held to what we asked for: our run and key, no more seeds than
+    `max_seeds`, an expiry neither long past nor days away (it bounds how long we retry its push)."""
+    if (lease.run_id, lease.node_id) != (asked.run_id, asked.node_id):
+        raise InvalidValue(f"lease {lease.lease_id} is for run {lease.run_id} and key {lease.node_id[:12]}, "
+                           f"not run {asked.run_id} and our key {asked.node_id[:12]}")
+    if len(lease.seeds) > asked.max_seeds:
+        raise InvalidValue(f"lease {lease.lease_id} has {len(lease.seeds)} seeds; we asked for at most {asked.max_seeds}")
+    if not now - CLOCK_SLACK < lease.expires_at <= now + LONGEST_LEASE:
+        raise InvalidValue(f"lease {lease.lease_id} expires {lease.expires_at - now:+.0f} s from now")
+    return lease
 
 
 class Work:
@@ -144,7 +159,8 @@ class Work:
             update_failed=self.update_failed and self.latest > self.versions.version,
         ), s.key)
         raw = await self.endpoint.call_one(self.trainer, rpc.LEASE, request.to_wire())
-        return decode_one_of(raw, (TaskLease, NoWork))
+        reply = decode_one_of(raw, (TaskLease, NoWork))
+        return reply if isinstance(reply, NoWork) else check_lease(reply, request, time.time())
 
     async def _deliver(self, batch: RolloutBatch, expires_at: float) -> None:
         """Push one batch and account for the answer. A refused or undeliverable batch is logged

@@ -146,6 +146,17 @@ def decode(
     return values.reshape(dims)
 
 
+def max_payload_bytes(shape: Sequence[int], encoding: Encoding | str, where: str = "tensor '?'") -> int:
+    """The most bytes a payload for `shape` can hold under `encoding`: a receiver knows from a
+    manifest, before fetching a byte, what it may be asked to hold (a longer one is refused)."""
+    n, enc = math.prod(_check_shape(shape, where)), _encoding(encoding)
+    if enc in _DENSE_DTYPE:
+        return n * _DENSE_DTYPE[enc].itemsize
+    if enc is Encoding.TOPK_INT8:
+        return _TOPK_HEADER.itemsize + n * (_TOPK_INDEX.itemsize + _TOPK_VALUE.itemsize)
+    return -(-n // INT4_BLOCK) * 4 + -(-n // 2)
+
+
 def round_bf16(x: np.ndarray) -> np.ndarray:
     """float32 values rounded to the nearest bf16 (ties to even), still as float32."""
     return bf16_bits_to_float32(float32_to_bf16_bits(x)).reshape(np.shape(x))

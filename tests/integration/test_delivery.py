@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from echo_coordinator.publish import Publisher
-from echo_node.updates import UpdateError, apply_update, catch_up
+from echo_node.updates import UpdateError, apply_update, catch_up, check_manifest, shapes
 from protocols import rpc
 from protocols.transport.relay import Relay
 from protocols.signing import generate_key, public_bytes, sign_message
@@ -162,5 +162,33 @@ def test_faulty_provider_leaves_node_on_good_version(swarm, fault, reason):
         finally:
             honest.shutdown()
         assert node.applied == [1, 2]
+
+    asyncio.run(go())
+
+
+def test_a_manifest_declaring_more_bytes_than_its_shape_takes_is_refused_before_any_chunk(swarm):
+    """The coordinator's own signed manifest lists 20 chunks of 512 bytes for a 4,096-value
+    tensor whose topk-int8 payload takes at most 20,488 bytes... then ten times that: the node
+    refuses it from the manifest alone, without asking anyone for a chunk (a real one could list
+    ~250k chunks of 8 MiB, all fetched into memory before any check)."""
+    key = generate_key()
+    base = {"w": np.arange(4096, dtype=np.float32)}
+    publisher = Publisher("run-1", key, "full", base, "topk-int8", 0.25, snapshot_every=100, chunk_size=512)
+    (update, store), = publisher.publish(1, {"w": base["w"] + 1})
+    manifest = factories.manifest(run_key=public_bytes(key), update="full")
+    entry = update.tensors[0]
+    n_chunks = 10 * 20_488 // 512
+    inflated = dataclasses.replace(entry, nbytes=n_chunks * 512, chunks=entry.chunks * (n_chunks // len(entry.chunks) + 1))
+    inflated = dataclasses.replace(inflated, chunks=inflated.chunks[:n_chunks])
+    bomb = sign_message(dataclasses.replace(update, tensors=(inflated,)), key)
+
+    async def go():
+        relay = Relay(keep_versions=10)
+        trainer = await serve(swarm[0], [(bomb, store)], relay)
+        node, endpoint = Node(base), await swarm[3].endpoint()
+        with pytest.raises(UpdateError, match="takes at most 20,488"):
+            await catch_up(endpoint, trainer, lambda v: [], manifest, 0, 1, node.apply, 5,
+                           check=lambda u: check_manifest(shapes(node.master), u, None))
+        assert relay.bytes_served == 0 and node.applied == []
 
     asyncio.run(go())

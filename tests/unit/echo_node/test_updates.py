@@ -101,12 +101,12 @@ def test_bad_updates_change_nothing():
 
 
 def test_a_first_snapshot_may_not_declare_more_values_than_the_base_model_holds():
-    """A compression bomb: a topk-int8 snapshot of a few bytes that declares a 2**20 x 2**12 tensor
-    (4 G values, 16 GiB as float32) is refused before anything is decoded."""
+    """A compression bomb: a topk-int8 snapshot of a few bytes that declares a 2**16 x 2**12 tensor
+    (256 M values, 1 GiB as float32) is refused before anything is decoded."""
     publisher = Publisher("run", generate_key(), "lora", None, "topk-int8", 0.01, snapshot_every=100, chunk_size=1024)
     (update, store), = publisher.publish(1, {"lora_A": np.ones((4, 64), np.float32)})
     assert apply_update({}, update, payloads(update, store), max_elements=1000)["lora_A"].shape == (4, 64)
-    bomb = dataclasses.replace(update, tensors=(dataclasses.replace(update.tensors[0], shape=(2**20, 2**12)),))
+    bomb = dataclasses.replace(update, tensors=(dataclasses.replace(update.tensors[0], shape=(2**16, 2**12)),))
     with pytest.raises(CodecError, match="more than the base model's 1,000 parameters"):
         apply_update({}, bomb, payloads(update, store), max_elements=1000)
 

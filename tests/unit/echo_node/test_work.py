@@ -2,6 +2,7 @@
 retried while the lease lasts, and a key the run does not admit ends the node."""
 
 import asyncio
+import dataclasses
 import time
 from types import SimpleNamespace
 
@@ -10,9 +11,9 @@ import pytest
 from echo_node.config import JoinRefused
 from echo_node.join import Phases
 from echo_node.schedule import set_paused
-from echo_node.work import Work
+from echo_node.work import Work, check_lease
 from protocols import rpc
-from protocols.errors import RemoteError, TransportError
+from protocols.errors import InvalidValue, RemoteError, TransportError
 from protocols.messages import LeaseRequest, NoWork, PushReceipt, RolloutBatch
 from tests.unit.echo_node.conftest import Backend
 from tests.unit.protocols import factories
@@ -100,11 +101,13 @@ class SlowTrainer:
 
     async def call_one(self, peer, handler, payload):
         if handler == rpc.LEASE:
-            self.requests.append(LeaseRequest.from_wire(payload))
+            request = LeaseRequest.from_wire(payload)
+            self.requests.append(request)
             if self.left == 0:
                 return NoWork(latest_version=7, retry_after=0.0, finished=True).to_wire()
             self.left -= 1
-            return factories.lease(lease_id=f"L{self.left}", version=0, expires_at=time.time() + 60).to_wire()
+            return factories.lease(lease_id=f"L{self.left}", node_id=request.node_id, seeds=(1,), prompts=((1, 2),),
+                                   version=0, expires_at=time.time() + 60).to_wire()
         lease_id = RolloutBatch.from_wire(payload).lease_id
         self.pushing += 1
         self.most_pushing = max(self.most_pushing, self.pushing)
@@ -130,6 +133,23 @@ def test_a_push_overlaps_the_next_generation_and_one_refusal_does_not_stop_the_n
     assert [r.max_seeds for r in trainer.requests] == [1, 1, 1, 64]
     assert {r.parallel for r in trainer.requests} == {8}  # the batch it decodes, for the lease size
     assert all(r.node_key == session.node_key and r.backend == "llama_cpp" for r in trainer.requests)
+
+
+@pytest.mark.parametrize("bad, reason", [
+    (dict(seeds=tuple(range(5)), prompts=((1,),) * 5), "5 seeds; we asked for at most 4"),
+    (dict(node_id="someone-else"), "key someone-else"), (dict(run_id="run-2"), "for run run-2"),
+    (dict(expires_at=1e12), "expires"), (dict(expires_at=-1e3), "expires"),
+])
+def test_a_lease_is_held_to_what_the_node_asked_for(bad, reason):
+    """A coordinator's lease is checked like any remote input: a lease of 64 seeds to a node that
+    asked for one, or expiring in a year (its push retried all that while, blocking the next),
+    is refused; the round fails and is tried again."""
+    asked, now = factories.lease_request(max_seeds=4), 1000.0
+    good = factories.lease(node_id=asked.node_id, expires_at=now + 300)
+    assert check_lease(good, asked, now) is good
+    assert check_lease(dataclasses.replace(good, expires_at=now - 60), asked, now)  # clocks differ a little
+    with pytest.raises(InvalidValue, match=reason):
+        check_lease(dataclasses.replace(good, **bad), asked, now)
 
 
 class Closed:
@@ -200,7 +220,8 @@ class Behind:
             return NoWork(latest_version=2, retry_after=0.0, finished=True).to_wire()
         if request.version < 2 and not request.update_failed:
             return NoWork(latest_version=2, retry_after=30.0).to_wire()  # never waited out: the node updates
-        return factories.lease(lease_id="L", version=request.version, expires_at=time.time() + 60).to_wire()
+        return factories.lease(lease_id="L", node_id=request.node_id, seeds=(1,), prompts=((1, 2),),
+                               version=request.version, expires_at=time.time() + 60).to_wire()
 
 
 class Stuck(Held):

@@ -23,6 +23,7 @@ from protocols.delta import (
     decode,
     encode,
     float32_to_bf16_bits,
+    max_payload_bytes,
     topk_count,
     topk_join,
 )
@@ -554,3 +555,21 @@ def test_parts_encoded_with_one_scale_join_into_the_whole_payload():
         mine = chosen[(chosen >= lo) & (chosen < hi)]
         parts.append((lo, encode_chosen(mine - lo, flat[mine], peak=peak)))
     assert topk_join(parts) == whole
+
+
+@PROPERTY
+@given(x=f32_arrays(1e3), density=DENSITIES, encoding=st.sampled_from(list(Encoding)))
+def test_a_payload_never_exceeds_its_encodings_bound(x, density, encoding):
+    """`max_payload_bytes` is what a node lets a manifest declare before fetching: every payload
+    a trainer can send fits in it, and the densest topk-int8 one fills it exactly."""
+    assert len(encode(x, encoding, density=density)) <= max_payload_bytes(x.shape, encoding)
+    if encoding is not Encoding.TOPK_INT8:
+        assert len(encode(x, encoding)) == max_payload_bytes(x.shape, encoding)
+    assert len(encode(x, Encoding.TOPK_INT8, density=1.0)) == max_payload_bytes(x.shape, Encoding.TOPK_INT8)
+
+
+def test_the_payload_bound_refuses_shapes_and_encodings_it_cannot_size():
+    with pytest.raises(CodecError, match="over 2"):
+        max_payload_bytes((2**20, 2**12), "dense-fp32")
+    with pytest.raises(CodecError, match="unknown encoding"):
+        max_payload_bytes((4,), "zstd")
