@@ -21,14 +21,14 @@ from __future__ import annotations
 import ctypes
 import functools
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import gguf
 import numpy as np
 
-from engines.gguf_read import read_tensors
+from engines.gguf_read import read_tensors, tensor_shapes
 from engines.hf import is_tied_head
 
 
@@ -80,14 +80,31 @@ class Layout:
     n_embd: int = 0
     n_expert: int = 0  # mixture of experts: experts per layer, and each one's hidden width
     n_ff_exp: int = 0
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # every tensor's, numpy's order
 
     @classmethod
-    def of_metadata(cls, meta: dict[str, str]) -> Layout:
+    def of_model(cls, meta: dict[str, str], path: Path) -> Layout:
+        """The layout of the GGUF at `path`, whose metadata llama.cpp read as `meta`."""
         arch = arch_of(meta.get("general.architecture", "")).name
         n_head = int(meta[f"{arch}.attention.head_count"])
         return cls(arch, int(meta[f"{arch}.block_count"]), n_head,
                    int(meta.get(f"{arch}.attention.head_count_kv", n_head)), int(meta.get(f"{arch}.embedding_length", 0)),
-                   int(meta.get(f"{arch}.expert_count", 0)), int(meta.get(f"{arch}.expert_feed_forward_length", 0)))
+                   int(meta.get(f"{arch}.expert_count", 0)), int(meta.get(f"{arch}.expert_feed_forward_length", 0)),
+                   tensor_shapes(path))
+
+    def check_lora(self, name: str, a: np.ndarray, b: np.ndarray) -> None:
+        """LoRA factors for the model's tensor `name`, held to its shape before llama.cpp sees
+        them: llama.cpp checks little of an adapter, and factors it cannot multiply abort the
+        whole process at the first decode (`GGML_ASSERT(ggml_can_mul_mat)`). A is (r, in) and B
+        (out, r) for a weight (out, in); an expert tensor's carry its leading expert axis."""
+        if name not in self.shapes:
+            raise UnsupportedModel(f"the adapter names {name}, which this model does not have")
+        *lead, out_dim, in_dim = self.shapes[name]
+        rank = a.shape[-2] if a.ndim == len(lead) + 2 else 0
+        want_a, want_b = (*lead, rank, in_dim), (*lead, out_dim, rank)
+        if rank < 1 or a.shape != want_a or b.shape != want_b:
+            raise UnsupportedModel(f"LoRA factors of shapes {a.shape} and {b.shape} do not fit {name} "
+                                   f"{self.shapes[name]}: A must be (..., r, {in_dim}) and B (..., {out_dim}, r)")
 
 
 def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -134,6 +151,9 @@ def lora_pairs(adapter: dict[str, np.ndarray]) -> dict[str, tuple[np.ndarray, np
     missing = [k for k, v in parts.items() if set(v) != {"A", "B"}]
     if missing:
         raise ValueError(f"LoRA tensors without their A/B partner: {missing[:3]}")
+    flat = [k for k, v in parts.items() if v["A"].ndim != 2 or v["B"].ndim != 2]
+    if flat:  # peft's factors are matrices, fused experts' too
+        raise ValueError(f"LoRA factors that are not matrices: {flat[:3]}")
     return {k: (v["A"], v["B"]) for k, v in parts.items()}
 
 
@@ -156,6 +176,7 @@ def write_lora_adapter(adapter: dict[str, np.ndarray], alpha: float, path: Path,
             heads = _rope_heads(arch, hf_name, layout.n_head, layout.n_head_kv)
             tensors = [(_gguf_name(tmap, hf_name), a, permute_qk(b, heads) if heads is not None else b)]
         for name, a, b in tensors:
+            layout.check_lora(name, a, b)
             writer.add_tensor(name + ".lora_a", np.ascontiguousarray(a, dtype=np.float32))
             writer.add_tensor(name + ".lora_b", np.ascontiguousarray(b, dtype=np.float32))
     _finish(writer)

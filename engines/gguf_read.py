@@ -1,4 +1,5 @@
-"""Reading GGUF files without mapping them: one header field, or every tensor dequantized.
+"""Reading GGUF files without mapping them: one header field, the tensors' shapes, or every
+tensor dequantized.
 `gguf.GGUFReader` maps the whole file and slices every entry of the vocabulary (3 s for a
 49k-token one) to answer what these read by stepping over it."""
 
@@ -77,24 +78,35 @@ def read_field(path: Path, key: str) -> Any:
     return None
 
 
+def _tensor_infos(f, path: Path) -> tuple[list[tuple[str, list[int], gguf.GGMLQuantizationType, int]], int]:
+    """(name, file dimensions, type, offset) of every tensor, and where their data starts."""
+    header = _Header(f, path)
+    alignment = _ALIGNMENT
+    for _ in range(header.n_fields):
+        name, kind = header.string(), header.unpack("<I")
+        if name == "general.alignment":
+            alignment = int(header.scalar(name, kind))
+        else:
+            header.skip(kind)
+    infos = []
+    for _ in range(header.n_tensors):
+        name, n_dims = header.string(), header.unpack("<I")
+        dims = [header.unpack("<Q") for _ in range(n_dims)]
+        infos.append((name, dims, gguf.GGMLQuantizationType(header.unpack("<I")), header.unpack("<Q")))
+    return infos, -(-f.tell() // alignment) * alignment
+
+
+def tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape as numpy sees it (the file's dimensions reversed), from the header alone."""
+    with open(path, "rb") as f:
+        return {name: tuple(reversed(dims)) for name, dims, _, _ in _tensor_infos(f, path)[0]}
+
+
 def read_tensors(path: Path) -> dict[str, np.ndarray]:
     """Every tensor of a GGUF file under its GGUF name, dequantized to float32 (`gguf.quants`),
     shaped as numpy sees it: the file's dimensions reversed, (rows, columns) for a matrix."""
     with open(path, "rb") as f:
-        header = _Header(f, path)
-        alignment = _ALIGNMENT
-        for _ in range(header.n_fields):
-            name, kind = header.string(), header.unpack("<I")
-            if name == "general.alignment":
-                alignment = int(header.scalar(name, kind))
-            else:
-                header.skip(kind)
-        infos = []
-        for _ in range(header.n_tensors):
-            name, n_dims = header.string(), header.unpack("<I")
-            dims = [header.unpack("<Q") for _ in range(n_dims)]
-            infos.append((name, dims, gguf.GGMLQuantizationType(header.unpack("<I")), header.unpack("<Q")))
-        start = -(-f.tell() // alignment) * alignment
+        infos, start = _tensor_infos(f, path)
         tensors = {}
         for name, dims, qtype, offset in infos:
             block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]

@@ -66,7 +66,7 @@ class LlamaBackend:
         self.llm = self._load(model_path)
         meta = self.llm.metadata
         self.file_type = file_type(model_path)  # the quant type to requantize to
-        self.layout = Layout.of_metadata(meta)  # what a LoRA adapter for this model must match
+        self.layout = Layout.of_model(meta, Path(model_path))  # what a LoRA adapter for this model must match
         self.hardware = hardware_summary(self._placement(), threads) + f", {self.settings}"
         if patterns and self.layout.n_expert:
             n_layers = self.layout.n_layers

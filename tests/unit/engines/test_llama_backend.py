@@ -207,3 +207,25 @@ def test_token_text_matches_the_trainers_tokenizer(setup):
         assert backend.detokenize(ids) == expected
     text = "\n<|im_start|>user\nMoves: up, left ✓<|im_end|>\n<|im_start|>assistant\n"
     assert backend.tokenize(text) == trainer.tokenizer(text, add_special_tokens=False).input_ids
+
+
+@pytest.mark.parametrize("tamper, reason", [
+    (lambda a: a[:, None, :], "not matrices"),  # 3-D: llama.cpp took it and aborted at the first decode
+    (lambda a: a.T.copy(), "do not fit"),  # (in, r): r and in swapped
+    (lambda a: a[:, :-1], "do not fit"),  # one input column short
+    (lambda a: a[:0], "do not fit"),  # rank 0
+])
+def test_an_adapter_that_does_not_fit_the_base_never_reaches_llama_cpp(setup, tamper, reason):
+    """A coordinator's LoRA factors are checked against the base's tensor shapes before a GGUF
+    adapter is written: llama.cpp asserts (and kills the node) on shapes it cannot multiply."""
+    trainer, backend, prompt, adapters = setup
+    weights = trainer.weights()
+    name = next(k for k in weights if k.endswith("q_proj.lora_A.weight"))
+    bad = {**weights, name: tamper(weights[name])}
+    with pytest.raises(ValueError, match=reason):
+        write_lora_adapter(bad, trainer.config.lora_alpha, adapters / "bad.gguf", backend.layout)
+    renamed = {k.replace("layers.0.", "layers.99."): v for k, v in weights.items()}
+    with pytest.raises(ValueError, match="no GGUF name"):
+        write_lora_adapter(renamed, trainer.config.lora_alpha, adapters / "bad.gguf", backend.layout)
+    backend.set_adapter(None)
+    assert generate_one(backend, prompt, 4, 0.7, 3).token_ids  # still serving
