@@ -3,10 +3,11 @@ sequential, 60 s leases, one honest node) twice, side by side: alone, and with t
 (`tests/support/hoarders.py`) asking for work as fast as the rate limit lets them from before
 the run starts, keeping every lease and pushing nothing.
 
-    .venv/bin/python bench/hoarding.py [--steps 4] [--threads 1] [--attack hoard|garbage]
+    .venv/bin/python bench/hoarding.py [--steps 4] [--threads 1] [--attack hoard|fresh|garbage]
 
-`--attack garbage`: instead, two fresh keys at a time that lease and at once push random
-maximum-length tokens, to keep the trainer verifying (issue 36 point 3).
+`--attack fresh`: the hoarders use a new key for every request, so no lapse ever makes one wait
+(issue 36 point 2). `--attack garbage`: instead, two fresh keys at a time that lease and at once
+push random maximum-length tokens, to keep the trainer verifying (issue 36 point 3).
 
 Prints each run's step times and ends with a JSON line: `step_ratio` (mean step time with the
 attackers ÷ without; goal <= 2, issue 36: <= 1.5), the medians, and what the attackers were answered.
@@ -70,7 +71,7 @@ def one_run(directory: Path, steps: int, threads: int, attack: str | None) -> tu
         node = subprocess.Popen([str(BIN / argv[0]), *argv[1:], "--model", str(demo_model_path()), "--name", "honest",
                                  "--data-dir", str(directory / "node"), "--threads", str(threads)],
                                 stdout=open(directory / "node.log", "w"), stderr=subprocess.STDOUT)
-        hoarders = Hoarders(argv[2], garbage=attack == "garbage")
+        hoarders = Hoarders(argv[2], garbage=attack == "garbage", fresh=attack == "fresh")
         if attack:
             asyncio.run(hoarders.run(lambda: coordinator.poll() is not None))
         if coordinator.wait(timeout=60 * 60) != 0:
@@ -89,7 +90,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1, help="the node's and the trainer's")
-    parser.add_argument("--attack", choices=("hoard", "garbage"), default="hoard")
+    parser.add_argument("--attack", choices=("hoard", "fresh", "garbage"), default="hoard")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="echo-hoard-") as tmp:
         alone, _ = one_run(Path(tmp) / "alone", args.steps, args.threads, attack=None)

@@ -70,6 +70,14 @@ class LeaseError(ProtocolError):
     code = "bad_lease"
 
 
+class Beaten(LeaseError):
+    """Another key's shadow of this lease was answered first (`protocols.sync.LeaseBook.shadow`):
+    the batch was still judged, and if it passed it counts as the key's proof of work, but the
+    seeds are done and it is not trained on or credited."""
+
+    code = "answered_first_by_another"
+
+
 class TranscriptError(ProtocolError):
     """A rollout's transcript does not replay: its environment turns differ from what the
     environment says for the model's turns, or it breaks the turn rules."""

@@ -13,6 +13,9 @@ Invariants
   Each key's lapses (leases that expired unanswered) since it last completed one are counted.
   An expired lease may still be completed late while none of its seeds has been leased again: a
   slow honest node's work is not lost to a short lease.
+- A shadow lease (`shadow`) repeats the seeds of another key's short (unproven) lease and owns
+  none: the seeds stay that lease's, or pending once it expires. Whichever of the two is
+  completed first completes them; the other is refused from then on.
 - Node gate, staleness bound S >= 1: a node whose version is `node` must update before it
   starts new work when `latest - node >= S`. Work therefore starts at `node >= latest - S + 1`,
   which leaves room for one more publish while it generates.
@@ -45,6 +48,7 @@ from protocols.errors import InvalidValue, LeaseError
 MAX_CLOSED = 100_000  # closed lease ids a LeaseBook remembers the reason for
 MAX_LAPSED = 100_000  # keys a LeaseBook remembers lapses of (the oldest forgotten first)
 MAX_LATE = 10_000  # expired leases a LeaseBook still takes a late answer for
+MAX_SHADOWS = 10_000  # shadow leases a LeaseBook holds at once (the oldest dropped first)
 
 
 class Mode(str, Enum):
@@ -104,6 +108,10 @@ class Lease:
     expires_at: float  # same clock as the `now` passed to LeaseBook
     issued_at: float = 0.0
 
+    def short(self, ttl: float) -> bool:
+        """Issued for less than the book's standard `ttl`: to a key that has not proven itself."""
+        return self.expires_at - self.issued_at < ttl
+
 
 class LeaseBook:
     """Hands task seeds to nodes for `ttl` seconds; expired seeds are reissued first."""
@@ -129,6 +137,9 @@ class LeaseBook:
         self._returned: dict[int, float] = {}  # pending seed -> when a lease gave it back
         self._late: dict[str, Lease] = {}  # expired leases, newest last, for a late answer
         self._lapses: dict[str, tuple[int, float]] = {}  # key -> (lapses since it last delivered, last one)
+        self._shadows: dict[str, tuple[Lease, tuple[str, ...]]] = {}  # shadow lease id -> (it, the leases it repeats)
+        self._shadowed: dict[str, set[str]] = {}  # lease id -> keys whose shadows of it are outstanding
+        self._beaten: dict[str, Lease] = {}  # leases closed by a shadow's answer, newest last (`beaten`)
 
     @property
     def prefix(self) -> str:
@@ -138,6 +149,26 @@ class LeaseBook:
     @property
     def outstanding(self) -> tuple[Lease, ...]:
         return tuple(self._outstanding.values())
+
+    @property
+    def shadows(self) -> tuple[Lease, ...]:
+        return tuple(lease for lease, _ in self._shadows.values())
+
+    def beaten(self, lease_id: str, node_id: str) -> Lease | None:
+        """`node_id`'s lease `lease_id` if a shadow's answer closed it: its holder's answer may
+        still prove the key honest, once (`drop_beaten`), and never completes a seed."""
+        lease = self._beaten.get(lease_id)
+        return lease if lease is not None and lease.node_id == node_id else None
+
+    def drop_beaten(self, lease_id: str) -> None:
+        self._beaten.pop(lease_id, None)
+
+    def is_shadow(self, lease_id: str) -> bool:
+        return lease_id in self._shadows
+
+    def held_by(self, node_id: str) -> int:
+        """Leases `node_id` holds now, shadows included."""
+        return sum(x.node_id == node_id for x in (*self._outstanding.values(), *self.shadows))
 
     @property
     def pending_count(self) -> int:
@@ -201,12 +232,49 @@ class LeaseBook:
         self._outstanding[lease.lease_id] = lease
         return lease
 
+    def shadow(self, node_id: str, count: int, version: int, now: float, ttl: float) -> Lease | None:
+        """For a key that finds no seed it may take (unproven keys hold them all): a lease for
+        `ttl` seconds of up to `count` seeds of other keys' short leases of `version` (ones it
+        does not shadow yet: the least shadowed first, then the oldest); None if there are none.
+        Keys are free: without it, a few fresh keys that lease and never answer would keep every
+        seed from new nodes, and make every step wait out their leases. The shadow answered
+        first closes the leases it repeats (`beaten`), whose other seeds go back to the front.
+        Not in `to_dict`."""
+        self.expire(now)
+        candidates = sorted((x for x in self._outstanding.values() if x.node_id != node_id and x.version == version
+                             and x.short(self.ttl) and node_id not in self._shadowed.get(x.lease_id, ())),
+                            key=lambda x: (len(self._shadowed.get(x.lease_id, ())), x.issued_at))
+        originals, seeds = [], []
+        for x in candidates:
+            if len(seeds) >= count:
+                break
+            originals.append(x.lease_id)
+            seeds += x.seeds[: count - len(seeds)]
+        if not seeds:
+            return None
+        lease = Lease(f"{self._prefix}{self._next_id}", node_id, tuple(seeds), version, now + ttl, now)
+        self._next_id += 1
+        self._shadows[lease.lease_id] = (lease, tuple(originals))
+        for original in originals:
+            self._shadowed.setdefault(original, set()).add(node_id)
+        if len(self._shadows) > MAX_SHADOWS:
+            self._drop_shadow(next(iter(self._shadows)), "dropped: too many shadow leases")
+        return lease
+
     def find(self, lease_id: str, now: float) -> Lease | None:
-        """The lease `lease_id` if it can still be completed: outstanding, or expired with every
-        seed still pending (nobody has taken them since)."""
+        """The lease `lease_id` if it can still be completed: outstanding, a shadow whose seeds
+        are still out or pending, or expired with every seed still pending (nobody has taken
+        them since)."""
         # Expire first, so the answer depends only on `now` and not on when expire() last ran.
         self.expire(now)
         lease = self._outstanding.get(lease_id)
+        if lease is None and lease_id in self._shadows:
+            shadow, originals = self._shadows[lease_id]
+            out = {s for o in originals if o in self._outstanding for s in self._outstanding[o].seeds}
+            if set(shadow.seeds) <= out | set(self._pending):
+                lease = shadow
+            else:
+                self._drop_shadow(lease_id, "answered by another key")
         if lease is None and lease_id in self._late:
             late = self._late[lease_id]
             lease = late if set(late.seeds) <= set(self._pending) else None
@@ -224,12 +292,21 @@ class LeaseBook:
             raise LeaseError(f"lease {lease_id!r} is held by another node")
         if lease_id in self._outstanding:
             del self._outstanding[lease_id]
+        elif lease_id in self._shadows:
+            done = set(lease.seeds)
+            for original in self._drop_shadow(lease_id, "already completed"):
+                if original in self._outstanding:  # its holder's answer now comes second
+                    self._beaten[original] = beaten = self._outstanding.pop(original)
+                    if len(self._beaten) > MAX_LATE:
+                        del self._beaten[next(iter(self._beaten))]
+                    self._close(original, "answered by another key")
+                    rest = [s for s in beaten.seeds if s not in done]
+                    self._returned.update(dict.fromkeys(rest, now))
+                    self._pending.extendleft(reversed(rest))
+            self._take_pending(done)  # those whose lease had expired
         else:  # late: its seeds leave pending
             del self._late[lease_id]
-            done = set(lease.seeds)
-            self._pending = deque(s for s in self._pending if s not in done)
-            for seed in done:
-                self._returned.pop(seed, None)
+            self._take_pending(lease.seeds)
         self._close(lease_id, "already completed")
         self._completed_count += len(lease.seeds)
         self._lapses.pop(node_id, None)
@@ -237,11 +314,14 @@ class LeaseBook:
 
     def expire(self, now: float) -> list[Lease]:
         """Close leases with `expires_at <= now`, oldest first; their seeds go back to the front,
-        and each counts as a lapse of its key."""
+        and each counts as a lapse of its key (so does an expired shadow: it has no seeds)."""
         expired = [lease for lease in self._outstanding.values() if lease.expires_at <= now]
         self._reopen(expired, "expired")
         self._expired_count += len(expired)
-        for lease in expired:
+        shadows = [lease for lease, _ in self._shadows.values() if lease.expires_at <= now]
+        for lease in shadows:
+            self._drop_shadow(lease.lease_id, "expired")
+        for lease in expired + shadows:
             self._late[lease.lease_id] = lease
             if len(self._late) > MAX_LATE:
                 del self._late[next(iter(self._late))]
@@ -257,11 +337,15 @@ class LeaseBook:
 
     def release(self, lease_id: str, node_id: str, now: float) -> Lease:
         """The holder's attempt failed (its batch was refused): close the lease and put its seeds
-        back at the front now, rather than leaving them idle until it expires."""
-        lease = self._outstanding.get(lease_id)
+        back at the front now, rather than leaving them idle until it expires (a shadow's stay
+        with the lease it repeats)."""
+        lease = self._outstanding.get(lease_id) or self._shadows.get(lease_id, (None, ""))[0]
         if lease is None or lease.node_id != node_id:
             raise LeaseError(f"lease {lease_id!r} is not outstanding for this node")
-        self._reopen([lease], "released", now)
+        if lease_id in self._shadows:
+            self._drop_shadow(lease_id, "released")
+        else:
+            self._reopen([lease], "released", now)
         return lease
 
     def knows(self, seed: int) -> bool:
@@ -270,7 +354,8 @@ class LeaseBook:
 
     def to_dict(self) -> dict[str, Any]:
         """What a restart needs to go on handing out and taking back the same leases: pending
-        seeds, outstanding leases and the id counter. Completed seeds and the reasons of closed
+        seeds, outstanding leases and the id counter (not shadows: their holders' answers are
+        refused after a restart, and the seeds are still the leases'). Completed seeds and the reasons of closed
         ids are left out (they grow with the run): after a restart a closed id is "unknown",
         refused all the same, and the caller must not add a completed seed again."""
         return {
@@ -304,6 +389,24 @@ class LeaseBook:
         self._closed[lease_id] = reason
         if len(self._closed) > MAX_CLOSED:
             del self._closed[next(iter(self._closed))]  # dicts keep insertion order: the oldest
+
+    def _drop_shadow(self, lease_id: str, reason: str) -> tuple[str, ...]:
+        """Close shadow `lease_id`; the ids of the leases it repeats."""
+        shadow, originals = self._shadows.pop(lease_id)
+        self._close(lease_id, reason)
+        for original in originals:
+            keys = self._shadowed.pop(original)
+            keys.discard(shadow.node_id)
+            if keys:
+                self._shadowed[original] = keys
+        return originals
+
+    def _take_pending(self, seeds: Iterable[int]) -> None:
+        """A late answer's seeds leave pending."""
+        done = set(seeds)
+        self._pending = deque(s for s in self._pending if s not in done)
+        for seed in done:
+            self._returned.pop(seed, None)
 
     def _reopen(self, leases: list[Lease], reason: str, now: float | None = None) -> None:
         """Seeds back to the front of pending, returned at `now` (None: when each lease expired)."""

@@ -73,6 +73,10 @@ class Leasing:
             self.prompts[seed] = self.render_prompt(seed)
         self.book.add_seeds(seeds)
 
+    def prompt(self, seed: int) -> tuple[int, ...]:
+        """A leased seed's prompt (one answered already, for a lease a shadow beat: rendered again)."""
+        return self.prompts[seed] if seed in self.prompts else self.render_prompt(seed)
+
     def answered(self, seed: int) -> None:
         self.prompts.pop(seed, None)  # never leased again
 
@@ -86,7 +90,8 @@ class Leasing:
         longer proven until it delivers. A key that is not proven gets leases of
         `first_lease_seconds`, and no seed that came back from another lease in that long: those
         go to keys that deliver first. A proven key's leases last `lease_seconds` and may fill its
-        batch (`training_seeds`). Either holds at most `MAX_LEASES_PER_KEY`."""
+        batch (`training_seeds`). Either holds at most `MAX_LEASES_PER_KEY`. A key that finds no
+        seed it may take shadows an unproven key's lease (`_train_lease`)."""
         node_id = request.node_id
         books = [self.book] + rounds.books()
         for book in books:
@@ -98,7 +103,7 @@ class Leasing:
             raise PeerRefused("lapsed", f"{lapses} leases of this key expired unanswered; the next one in "
                                         f"{last + lapse_wait(lapses, self.settings.first_lease_seconds) - now:.0f} s")
         proven = proven and lapses == 0
-        held = sum(lease.node_id == node_id for book in books for lease in book.outstanding)
+        held = sum(book.held_by(node_id) for book in books)
         if held >= MAX_LEASES_PER_KEY:
             raise PeerRefused("lease_limit", f"this key already holds {held} leases; push or let them expire")
         if not self.started:
@@ -116,7 +121,7 @@ class Leasing:
 
     def _unproven_seeds(self) -> int:
         """Seeds out in unproven keys' leases: those shorter than the book's standard ones."""
-        return sum(len(x.seeds) for x in self.book.outstanding if x.expires_at - x.issued_at < self.book.ttl)
+        return sum(len(x.seeds) for x in self.book.outstanding if x.short(self.book.ttl))
 
     def _train_lease(self, request: LeaseRequest, count: int, version: int, buffered: int, now: float,
                      proven: bool) -> TaskLease | None:
@@ -128,17 +133,21 @@ class Leasing:
         max_ahead = self.settings.max_ahead
         if self.mode is Mode.ASYNC and max_ahead is not None and buffered >= max_ahead:
             return None
-        if self.mode is Mode.ASYNC and not proven and max_ahead is not None and self._unproven_seeds() >= max_ahead:
-            # Every async lease draws fresh seeds: a flood of free keys would grow the book (and
-            # the journal write every lease makes) without end. Unproven keys' leases count
-            # against `max_ahead`; a proven straggler's do not, so it never stops the others.
-            return None
-        if self.mode is Mode.ASYNC and self.book.leasable(now, proven) < count:
+        # Every async lease draws fresh seeds: a flood of free keys would grow the book (and the
+        # journal write every lease makes) without end. Unproven keys' leases count against
+        # `max_ahead`; a proven straggler's do not, so it never stops the others.
+        budget_left = proven or max_ahead is None or self._unproven_seeds() < max_ahead
+        if self.mode is Mode.ASYNC and budget_left and self.book.leasable(now, proven) < count:
             fresh = list(range(self.next_seed, self.next_seed + count))
             self.next_seed += count
             self.add_seeds(fresh)
         ttl = None if proven else self.settings.first_lease_seconds
-        lease = self.book.issue(request.node_id, count, bound, now, ttl, proven)
+        lease = self.book.issue(request.node_id, count, bound, now, ttl, proven) if budget_left else None
+        if lease is None:
+            # Unproven keys hold every seed this key may take: it answers one of their leases
+            # too, and whichever valid batch comes first counts (`LeaseBook.shadow`; the other,
+            # if valid, still proves its key: `Pushes`).
+            lease = self.book.shadow(request.node_id, count, bound, now, ttl or self.settings.lease_seconds)
         if lease is None:
             return None
         return TaskLease(

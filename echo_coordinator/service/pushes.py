@@ -26,7 +26,7 @@ from echo_coordinator.service.policing import Policing
 from echo_coordinator.service.registry import Registry
 from echo_coordinator.service.settings import Work
 from engines.episodes import score
-from protocols.errors import InvalidValue, LeaseError, PeerRefused, ProtocolError, Truncated
+from protocols.errors import Beaten, InvalidValue, LeaseError, PeerRefused, ProtocolError, Truncated
 from protocols.messages import PushReceipt, RolloutBatch, RunManifest
 from protocols.sync import Lease, Mode, Verdict, judge_version
 
@@ -113,10 +113,12 @@ class Pushes:
             self.judging.add(judging_now)
             round_ = self.rounds.round_of(batch.lease_id)
         book = self.leasing.book if round_ is None else round_.book
+        beaten = False  # a shadow's answer closed this lease first: judged for the key's proof only
         try:
             with self.lock:
                 lease = self._held_lease(batch, now, round_)
-                prompts = {seed: (self.leasing.prompts if round_ is None else self.rounds.evaluation.prompts)[seed]
+                beaten = book.beaten(batch.lease_id, batch.node_id) is not None
+                prompts = {seed: self.leasing.prompt(seed) if round_ is None else self.rounds.evaluation.prompts[seed]
                            for seed in lease.seeds}
             # Judged without the lock: replay and verification take a while, other handlers go on.
             per_seed = self.manifest.group_size if round_ is None else round_.samples
@@ -134,6 +136,11 @@ class Pushes:
             now += time.monotonic() - started  # the lease may have expired while we judged
             groups = [] if round_ is not None else judging.groups(batch, rewards, peer_id, name, unchecked=waits)
             with self.lock:
+                if beaten:
+                    if not waits:  # verified: the key delivered, as a proven key does
+                        self.nodes.throughput.pushed(batch.node_id, len(batch.samples), lease.issued_at, now)
+                    raise Beaten(f"lease {batch.lease_id}'s seeds were answered first by another key: this batch "
+                                 f"{'passed and proves this key' if not waits else 'is not judged'}, but is not trained on")
                 self._held_lease(batch, now, round_)
                 if round_ is None:
                     self.buffer.offer(batch)
@@ -153,6 +160,8 @@ class Pushes:
         finally:
             with self.lock:
                 self.judging.discard(judging_now)
+                if beaten:
+                    book.drop_beaten(batch.lease_id)
 
     def settle(self, verdicts: list[tuple[Unchecked, str | None]], now: float) -> None:
         """The verdicts (None, or the reason it was refused) on the batches a step verified
@@ -176,7 +185,7 @@ class Pushes:
         banned = self.ledger.trust(node_id).banned_until > now
         with self.lock:
             for b in [self.leasing.book, *self.rounds.books()] if banned else [book] if book else []:
-                for x in b.outstanding:
+                for x in (*b.outstanding, *b.shadows):
                     if x.node_id == node_id and (banned or x.lease_id == lease_id):
                         b.release(x.lease_id, x.node_id, now)
 
@@ -184,7 +193,7 @@ class Pushes:
         """Under the lock: the lease this batch answers (in `round_`'s book for an evaluation),
         outstanding or late but still open (`LeaseBook.find`), held by its signer, admitting its version."""
         book = self.leasing.book if round_ is None else round_.book
-        lease = book.find(batch.lease_id, now)
+        lease = book.find(batch.lease_id, now) or book.beaten(batch.lease_id, batch.node_id)
         if lease is None:
             book.complete(batch.lease_id, batch.node_id, now)  # raises the precise LeaseError
             raise LeaseError(f"lease {batch.lease_id} is not outstanding")

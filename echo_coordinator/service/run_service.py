@@ -271,7 +271,9 @@ class RunService:
             work = self.leasing.lease(request, now, self.buffer.version, len(self.buffer.replay), self.rounds, proven)
             if work is None:
                 return NoWork(self.buffer.version, RETRY_AFTER)
-            saved = None if work.evaluation else self.journal.save(self.leasing.book_state())
+            # A shadow lease changes nothing a restart needs (`LeaseBook.shadow`).
+            unsaved = work.evaluation or self.leasing.book.is_shadow(work.lease_id)
+            saved = None if unsaved else self.journal.save(self.leasing.book_state())
         if saved:
             saved.result()  # a training lease is in the journal before the node has it
         try:

@@ -1,7 +1,8 @@
 """Keys that take leases and never answer: what a peer that wants to stall a run does. They ask
 for work as often as the rate limit lets them (so they are there the moment a step opens or a
-lease expires), keep every lease and push nothing. Or (`garbage`) a fresh key each time that
-pushes random maximum-length tokens for its lease at once, to keep the trainer verifying.
+lease expires), keep every lease and push nothing: with the same keys, or (`fresh`) a new key for
+every request, so no lapse ever makes one wait. Or (`garbage`) a fresh key each time that pushes
+random maximum-length tokens for its lease at once, to keep the trainer verifying.
 Used by the hoarding test and bench."""
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ class Hoarders:
     """`keys` hoarding keys on one DHT peer; `replies` counts what they were answered (`lease` or
     a refusal's code), `held` is every lease they got, with when."""
 
-    def __init__(self, address: str, keys: int = 2, interval: float = 0.2, garbage: bool = False):
-        self.address, self.interval, self.garbage = address, interval, garbage
+    def __init__(self, address: str, keys: int = 2, interval: float = 0.2, garbage: bool = False,
+                 fresh: bool = False):
+        self.address, self.interval, self.garbage, self.fresh = address, interval, garbage, fresh
         self.keys = [generate_key() for _ in range(keys)]
         self.replies: Counter[str] = Counter()
         self.held: list[tuple[float, TaskLease]] = []
@@ -42,7 +44,7 @@ class Hoarders:
                     await asyncio.gather(*(self._push_garbage(endpoint, coordinator, manifest) for _ in self.keys))
                 else:
                     for key in self.keys:
-                        await self._ask(endpoint, coordinator, manifest, key)
+                        await self._ask(endpoint, coordinator, manifest, generate_key() if self.fresh else key)
                 await asyncio.sleep(self.interval)
         finally:
             dht.shutdown()

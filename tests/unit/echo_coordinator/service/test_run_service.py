@@ -13,7 +13,7 @@ from echo_coordinator.service.registry import LIVE_SECONDS, RESTART_PATIENCE
 from echo_coordinator.verify import Verifier
 from engines.episodes import Transcripts
 from engines.sampler import score_rows
-from protocols.errors import InvalidValue, LeaseError, PeerRefused, SignatureError, TranscriptError, VerificationError
+from protocols.errors import Beaten, InvalidValue, LeaseError, PeerRefused, SignatureError, TranscriptError, VerificationError
 from protocols.sampling import OutlierBudget, SampleEvidence, SamplingRule, choose, gumbel, log_softmax, sample_seed
 from protocols.messages import LeaseRequest, NoWork, RolloutBatch, RolloutSample, TaskLease, TurnFormat, UpdateInfo
 from protocols.signing import fingerprint, generate_key, public_bytes, sign_message
@@ -264,6 +264,36 @@ def test_keys_that_never_deliver_hold_a_step_only_briefly(service):
     assert isinstance(service.handle_lease(lease_request(hoarders[0], time=at), now=at), TaskLease)
 
 
+def test_a_hoarded_step_is_answered_at_once_through_shadow_leases(service):
+    """Fresh keys take every seed of a step the moment it opens (issue 36 point 2: each step then
+    waited out their leases, and a run with no proven node never started). A key that finds no
+    seed shadows one of their leases and answers it at once; a newcomer beaten by another key's
+    shadow to its own lease is still judged, and its valid batch proves it."""
+    honest, newcomer = generate_key(), generate_key()
+    service.open_step([1, 2, 3, 4])
+    hoarded = [service.handle_lease(lease_request(generate_key()), now=NOW) for _ in range(2)]
+    assert [x.seeds for x in hoarded] == [(1, 2), (3, 4)] and service.leasing.book.pending_count == 0
+    shadows = [service.handle_lease(lease_request(k), now=NOW + 1) for k in (honest, honest)]
+    assert [x.seeds for x in shadows] == [(1, 2), (3, 4)]  # never the same lease twice
+    for lease in shadows:
+        push(service, answer_batch(service, honest, lease), peer_id("Node"), now=NOW + 2)
+    assert service.leasing.book.completed_count == 4 and not service.leasing.book.outstanding
+
+    service.open_step([5, 6])
+    mine = service.handle_lease(lease_request(newcomer, time=NOW + 4), now=NOW + 4)
+    assert mine.seeds == (5, 6) and mine.expires_at == NOW + 4 + service.settings.first_lease_seconds
+    theirs = service.handle_lease(lease_request(honest, time=NOW + 4), now=NOW + 4)
+    assert theirs.seeds == (5, 6)  # the proven key, idle, shadows the newcomer's lease
+    push(service, answer_batch(service, honest, theirs), peer_id("Node"), now=NOW + 5)
+    with pytest.raises(Beaten, match="passed and proves this key"):
+        push(service, answer_batch(service, newcomer, mine), peer_id("Newcomer"), now=NOW + 6)
+    with pytest.raises(LeaseError, match="answered by another key"):  # judged once
+        push(service, answer_batch(service, newcomer, mine), peer_id("Newcomer"), now=NOW + 6)
+    service.open_step([7, 8])
+    proven = service.handle_lease(lease_request(newcomer, time=NOW + 7), now=NOW + 7)
+    assert proven.expires_at == NOW + 7 + service.settings.lease_seconds  # a proven key's lease: never shadowed
+
+
 def lora_snapshot(version, adapter, key):
     """A LoRA update 0 -> version (a fresh publisher's first update is the adapter itself)."""
     return Publisher("run-1", key, "lora", None, "topk-int8", 0.05, 10, {"alpha": 8.0}).publish(version, adapter)
@@ -315,13 +345,23 @@ def advance(service, version):
 
 def test_a_flood_of_fresh_keys_holds_at_most_max_ahead_seeds_in_async_mode(async_services):
     """Each async lease draws fresh seeds, and every lease writes the lease book to the journal:
-    a thousand free keys must not grow it without end. A proven node still gets work."""
-    svc, honest = async_services(max_ahead=4), generate_key()
+    a thousand free keys must not grow it without end. Past `max_ahead` they shadow the leases
+    out (no new seed, no journal write), and so does a new honest node, whose answer then wins
+    (issue 36 point 2: the flood used to leave it no work). A proven node gets fresh work."""
+    svc, honest, newcomer = async_services(max_ahead=4), generate_key(), generate_key()
     first = svc.handle_lease(lease_request(honest), now=NOW)
     push(svc, answer_batch(svc, honest, first), peer_id("Node"), now=NOW)
     svc.take_batch()
+    saves, save = [], svc.journal.save
+    svc.journal.save = lambda values: saves.append(values) or save(values)
     leased = [svc.handle_lease(lease_request(generate_key()), now=NOW) for _ in range(1000)]
-    assert sum(isinstance(x, TaskLease) for x in leased) == 4 and len(svc.leasing.book.outstanding) == 4
+    assert all(isinstance(x, TaskLease) for x in leased) and len(svc.leasing.book.outstanding) == 4
+    assert svc.leasing.book.pending_count == 0 and len(svc.leasing.book.shadows) == 996
+    assert len(saves) == 4
+    lease = svc.handle_lease(lease_request(newcomer), now=NOW)
+    assert lease.seeds[0] in {s for x in leased[:4] for s in x.seeds}
+    push(svc, answer_batch(svc, newcomer, lease), peer_id("Newcomer"), now=NOW + 1)
+    assert svc.leasing.book.completed_count == 2 and len(svc.leasing.book.outstanding) == 3
     assert isinstance(svc.handle_lease(lease_request(honest), now=NOW), TaskLease)
 
 
