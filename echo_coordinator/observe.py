@@ -107,7 +107,7 @@ class RunView:
                 samples_per_second=rate, tokens_per_second=rate * per_sample if rate is not None else None,
                 version_lag=version - node["holds"] if node.get("holds") is not None else None,
                 last_seen=max(p["last_seen"], node.get("last_request", 0)),
-                banned=p["banned_until"] > now, trust=trust(p, now),
+                banned=p["banned_until"] > now, trust=trust(p, now), abandoned=node.get("abandoned"),
             ))
         return out
 

@@ -49,6 +49,14 @@ def sample_seed(lease_id: str, task_seed: int, index: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{lease_id}/{task_seed}/{index}".encode()).digest()[:8], "big")
 
 
+def training_noise(version: int) -> str:
+    """What a training lease's noise derives from (`TaskLease.noise`): the version it is sampled
+    with, beside each sample's seed, not the lease. A seed one key leaves to lapse and another
+    answers at the same version is sampled with the same noise, so leaving the seeds that scored
+    badly re-rolls nothing (selective reporting, issue 36 point 4)."""
+    return f"train-v{version}"
+
+
 def sample_seeds(lease_id: str, task_seeds: Sequence[int]) -> list[int]:
     """The seed of each sample of a batch whose task seeds are `task_seeds`, in batch order (the
     order the node generates them in): a sample's index is its place among its seed's samples,

@@ -13,6 +13,7 @@ from echo_coordinator.service.evaluating import EvalRounds
 from echo_coordinator.service.settings import LeaseSettings
 from protocols.errors import PeerRefused
 from protocols.messages import LeaseRequest, RunManifest, TaskLease
+from protocols.sampling import training_noise
 from protocols.sync import LeaseBook, Mode, lease_version
 
 MAX_LEASES_PER_KEY = 2  # outstanding at once: one in generation, one whose push is being retried
@@ -153,4 +154,5 @@ class Leasing:
         return TaskLease(
             lease_id=lease.lease_id, run_id=self.run_id, node_id=lease.node_id, seeds=lease.seeds,
             prompts=tuple(self.prompts[s] for s in lease.seeds), version=lease.version, expires_at=lease.expires_at,
+            noise=training_noise(lease.version),
         )

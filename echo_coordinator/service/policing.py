@@ -19,7 +19,7 @@ from echo_coordinator.ledger import Ledger, Trust
 from echo_coordinator.verify import Verifier
 from protocols.errors import PeerRefused, VerificationError
 from protocols.messages import PeerAnnouncement, RolloutBatch
-from protocols.sampling import OutlierBudget
+from protocols.sampling import OutlierBudget, training_noise
 from protocols.signing import FINGERPRINT_CHARS
 
 _DRAWS = random.SystemRandom()  # spot-check draws: a node must not predict them
@@ -126,7 +126,7 @@ class Policing:
         behind = trust.verified == 0
         try:
             if round_ is None:
-                self.verifier.check(batch.lease_id, batch.version, batch.samples, behind=behind)
+                self.verifier.check(training_noise(batch.version), batch.version, batch.samples, behind=behind)
             else:
                 self.verifier.check(round_.noise_id or batch.lease_id, batch.version, batch.samples, round_.weights,
                                     round_.greedy, behind=behind)

@@ -118,6 +118,8 @@ class Pushes:
             with self.lock:
                 lease = self._held_lease(batch, now, round_)
                 beaten = book.beaten(batch.lease_id, batch.node_id) is not None
+                if round_ is None:
+                    self.nodes.lease_answered(batch.node_id)
                 prompts = {seed: self.leasing.prompt(seed) if round_ is None else self.rounds.evaluation.prompts[seed]
                            for seed in lease.seeds}
             # Judged without the lock: replay and verification take a while, other handlers go on.

@@ -37,6 +37,10 @@ class Registry:
         self.expected_until = 0.0  # when the run stops waiting for them
         self.lease_rate = RateLimit(LEASE_RATE.rate, LEASE_RATE.burst)
         self.throughput = Throughput()  # measured rollout throughput per node (the capacity model's μ_i)
+        # Training leases each key was given, and of those it pushed a batch for (any verdict):
+        # what it leaves to lapse is measured (selective reporting, issue 36 point 4).
+        self.leased: dict[str, int] = {}
+        self.answered: dict[str, int] = {}
 
     def heard(self, request: LeaseRequest, peer_id: str, now: float) -> None:
         """A signed lease request, from libp2p peer `peer_id` ("": unknown). Past its key's rate
@@ -95,12 +99,26 @@ class Registry:
             self.throughput.forget(node_id)
             self.talked.pop(node_id, None)
             self.told_finished.pop(node_id, None)
+            self.leased.pop(node_id, None)
+            self.answered.pop(node_id, None)
         self.lease_rate.forget_idle(now)
 
+    def lease_given(self, node_id: str) -> None:
+        self.leased[node_id] = self.leased.get(node_id, 0) + 1
+
+    def lease_answered(self, node_id: str) -> None:
+        self.answered[node_id] = self.answered.get(node_id, 0) + 1
+
+    def abandoned(self, node_id: str) -> float | None:
+        """The share of its training leases a key left unanswered (since it was last pruned)."""
+        leased = self.leased.get(node_id, 0)
+        return 1 - min(self.answered.get(node_id, 0), leased) / leased if leased else None
+
     def nodes(self, now: float) -> dict[str, dict]:
-        """Per node seen in the last `prune` window: its backend, held version and measured throughput."""
+        """Per node seen in the last `prune` window: its backend, held version, measured throughput
+        and the share of its training leases it abandoned."""
         rates = self.throughput.rates(now)
         return {n: dict(name=self.name(n), backend=self.backends.get(n, ""), parallel=self.parallel.get(n, 1),
                         hardware=self.hardware.get(n, ""), holds=self.throughput.held.get(n),
-                        samples_per_second=rates.get(n), last_request=at)
+                        samples_per_second=rates.get(n), last_request=at, abandoned=self.abandoned(n))
                 for n, at in self.last_seen.items()}

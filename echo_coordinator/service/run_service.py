@@ -271,6 +271,8 @@ class RunService:
             work = self.leasing.lease(request, now, self.buffer.version, len(self.buffer.replay), self.rounds, proven)
             if work is None:
                 return NoWork(self.buffer.version, RETRY_AFTER)
+            if not work.evaluation:
+                self.nodes.lease_given(request.node_id)
             # A shadow lease changes nothing a restart needs (`LeaseBook.shadow`).
             unsaved = work.evaluation or self.leasing.book.is_shadow(work.lease_id)
             saved = None if unsaved else self.journal.save(self.leasing.book_state())

@@ -119,7 +119,7 @@ class Attacker:
         samples = []
         for seed, prompt in zip(lease.seeds, lease.prompts):
             for j in range(self.manifest.group_size):
-                noise = sampling.sample_seed(lease.lease_id, seed, j)
+                noise = sampling.sample_seed(lease.noise_id, seed, j)
                 out = generate_one(backend or self.backend, prompt, self.manifest.max_new_tokens, temperature, noise)
                 samples.append(RolloutSample(seed, prompt, out.token_ids, out.logprobs))
         return samples

@@ -67,7 +67,7 @@ def sampled_batch(run_id: str, key, lease: TaskLease) -> RolloutBatch:
     for seed, prompt in zip(lease.seeds, lease.prompts):
         for j in range(GROUP):
             ids: tuple[int, ...] = ()
-            for g in gumbel(sample_seed(lease.lease_id, seed, j), np.arange(8), len(LOGITS)):
+            for g in gumbel(sample_seed(lease.noise_id, seed, j), np.arange(8), len(LOGITS)):
                 ids += (choose(LOGITS, g),)
                 if ids[-1] == EOS:
                     break

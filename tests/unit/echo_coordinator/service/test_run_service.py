@@ -14,6 +14,7 @@ from echo_coordinator.verify import Verifier
 from engines.episodes import Transcripts
 from engines.sampler import score_rows
 from protocols.errors import Beaten, InvalidValue, LeaseError, PeerRefused, SignatureError, TranscriptError, VerificationError
+from protocols import sampling
 from protocols.sampling import OutlierBudget, SampleEvidence, SamplingRule, choose, gumbel, log_softmax, sample_seed
 from protocols.messages import LeaseRequest, NoWork, RolloutBatch, RolloutSample, TaskLease, TurnFormat, UpdateInfo
 from protocols.signing import fingerprint, generate_key, public_bytes, sign_message
@@ -515,7 +516,7 @@ def sampled_batch(key, lease: TaskLease) -> RolloutBatch:
     samples = []
     for seed, prompt in zip(lease.seeds, lease.prompts):
         for j in range(GROUP):
-            noise = gumbel(sample_seed(lease.lease_id, seed, j), np.arange(8), len(LOGITS))
+            noise = gumbel(sample_seed(lease.noise_id, seed, j), np.arange(8), len(LOGITS))
             ids = ()
             for g in noise:
                 ids += (choose(LOGITS, g),)
@@ -538,6 +539,29 @@ def policed(tmp_path, made):
         return svc
 
     return make
+
+
+def test_a_seed_left_to_lapse_is_sampled_again_with_the_same_noise(policed):
+    """Selective reporting (issue 36 point 4): a key that samples a lease, sees its reward and lets
+    it lapse must not re-roll the seed. A training lease's noise is its version's, not the
+    lease's: whoever answers the seed next at that version draws the same samples, and a batch
+    sampled with the lease id's noise (as before) is refused."""
+    svc, picky, other = policed(), generate_key(), generate_key()
+    left = svc.handle_lease(lease_request(picky), now=NOW)
+    at = NOW + svc.settings.lease_seconds + 1  # its lease lapsed
+    again = svc.handle_lease(lease_request(other, time=at), now=at)
+    assert again.seeds == left.seeds and again.lease_id != left.lease_id
+    assert again.noise_id == left.noise_id == sampling.training_noise(0)
+    assert sampled_batch(other, again).samples == sampled_batch(picky, left).samples  # nothing re-rolled
+    by_lease_id = dataclasses.replace(again, noise="")
+    with pytest.raises(VerificationError, match="bad_sampling|sampl"):
+        push(svc, sampled_batch(other, by_lease_id), peer_id("Other"), now=at)
+    again = svc.handle_lease(lease_request(other, time=at + 61), now=at + 61)  # released by the refusal, ban served
+    assert push(svc, sampled_batch(other, again), peer_id("Other"), now=at + 61).accepted == GROUP
+    # What each key left unanswered is measured: all of the picky key's leases, none of the other's.
+    nodes = svc.live(at + 61)["nodes"]
+    assert nodes[fingerprint(public_bytes(picky))]["abandoned"] == 1.0
+    assert nodes[fingerprint(public_bytes(other))]["abandoned"] == 0.0
 
 
 def test_written_tokens_are_refused_struck_and_banned_for_a_growing_time(policed):
