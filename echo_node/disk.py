@@ -1,10 +1,11 @@
 """What a node may keep on disk: its data dir under the volunteer's limit (`--max-disk`).
 
 The coordinator states the size of what a node writes: the base model (it may say 512 GiB), LoRA
-adapters and full-mode weight exports. Each is checked here before a byte is written, against the
-disk's free space (keeping `MARGIN` spare) and against the limit on the data dir. Cached base models
-of other runs go first, least recently used first (a base's access time is set when a node joins
-with it), before a write is refused.
+adapters and, in full mode, the base's float32 checkpoint (`hf/`) and the weight exports. Each is
+checked here before a byte is written, against the disk's free space (keeping `MARGIN` spare) and
+against the limit on the data dir. Cached base models and checkpoints of other runs go first,
+least recently used first (a base's access time is set when a node joins with it), before a
+write is refused.
 """
 
 from __future__ import annotations
@@ -26,11 +27,28 @@ class DiskFull(EchoError):
 
 
 def held_bytes(path: Path) -> int:
-    """Bytes a file really holds on disk (a partial download is sparse); 0 if it is gone."""
+    """Bytes a file (or a directory's files) really hold on disk (a partial download is sparse);
+    0 if it is gone."""
+    if path.is_dir():
+        return sum(held_bytes(p) for p in path.rglob("*") if p.is_file())
     try:
         return path.stat().st_blocks * 512
     except FileNotFoundError:
         return 0
+
+
+def used_at(path: Path) -> int:
+    """When a cached file was last used: its access time; a checkpoint directory's is its
+    `config.json`'s (listing a directory changes the directory's own)."""
+    marker = path / "config.json" if path.is_dir() else path
+    return (marker if marker.exists() else path).stat().st_atime_ns
+
+
+def remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def touch(path: Path) -> None:
@@ -49,9 +67,11 @@ class Disk:
         return sum(held_bytes(p) for p in self.root.rglob("*") if p.is_file())
 
     def cached_bases(self) -> list[Path]:
-        """Cached base models and partial downloads, least recently used first."""
+        """Cached base models, partial downloads and float32 checkpoints (directories), least
+        recently used first."""
         found = [p for p in (self.root / "models").glob("*.gguf*") if p.is_file()]
-        return sorted(found, key=lambda p: p.stat().st_atime_ns)
+        found += [p for p in (self.root / "hf").glob("*") if p.is_dir()]
+        return sorted(found, key=used_at)
 
     def make_room(self, size: int, what: str, replacing: Path | None = None, keep: Iterable[Path] = ()) -> None:
         """Room for `size` more bytes (`what`, for the message), less what `replacing` holds (a
@@ -70,7 +90,7 @@ class Disk:
         for path in spare:
             if self._shortfall(need) <= 0:
                 return
-            path.unlink(missing_ok=True)
+            remove(path)
 
     def _shortfall(self, need: int) -> int:
         """Bytes missing for `need` more: past the disk's free space or past the limit."""

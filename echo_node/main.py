@@ -13,6 +13,7 @@ from rich.text import Text
 
 from echo_node import join
 from echo_node.config import JoinRefused, NodeConfig, Stopped
+from echo_node.disk import touch
 from echo_node.presence import Presence
 from echo_node.rollouts import Rollouts, load_task
 from echo_node.session import Session, console
@@ -107,6 +108,19 @@ async def _serve(session: Session, presence: Presence, versions: Versions, work:
         console.print(f"left the run at version {versions.version}")
 
 
+def _make_room_for_checkpoint(session: Session, manifest: RunManifest, model: Path) -> None:
+    """Full mode: the base's float32 checkpoint (the master weights load from it) is kept in the
+    data dir, under `--max-disk`, room made before it is written; a cached one is used as it is."""
+    from engines import hf
+
+    hf.use_cache(session.data_dir)
+    target = hf.checkpoint_dir(manifest.base_sha256)
+    if (target / "config.json").exists():
+        touch(target / "config.json")  # used now (`disk.used_at`): other runs' checkpoints go first
+    else:
+        session.disk.make_room(hf.checkpoint_bytes(model), "the base model's float32 checkpoint", keep=[model])
+
+
 def _load_backend(session: Session, manifest: RunManifest, model: Path):
     """The generation backend, and the master weights updates apply to: in full mode the float32
     base weights, in LoRA mode the adapter, empty until the first update. The config chooses the
@@ -114,6 +128,8 @@ def _load_backend(session: Session, manifest: RunManifest, model: Path):
     config = session.config
     # The run's window, not ours: the trainer refuses a transcript that ends anywhere else.
     window = context_window(manifest.max_new_tokens, manifest.task.max_turns > 1)
+    if manifest.update == "full":
+        _make_room_for_checkpoint(session, manifest, model)
     if config.backend == "transformers":
         from engines.transformers_backend import TransformersBackend
 

@@ -89,10 +89,14 @@ class Versions:
         self.presence.holding(self.version)
 
     def _load_full_weights(self) -> None:
-        """Full mode: bring the backend to the master weights (after a whole chain, once). A
-        llama.cpp node writes them as a GGUF as large as its base file first."""
-        base = getattr(self.backend, "model_path", None)
-        if base is not None:
-            self.session.disk.make_room(Path(base).stat().st_size, f"version {self.version}'s weights", keep=[base])
+        """Full mode: bring the backend to the master weights (after a whole chain, once). They
+        are written as a float32 GGUF, then requantized to a file as large as the base: room for
+        both is made first (an 8B base: ~32 GB, then ~5 GB)."""
+        from engines.hf import checkpoint_dir
+
+        base = Path(self.backend.model_path)
+        size = 4 * sum(w.size for w in self.master.values()) + base.stat().st_size
+        self.session.disk.make_room(size, f"version {self.version}'s weights",
+                                    keep=[base, checkpoint_dir(self.manifest.base_sha256)])
         self.backend.load_weights(self.master, self.version, self.session.data_dir / "weights")
         self.loaded = self.version

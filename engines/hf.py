@@ -8,6 +8,7 @@ One rule for tied embeddings: when `tie_word_embeddings` is set, `lm_head.weight
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import shutil
 import tempfile
@@ -16,6 +17,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from engines.gguf_read import tensor_shapes
 from protocols.errors import ConfigError
 from protocols.messages import TurnFormat
 from tasks.base import Message
@@ -64,11 +66,34 @@ def checkpoint_of(source: Path) -> Path:
     return source if source.is_dir() else gguf_checkpoint(source)
 
 
+_cache_root: Path | None = None  # set by `use_cache`
+
+
+def use_cache(root: Path) -> None:
+    """Cache derived files under `root` from now on, in this process: a node keeps its float32
+    checkpoints in its data dir, where `--max-disk` counts them."""
+    global _cache_root
+    _cache_root = Path(root)
+
+
 def cache_dir() -> Path:
-    """Where derived files are cached: $ECHO_CACHE, else $XDG_CACHE_HOME/echo (~/.cache/echo)."""
+    """Where derived files are cached: `use_cache`'s root, else $ECHO_CACHE, else
+    $XDG_CACHE_HOME/echo (~/.cache/echo)."""
+    if _cache_root is not None:
+        return _cache_root
     if os.environ.get("ECHO_CACHE"):
         return Path(os.environ["ECHO_CACHE"])
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "echo"
+
+
+def checkpoint_dir(sha256: str) -> Path:
+    """Where `gguf_checkpoint` keeps the checkpoint of the GGUF file whose sha256 this is."""
+    return cache_dir() / "hf" / sha256[:32]
+
+
+def checkpoint_bytes(path: Path) -> int:
+    """About what `gguf_checkpoint` writes for the GGUF at `path`: its values as float32."""
+    return 4 * sum(math.prod(shape) for shape in tensor_shapes(path).values())
 
 
 def gguf_checkpoint(path: Path) -> Path:
@@ -90,7 +115,7 @@ def gguf_checkpoint(path: Path) -> Path:
 
     from protocols.signing import sha256_file
 
-    target = cache_dir() / "hf" / sha256_file(path)[:32]
+    target = checkpoint_dir(sha256_file(path))
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -83,7 +84,9 @@ class Backend(SimpleNamespace):
     """What the node asks of a backend besides generation: its name, throughput, weights."""
 
     def __init__(self):
-        super().__init__(name="llama_cpp", throughput=12.0, hardware="cpu", parallel=8, loads=[])
+        # model_path: the file it serves (this one stands in: full mode sizes its exports by it)
+        super().__init__(name="llama_cpp", throughput=12.0, hardware="cpu", parallel=8, loads=[],
+                         model_path=Path(__file__))
 
     def load_weights(self, master, version, workdir):
         self.loads.append((version, {k: v.copy() for k, v in master.items()}))

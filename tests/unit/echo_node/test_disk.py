@@ -61,3 +61,44 @@ def test_touch_marks_a_base_used_and_keeps_its_modification_time(tmp_path):
     before = base.stat().st_mtime_ns
     touch(base)
     assert base.stat().st_atime > 1000 and base.stat().st_mtime_ns == before
+
+
+def test_other_runs_float32_checkpoints_make_room_too(tmp_path):
+    """Full mode keeps the base's float32 checkpoint in the data dir (`hf/SHA/`): a directory,
+    counted whole and removed whole, least recently used first beside the cached bases."""
+    base = cached(tmp_path, "a.gguf", 2 * MIB, used_at=2000)
+    checkpoint = tmp_path / "hf" / "0123"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "model.safetensors").write_bytes(os.urandom(3 * MIB))
+    (checkpoint / "config.json").write_text("{}")
+    os.utime(checkpoint / "config.json", (1000, 1000))  # when it was last loaded
+    node = Disk(tmp_path, 8 * MIB)
+    assert disk.held_bytes(checkpoint) >= 3 * MIB and node.cached_bases() == [checkpoint, base]
+    node.make_room(5 * MIB, "version 3's weights")
+    assert not checkpoint.exists() and base.exists()
+
+
+def test_a_full_mode_checkpoint_is_written_in_the_data_dir_under_its_limit(tmp_path, monkeypatch):
+    """Issue 36 point 6: the float32 checkpoint went to ~/.cache/echo/hf, outside `--max-disk`
+    and never evicted. Now room is made for it (its size read from the GGUF header) before it
+    is written, in the data dir; one past the limit is refused first."""
+    from echo_node.main import _make_room_for_checkpoint
+    from echo_node.session import Session
+    from engines import hf
+    from protocols.signing import sha256_file
+    from tests.support.tiny_model import build_tiny_gguf
+    from tests.unit.echo_node.conftest import config
+    from tests.unit.protocols import factories
+
+    monkeypatch.setattr(hf, "_cache_root", None)  # use_cache is process-wide: undone after the test
+    model = build_tiny_gguf(tmp_path / "base.gguf")
+    manifest = factories.manifest(base_sha256=sha256_file(model), update="full")
+    expected = hf.checkpoint_bytes(model)
+    small = Session(config(tmp_path, max_disk_gib=expected / 2 / 2**30))
+    with pytest.raises(DiskFull, match="float32 checkpoint"):
+        _make_room_for_checkpoint(small, manifest, model)
+    session = Session(config(tmp_path, max_disk_gib=4 * expected / 2**30))
+    _make_room_for_checkpoint(session, manifest, model)
+    written = hf.gguf_checkpoint(model)
+    assert written == session.data_dir / "hf" / manifest.base_sha256[:32]
+    assert 0.9 * expected < disk.held_bytes(written / "model.safetensors") < 1.1 * expected
