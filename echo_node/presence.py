@@ -25,6 +25,7 @@ ANNOUNCE_TTL = 60.0  # seconds
 PEER_REFRESH = 5.0  # seconds between re-announcing and re-reading peers' versions
 CALL_TIMEOUT = 60.0
 RELAY_CHECK = 5.0  # seconds between a node's checks that its relay reservation holds (behind NAT)
+REACH_TRIES, REACH_RETRY = 4, 1.0  # asks of "can you dial us?" while the answer is unknown, and the first wait
 
 
 class Presence:
@@ -62,7 +63,7 @@ class Presence:
         self.dht = await self._start_dht()
         if self.dht is None:
             return False
-        if await self._reach(relayed=False) is not False:
+        if await self._reachable():
             return True
         console.print("this node cannot be dialled directly (behind NAT or a firewall): it joins as a DHT client "
                       "and is reached through the coordinator's relay")
@@ -93,6 +94,16 @@ class Presence:
         if self.dht is not None:
             self.dht.shutdown()
             self.dht = None
+
+    async def _reachable(self) -> bool:
+        """Can the coordinator dial us directly? Asked again while it cannot say (its checks are
+        queued: `busy`, or no answer in time); still unknown, the answer is no: a node reached
+        through the relay works either way, one wrongly taken as reachable serves nobody."""
+        for attempt in range(REACH_TRIES):
+            if (reachable := await self._reach(relayed=False)) is not None:
+                return reachable
+            await asyncio.sleep(REACH_RETRY * 2**attempt)
+        return False
 
     async def _reach(self, relayed: bool) -> bool | None:
         """Can the coordinator dial us (directly, or through its relay)? None if it cannot say."""
@@ -150,7 +161,7 @@ class Presence:
                                    subkey=self.session.fingerprint)
                 announced = verified_announcements(await self.dht.get(self.peers_key), self.run_id)
                 self.peer_versions = {a.peer_id: a.version for a in announced}
-                self.endpoint.learn_relays(announced)
+                self.endpoint.learn_relays(announced, self.session.config.address)
             except TransportError as e:
                 log.warning("announcing failed, will retry: %s", e)
             self._now.clear()
@@ -187,5 +198,5 @@ class Presence:
             announced = verified_announcements(await self.dht.get(self.peers_key), self.run_id)
         except TransportError:
             return []
-        self.endpoint.learn_relays(announced)  # the whole set, as the announcer's refresh does
+        self.endpoint.learn_relays(announced, self.session.config.address)  # the whole set, as the announcer's refresh does
         return [a.peer_id for a in announced if a.model_sha256 == sha256]

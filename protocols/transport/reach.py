@@ -4,7 +4,9 @@ A node asks the coordinator (`echo.reach`) whether it can be dialled. The coordi
 with a `Prober`: a libp2p host of its own with a fresh identity and no connections, so a dial is
 a real test, not an existing connection reused. It dials the asker's port at the IP the asker's
 stream came from, never at an address the asker names, so the check cannot be aimed at a third
-party; one probe runs at a time, each bounded by PROBE_SECONDS. A node that cannot be dialled
+party; one probe runs at a time, each bounded by PROBE_SECONDS, and past MAX_WAITING queued asks
+the asker is told "busy" at once (a relayed probe starts a p2pd daemon: a flood of asks must not
+queue honest nodes' checks for minutes). A node that cannot be dialled
 joins as a DHT client with the coordinator as its relay (libp2p circuit relay v2: it holds a
 reservation there) and announces the circuit address; the coordinator then probes it through
 its relay (`relayed`) to confirm the reservation before the node announces it.
@@ -22,11 +24,13 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.control import P2PDaemonError
 from hivemind.utils.multiaddr import Multiaddr
 
+from protocols.errors import PeerRefused
 from protocols.messages import ReachReply, ReachRequest
 
 log = logging.getLogger(__name__)
 
 PROBE_SECONDS = 5.0
+MAX_WAITING = 8  # reachability checks queued or running; more are told "busy" at once
 _P2P, _P2P_CIRCUIT = 421, 290  # multiaddr protocol codes
 
 
@@ -70,6 +74,7 @@ class Prober:
         self.direct: P2P | None = None
         self.lock = asyncio.Lock()
         self.probes = 0
+        self.waiting = 0  # checks queued for the lock or running
 
     async def answer(self, request: ReachRequest, peer: str, observed: str) -> ReachReply:
         if request.relayed:
@@ -79,30 +84,36 @@ class Prober:
             if direct is None:
                 return ReachReply(False, observed)
             target = Multiaddr(direct)
-        async with self.lock:  # one dial at a time: a flood of asks costs one slow dial each
-            self.probes += 1
-            if request.relayed:
-                p2p = await self._host(relay=True)
-            else:
-                self.direct = self.direct or await self._host(relay=False)
-                p2p = self.direct
-            who = PeerID.from_base58(peer)
-            try:
-                async with asyncio.timeout(PROBE_SECONDS):
-                    await p2p._client.connect(who, [target])
-                reachable = True
-            except (P2PDaemonError, TimeoutError) as e:
-                log.info("reach: %s not reachable %s (%s)", peer[-8:], "via our relay" if request.relayed else
-                         f"at {target}", e)
-                reachable = False
-            finally:
+        if self.waiting >= MAX_WAITING:
+            raise PeerRefused("busy", f"{self.waiting} reachability checks are queued; ask again shortly")
+        self.waiting += 1
+        try:
+            async with self.lock:  # one dial at a time: a flood of asks costs one slow dial each
+                self.probes += 1
                 if request.relayed:
-                    await p2p.shutdown()
+                    p2p = await self._host(relay=True)
                 else:
-                    try:
-                        await p2p._client.disconnect(who)
-                    except P2PDaemonError:
-                        pass
+                    self.direct = self.direct or await self._host(relay=False)
+                    p2p = self.direct
+                who = PeerID.from_base58(peer)
+                try:
+                    async with asyncio.timeout(PROBE_SECONDS):
+                        await p2p._client.connect(who, [target])
+                    reachable = True
+                except (P2PDaemonError, TimeoutError) as e:
+                    log.info("reach: %s not reachable %s (%s)", peer[-8:], "via our relay" if request.relayed else
+                             f"at {target}", e)
+                    reachable = False
+                finally:
+                    if request.relayed:
+                        await p2p.shutdown()
+                    else:
+                        try:
+                            await p2p._client.disconnect(who)
+                        except P2PDaemonError:
+                            pass
+        finally:
+            self.waiting -= 1
         return ReachReply(reachable, observed)
 
     async def start(self) -> None:

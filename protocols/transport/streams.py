@@ -174,9 +174,12 @@ class Endpoint:
             if writer is not None:
                 writer.close()
 
-    def learn_relays(self, announcements) -> None:
-        """Remember how to reach announced peers that are only reachable through a relay."""
-        self.relays = {a.peer_id: a.relay_addrs for a in announcements if a.relay_addrs and a.peer_id != self.peer_id}
+    def learn_relays(self, announcements, relay: str) -> None:
+        """Remember how to reach announced peers that are only reachable through a relay: through
+        the run's one relay (the coordinator at `relay`), never an address a peer picks (it would
+        make every node dial wherever a signed announcement says)."""
+        ours = f"{relay}/p2p-circuit"
+        self.relays = {a.peer_id: (ours,) for a in announcements if ours in a.relay_addrs and a.peer_id != self.peer_id}
 
     async def _dial_relayed(self, peer: str) -> None:
         """Connect to a relayed peer through a circuit it announced (a no-op once connected);

@@ -187,3 +187,31 @@ def test_a_deeply_nested_push_is_refused_as_malformed_not_a_traceback(caplog):
         joiner.shutdown()
         boot.shutdown()
     assert "RecursionError" not in caplog.text and "handler failed" not in caplog.text
+
+
+def test_a_flood_of_reachability_checks_is_told_busy_not_queued(swarm):
+    """Issue 36 point 10: every `echo.reach` waited for the one probe lock, so a flood of asks
+    (a relayed one starts a p2pd daemon each) queued honest nodes' checks until they timed out.
+    Past MAX_WAITING checks the asker is told `busy` at once; the rest are answered."""
+    from protocols.errors import PeerRefused
+    from protocols.messages import ReachReply, ReachRequest
+    from protocols.transport.reach import MAX_WAITING, Prober
+
+    boot, _ = swarm
+
+    async def go():
+        prober = Prober("127.0.0.1", boot.addresses()[0])
+        await prober.start()
+        try:
+            # Each asks to be dialled at a port nobody listens on: refused, not reachable.
+            asks = [prober.answer(ReachRequest(port=9, relayed=False), factories.peer_id(f"N{i}"), "/ip4/127.0.0.1/tcp/40000")
+                    for i in range(3 * MAX_WAITING)]
+            return await asyncio.gather(*asks, return_exceptions=True), prober.probes
+        finally:
+            await prober.close()
+
+    results, probes = asyncio.run(go())
+    busy = [r for r in results if isinstance(r, PeerRefused)]
+    assert len(busy) == 2 * MAX_WAITING and {r.code for r in busy} == {"busy"}
+    answered = [r for r in results if isinstance(r, ReachReply)]
+    assert len(answered) == MAX_WAITING == probes and not any(r.reachable for r in answered)
