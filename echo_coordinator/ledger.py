@@ -16,7 +16,6 @@ and one per finished evaluation round (those have `eval_version`).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import json
 import sqlite3
@@ -24,9 +23,10 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from echo_coordinator.trust import Trust
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS run (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -64,14 +64,6 @@ CREATE TABLE IF NOT EXISTS evaluations (
 );
 """
 
-
-@dataclass(frozen=True)
-class Trust:
-    verified: int = 0
-    failed: int = 0
-    banned_until: float = 0.0
-    samples: int = 0
-    outliers: int = 0
 
 # Keys with nothing accepted keep their own rows up to this many: keys are free, so signed junk
 # from fresh keys would otherwise grow the ledger, and every dashboard read of it, without end.
@@ -154,29 +146,11 @@ class Ledger:
         return Trust(*row) if row else Trust()
 
     @_owned
-    def record_check(self, node_id: str, passed: bool, ban_seconds, now: float, samples: int = 0) -> Trust:
-        """Count one verified batch (of `samples`); a failure is a strike and bans the key for
-        `ban_seconds(strikes)` from `now`. Returns the key's record after it."""
+    def update_trust(self, node_id: str, change: Callable[[Trust], Trust]) -> Trust:
+        """Store `change(record)` as the key's trust record, read and written in one transaction
+        (the rule itself is `echo_coordinator.trust`); returns the new record."""
         with self.transaction():
-            old = self.trust(node_id)
-            if passed:
-                return self._save(node_id, dataclasses.replace(old, verified=old.verified + 1,
-                                                               samples=old.samples + samples))
-            return self._save(node_id, self._struck(old, ban_seconds, now))
-
-    @_owned
-    def record_outlier(self, node_id: str, strikes: Callable[[int, int], bool], ban_seconds, now: float) -> Trust:
-        """Count a batch refused for a lone outlier; a strike (and a ban) when `strikes(verified
-        samples, outliers)` says the key has shown more than honest nodes do."""
-        with self.transaction():
-            old = self.trust(node_id)
-            new = dataclasses.replace(old, outliers=old.outliers + 1)
-            return self._save(node_id, self._struck(new, ban_seconds, now) if strikes(new.samples, new.outliers) else new)
-
-    @staticmethod
-    def _struck(old: Trust, ban_seconds, now: float) -> Trust:
-        return dataclasses.replace(old, failed=old.failed + 1,
-                                   banned_until=max(old.banned_until, now + ban_seconds(old.failed + 1)))
+            return self._save(node_id, change(self.trust(node_id)))
 
     def _save(self, node_id: str, trust: Trust) -> Trust:
         self.db.execute(

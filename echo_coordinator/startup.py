@@ -24,7 +24,8 @@ from echo_coordinator.ledger import Ledger, MetricsLog
 from echo_coordinator.presence import Presence
 from echo_coordinator.run_dir import RunDir, RunState
 from echo_coordinator.service import LeaseSettings, Policing, RunService, Work
-from echo_coordinator.service.policing import SpotCheck, read_allow_list
+from echo_coordinator.service.policing import read_allow_list
+from echo_coordinator.trust import SpotCheck
 from echo_coordinator.steps import StepLoop
 from echo_coordinator.torch_thread import TorchThread
 from echo_coordinator.trainer import distributed

@@ -4,7 +4,7 @@ The trainer keeps what nodes hold at each version the staleness bound still admi
 adapter, or in full mode the publisher's view as nodes load it, requantized: `NodesHold`; not
 the trainer's own weights), re-derives every sample's Gumbel noise from its lease, and runs its
 own forward pass under that version's weights. The batch, pooled, is judged by
-`protocols.sampling.judge`; which batches are checked at all is `peers.SpotCheck`'s decision.
+`protocols.sampling.judge`; which batches are checked at all is `trust.SpotCheck`'s decision.
 """
 
 from __future__ import annotations

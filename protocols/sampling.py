@@ -136,7 +136,7 @@ class SamplingRule:
 
     # Per token: about twice the p99.9 honest Q4_1, Q8_0 and transformers nodes showed against the
     # fp32 trainer (SmolLM2-135M, T = 1; docs/verification.md), the rare larger one a lone
-    # outlier (`OutlierBudget`); per batch: about twice the honest rates. Well below every cheat's.
+    # outlier (the coordinator's `OutlierBudget`); per batch: about twice the honest rates. Well below every cheat's.
     # Large logprob errors: honest nodes made 0.04-0.12 % of tokens large, at most 0.45 % of a
     # lease's; LARGE_ERRORS_FREE + 1 % leaves an honest 16-sample lease 5e-7 odds of a refusal.
     max_margin: float = 1.5
@@ -191,7 +191,7 @@ def judge(batch: list[SampleEvidence], rule: SamplingRule) -> str | None:
     of its tokens flipped. A second outlier, or a sample that is mostly written, is a cheat
     (`bad_sampling`, `bad_logprobs`). A lone outlier could be either: an honest one, or one sample's
     answer written. So its batch is refused as `outlier`, and the key's history decides whether it is
-    a strike (`OutlierBudget`): a batch with a written token is never accepted."""
+    a strike (`echo_coordinator.trust.OutlierBudget`): a batch with a written token is never accepted."""
     tokens = sum(e.tokens for e in batch)
     flips = sum(e.flips for e in batch)
     mean_error = sum(e.mean_logprob_error * e.tokens for e in batch) / max(tokens, 1)
@@ -208,20 +208,3 @@ def judge(batch: list[SampleEvidence], rule: SamplingRule) -> str | None:
     if sum(e.large_errors for e in batch) > LARGE_ERRORS_FREE + rule.max_large_error_fraction * tokens:
         return "bad_logprobs"
     return "outlier" if outliers else None
-
-
-@dataclass(frozen=True)
-class OutlierBudget:
-    """How many lone outliers (`judge`) a key may show before one is a strike: `first`, and one
-    more per `every` samples of its verified batches. Honest nodes made 4 in 20,512 calibration
-    samples (docs/verification.md), so the budget runs five times ahead of them: 4 outliers in an
-    honest key's first 1,000 samples (Poisson, mean 0.2) happen about 5 times in 100,000 keys,
-    later on less. A key that writes answers is struck from its fourth, and no outlier batch is
-    ever accepted, so writing earns nothing."""
-
-    first: int = 3
-    every: int = 1000
-
-    def strikes(self, verified_samples: int, outliers: int) -> bool:
-        """Whether a key's `outliers`-th lone outlier, after `verified_samples`, is a strike."""
-        return outliers > self.first + verified_samples // self.every

@@ -1,10 +1,11 @@
 """Peer policing: who may ask for work, how often, which batches are verified, and for how long a
 cheat is shut out.
 
-The rules (`RateLimit`, `BanRule`, `SpotCheck`, `relay_holders`) are pure decision logic (no
-clock, no I/O); `Policing` applies them for the service, and the ledger keeps what must survive
-a restart (strikes and bans). Keys are free, so none of this stops a Sybil with many keys; it
-bounds what each key costs us and makes a caught key worthless for a growing time.
+The rules (`RateLimit`, `relay_holders` here, the trust rule in `echo_coordinator.trust`) are pure
+decision logic (no clock, no I/O); `Policing` applies them for the service, and the ledger keeps
+what must survive a restart (each key's trust record). Keys are free, so none of this stops a
+Sybil with many keys; it bounds what each key costs us and makes a caught key worthless for a
+growing time.
 docs/verification.md says what stays open and what an operator can do (`--allow-keys`).
 """
 
@@ -15,11 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from echo_coordinator.evaluation import EvalRound
-from echo_coordinator.ledger import Ledger, Trust
+from echo_coordinator import trust as rule
+from echo_coordinator.ledger import Ledger
+from echo_coordinator.trust import BanRule, OutlierBudget, SpotCheck, Trust
 from echo_coordinator.verify import Verifier
 from protocols.errors import PeerRefused, VerificationError
 from protocols.messages import PeerAnnouncement, RolloutBatch
-from protocols.sampling import OutlierBudget, training_noise
+from protocols.sampling import training_noise
 from protocols.signing import FINGERPRINT_CHARS
 
 _DRAWS = random.SystemRandom()  # spot-check draws: a node must not predict them
@@ -47,37 +50,6 @@ class RateLimit:
 
 
 @dataclass(frozen=True)
-class BanRule:
-    """Every batch that fails verification is a strike; strike k bans the key for
-    `first * 2**(k-1)` seconds, at most `longest`. An honest node's false-rejection rate is
-    measured to be 0 (docs/verification.md), so one strike already shuts a key out briefly."""
-
-    first: float = 60.0
-    longest: float = 24 * 3600.0
-
-    def seconds(self, strikes: int) -> float:
-        return min(self.first * 2.0 ** max(strikes - 1, 0), self.longest) if strikes > 0 else 0.0
-
-
-@dataclass(frozen=True)
-class SpotCheck:
-    """Which batches get their sampling verified. Every batch of a key that is new (fewer than
-    `trust_after` verified batches) or has ever failed; past that, a `fraction` of batches at
-    random. A cheat in k batches of a trusted key goes unseen with probability (1 - fraction)**k."""
-
-    fraction: float = 1.0
-    trust_after: int = 4
-
-    def __post_init__(self):
-        if not 0.0 < self.fraction <= 1.0:
-            raise ValueError(f"spot-check fraction must be in (0, 1], got {self.fraction}")
-
-    def should_check(self, verified: int, failed: int, draw: float) -> bool:
-        """`draw`: a uniform [0, 1) number the caller drew (secret from the node)."""
-        return failed > 0 or verified < self.trust_after or draw < self.fraction
-
-
-@dataclass(frozen=True)
 class Policing:
     """How the service polices peers: verification, spot checks, bans, the allow-list."""
 
@@ -97,7 +69,7 @@ class Policing:
         if self.allow is not None and node_id not in self.allow:
             raise PeerRefused("not_allowed", f"key {node_id} is not on this run's allow-list")
         trust = ledger.trust(node_id)
-        if trust.banned_until > now:
+        if trust.banned(now):
             raise PeerRefused("banned", f"key {node_id} failed verification; banned for "
                                         f"{trust.banned_until - now:.0f} s more")
         return trust
@@ -119,11 +91,11 @@ class Policing:
             return True
         # Every evaluation batch is checked: held-out accuracy is the number a run is judged by,
         # and its batches are small (a lease of greedy answers).
-        if round_ is None and not self.spot.should_check(trust.verified, trust.failed, _DRAWS.random()):
+        if round_ is None and not self.spot.should_check(trust, _DRAWS.random()):
             return False
         # A new key's batch waits for the trainer's other work: keys are free, and a fresh one can
         # push a lease of random tokens at once (issue 36 point 3).
-        behind = trust.verified == 0
+        behind = trust.new
         try:
             if round_ is None:
                 self.verifier.check(training_noise(batch.version), batch.version, batch.samples, behind=behind)
@@ -137,18 +109,12 @@ class Policing:
         return False
 
     def settle(self, ledger: Ledger, node_id: str, reason: str | None, samples: int, now: float) -> None:
-        """What a verdict on a key's batch of `samples` means for the key: a verified batch, a
-        strike (and a ban), or for a lone outlier, a strike only past what honest keys show."""
-        if reason is None:
-            ledger.record_check(node_id, True, self.bans.seconds, now, samples)
-        elif reason == "outlier":
-            ledger.record_outlier(node_id, self.outliers.strikes, self.bans.seconds, now)
-        elif reason != "unverifiable":
-            self.strike(ledger, node_id, now)
+        """What a verdict on a key's batch of `samples` means for the key (`trust.judged`)."""
+        ledger.update_trust(node_id, lambda t: rule.judged(t, reason, samples, self.bans, self.outliers, now))
 
     def strike(self, ledger: Ledger, node_id: str, now: float) -> None:
         """A cheat caught (a failed verification, a truncated sample): a strike and a ban."""
-        ledger.record_check(node_id, False, self.bans.seconds, now)
+        ledger.update_trust(node_id, lambda t: rule.struck(t, self.bans, now))
 
 
 def relay_holders(announced: list[PeerAnnouncement], talked: dict[str, str], latest: int) -> dict[str, int]:

@@ -93,7 +93,7 @@ class Pushes:
         # Keys are free: new keys' batches (verified behind the trainer's other work) hold at
         # most NEW_KEY_PUSHES of the push threads, and the others are told to push again; the
         # lease stays theirs.
-        new = self.policing.verifier is not None and trust.verified == 0
+        new = self.policing.verifier is not None and trust.new
         if new and not self.new_keys.acquire(blocking=False):
             raise PeerRefused("busy", f"{NEW_KEY_PUSHES} new keys' batches are being judged; push again shortly")
         try:
@@ -184,7 +184,7 @@ class Pushes:
     def release(self, node_id: str, now: float, lease_id: str | None = None, book=None) -> None:
         """After a refusal: `node_id`'s lease `lease_id` in `book` goes back to other nodes; all its
         leases if the refusal banned it."""
-        banned = self.ledger.trust(node_id).banned_until > now
+        banned = self.ledger.trust(node_id).banned(now)
         with self.lock:
             for b in [self.leasing.book, *self.rounds.books()] if banned else [book] if book else []:
                 for x in (*b.outstanding, *b.shadows):

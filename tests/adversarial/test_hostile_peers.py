@@ -46,7 +46,7 @@ TOKEN_CHEATS = ("gold answer, made-up logprobs", "gold answer, teacher-forced lo
                 "one sample copied G times", "another model's text", "logprobs shaded down",
                 "every 8th logprob shaded far")
 # Honest tokens cut to shape: refused and struck; one written token in one sample: refused, and a
-# strike only past the key's outlier budget (protocols.sampling.OutlierBudget).
+# strike only past the key's outlier budget (echo_coordinator.trust.OutlierBudget).
 SHAPE_CHEATS = ("honest tokens, cut short", "one sample's answer edited")
 
 

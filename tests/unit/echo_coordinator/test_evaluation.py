@@ -9,7 +9,7 @@ import pytest
 from echo_coordinator.evaluation import EvalSet, due
 from echo_coordinator.ledger import Ledger
 from echo_coordinator.service import LeaseSettings, Policing, Refused, RunService, Work
-from echo_coordinator.service.policing import SpotCheck
+from echo_coordinator.trust import SpotCheck
 from echo_coordinator.verify import Verifier
 from protocols.errors import InvalidValue, LeaseError, PeerRefused, VerificationError
 from protocols.messages import NoWork, RolloutBatch, RolloutSample, TaskLease

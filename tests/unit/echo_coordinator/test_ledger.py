@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import threading
 
+from echo_coordinator import trust
 from echo_coordinator.ledger import Ledger, MetricsLog
+from echo_coordinator.trust import BanRule, OutlierBudget, Trust
 
 
 def test_credits_rejections_and_evaluations_are_kept_apart_and_survive_a_reopen(tmp_path):
@@ -32,17 +34,15 @@ def test_credits_rejections_and_evaluations_are_kept_apart_and_survive_a_reopen(
     ledger.close()
 
 
-def test_a_failed_check_bans_for_the_rule_s_time_and_passes_do_not_lift_it(tmp_path):
+def test_a_keys_trust_record_is_stored_as_the_rule_changes_it(tmp_path):
     ledger = Ledger(tmp_path / "ledger.sqlite")
-    ban = lambda strikes: 100.0 * strikes  # noqa: E731
-    assert ledger.record_check("n", True, ban, now=10.0).banned_until == 0
-    first = ledger.record_check("n", False, ban, now=20.0)
-    assert (first.verified, first.failed, first.banned_until) == (1, 1, 120.0)
-    second = ledger.record_check("n", False, ban, now=30.0)
-    assert second.banned_until == 230.0  # two strikes: 200 s from now
-    assert ledger.record_check("n", True, ban, now=40.0).banned_until == 230.0
-    assert ledger.trust("n") == ledger.trust("n") and ledger.trust("n").failed == 2
-    assert ledger.trust("unknown").verified == 0
+    bans = BanRule(first=100.0)
+    assert ledger.update_trust("n", lambda t: trust.verified(t, 8)).banned_until == 0
+    first = ledger.update_trust("n", lambda t: trust.struck(t, bans, now=20.0))
+    assert (first.verified, first.samples, first.failed, first.banned_until) == (1, 8, 1, 120.0)
+    ledger.close()
+    ledger = Ledger(tmp_path / "ledger.sqlite")  # it survives a restart
+    assert ledger.trust("n") == first and ledger.trust("unknown") == Trust()
     ledger.close()
 
 
@@ -97,10 +97,10 @@ def test_a_ledger_from_before_outlier_budgets_gains_their_columns(tmp_path):
     db.commit()
     db.close()
     ledger = Ledger(tmp_path / "ledger.sqlite")
-    trust = ledger.trust("k")
-    assert (trust.verified, trust.failed, trust.banned_until, trust.samples, trust.outliers) == (5, 1, 70.0, 0, 0)
-    assert ledger.record_outlier("k", lambda samples, outliers: outliers > 1, lambda strikes: 10.0, 100.0).failed == 1
-    assert ledger.record_check("k", True, lambda strikes: 10.0, 100.0, samples=16).samples == 16
+    record = ledger.trust("k")
+    assert (record.verified, record.failed, record.banned_until, record.samples, record.outliers) == (5, 1, 70.0, 0, 0)
+    assert ledger.update_trust("k", lambda t: trust.outlier(t, OutlierBudget(first=0), BanRule(), 100.0)).failed == 2
+    assert ledger.update_trust("k", lambda t: trust.verified(t, 16)).samples == 16
     ledger.close()
 
 
@@ -112,13 +112,12 @@ def test_keys_with_nothing_accepted_are_kept_to_a_bound_and_their_rejections_fol
 
     monkeypatch.setattr(ledger_module, "UNPROVEN_KEYS", 5)
     ledger = Ledger(tmp_path / "ledger.sqlite")
-    ban = lambda strikes: 100.0  # noqa: E731
     ledger.credit("honest", "peer-h", "honest", samples=8, tokens=40, now=1.0, version=1)
     ledger.reject("honest", "peer-h", "honest", "stale", now=2.0)
     ledger.credit_eval("evaluator", "peer-e", "evaluator", samples=2, tokens=10, now=2.5)
     for i in range(20):
         ledger.reject(f"junk-{i}", f"peer-{i}", "junk", "bad_sampling", samples=2, now=3.0 + i)
-        ledger.record_check(f"junk-{i}", False, ban, now=3.0 + i)
+        ledger.update_trust(f"junk-{i}", lambda t: trust.struck(t, BanRule(), now=3.0))
     peers = {p["node_id"]: p for p in ledger.peers()}
     assert set(peers) == {"honest", "evaluator"} | {f"junk-{i}" for i in range(15, 20)}
     assert ledger.rejection_totals() == {"stale": 1, "bad_sampling": 40}  # nothing lost from the totals

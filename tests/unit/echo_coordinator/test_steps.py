@@ -6,7 +6,7 @@ import asyncio
 
 from echo_coordinator.ledger import Ledger
 from echo_coordinator.service import LeaseSettings, Policing
-from echo_coordinator.service.policing import BanRule
+from echo_coordinator.trust import BanRule
 from echo_coordinator.steps import StepLoop
 from echo_coordinator.verify import Verifier
 from protocols.sampling import SamplingRule

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from protocols.sampling import (
-    OutlierBudget, SampleEvidence, SamplingRule, choose, gumbel, judge, log_softmax, margins, sample_seed,
+    SampleEvidence, SamplingRule, choose, gumbel, judge, log_softmax, margins, sample_seed,
 )
 
 
@@ -78,17 +78,6 @@ def evidence(max_margin=0.0, flips=0, tokens=20, max_err=0.01, mean_err=0.005, l
 ])
 def test_judge(batch, verdict):
     assert judge(batch, SamplingRule()) == verdict
-
-
-def test_a_keys_outlier_budget_runs_ahead_of_honest_keys_only():
-    budget = OutlierBudget(first=3, every=1000)
-    assert [budget.strikes(0, n) for n in (1, 2, 3, 4)] == [False, False, False, True]
-    assert not budget.strikes(1000, 4) and budget.strikes(1999, 5) and not budget.strikes(5000, 8)
-    # Honest keys: 4 outliers in 20,512 calibration samples. Over a long honest history at that
-    # rate, the budget is never exceeded; a key writing one answer in every 300 samples is struck.
-    honest = [budget.strikes(n, 1 + n * 4 // 20_512) for n in range(0, 200_000, 16)]
-    writer = [budget.strikes(n, 1 + n // 300) for n in range(0, 200_000, 16)]
-    assert not any(honest) and any(writer)
 
 
 def test_evidence_pools_a_samples_margins_and_logprob_errors():

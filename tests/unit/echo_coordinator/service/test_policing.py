@@ -1,8 +1,8 @@
-"""Peer accounting rules: rate limit, bans that grow, spot checks, the allow-list."""
+"""Peer accounting rules: rate limit, the allow-list, relay holders (the trust rule: test_trust)."""
 
 import pytest
 
-from echo_coordinator.service.policing import BanRule, RateLimit, SpotCheck, read_allow_list, relay_holders
+from echo_coordinator.service.policing import RateLimit, read_allow_list, relay_holders
 from tests.unit.protocols import factories
 from tests.unit.protocols.factories import peer_id
 
@@ -14,22 +14,6 @@ def test_rate_limit_allows_bursts_then_the_rate():
     assert limit.allow("a", 0.5) and not limit.allow("a", 0.5)  # 2 a second refill one token in 0.5 s
     limit.forget_idle(100.0)
     assert limit._buckets == {}
-
-
-def test_bans_double_with_each_strike_up_to_a_cap():
-    rule = BanRule(first=60, longest=1000)
-    assert [rule.seconds(k) for k in range(6)] == [0, 60, 120, 240, 480, 960]
-    assert rule.seconds(7) == 1000
-
-
-def test_spot_check_always_checks_new_and_failed_keys():
-    spot = SpotCheck(fraction=0.1, trust_after=3)
-    assert spot.should_check(verified=0, failed=0, draw=0.99)
-    assert spot.should_check(verified=100, failed=1, draw=0.99)
-    assert not spot.should_check(verified=3, failed=0, draw=0.5)
-    assert spot.should_check(verified=3, failed=0, draw=0.05)
-    with pytest.raises(ValueError):
-        SpotCheck(fraction=0)
 
 
 def test_allow_list(tmp_path):

@@ -8,14 +8,14 @@ import pytest
 from echo_coordinator.ledger import Ledger
 from echo_coordinator.publish import Publisher
 from echo_coordinator.service import LeaseSettings, Policing, Refused, RunService, Work
-from echo_coordinator.service.policing import BanRule, SpotCheck
+from echo_coordinator.trust import BanRule, OutlierBudget, SpotCheck
 from echo_coordinator.service.registry import LIVE_SECONDS, RESTART_PATIENCE
 from echo_coordinator.verify import Verifier
 from engines.episodes import Transcripts
 from engines.sampler import score_rows
 from protocols.errors import Beaten, InvalidValue, LeaseError, PeerRefused, SignatureError, TranscriptError, VerificationError
 from protocols import sampling
-from protocols.sampling import OutlierBudget, SampleEvidence, SamplingRule, choose, gumbel, log_softmax, sample_seed
+from protocols.sampling import SampleEvidence, SamplingRule, choose, gumbel, log_softmax, sample_seed
 from protocols.messages import LeaseRequest, NoWork, RolloutBatch, RolloutSample, TaskLease, TurnFormat, UpdateInfo
 from protocols.signing import fingerprint, generate_key, public_bytes, sign_message
 from tasks import make_task
