@@ -15,7 +15,7 @@ Invariants
   slow honest node's work is not lost to a short lease.
 - A shadow lease (`shadow`) repeats the seeds of another key's short (unproven) lease and owns
   none: the seeds stay that lease's, or pending once it expires. Whichever of the two is
-  completed first completes them; the other is refused from then on.
+  completed first completes them; the other is `beaten` from then on (never completes a seed).
 - Node gate, staleness bound S >= 1: a node whose version is `node` must update before it
   starts new work when `latest - node >= S`. Work therefore starts at `node >= latest - S + 1`,
   which leaves room for one more publish while it generates.
@@ -155,8 +155,9 @@ class LeaseBook:
         return tuple(lease for lease, _ in self._shadows.values())
 
     def beaten(self, lease_id: str, node_id: str) -> Lease | None:
-        """`node_id`'s lease `lease_id` if a shadow's answer closed it: its holder's answer may
-        still prove the key honest, once (`drop_beaten`), and never completes a seed."""
+        """`node_id`'s lease `lease_id` if another lease's answer completed its seeds first (a
+        shadow's, or the lease a shadow repeats): its holder's answer may still prove the key
+        honest, once (`drop_beaten`), and never completes a seed."""
         lease = self._beaten.get(lease_id)
         return lease if lease is not None and lease.node_id == node_id else None
 
@@ -273,7 +274,8 @@ class LeaseBook:
             out = {s for o in originals if o in self._outstanding for s in self._outstanding[o].seeds}
             if set(shadow.seeds) <= out | set(self._pending):
                 lease = shadow
-            else:
+            else:  # its seeds were answered, or leased again
+                self._beat(shadow)
                 self._drop_shadow(lease_id, "answered by another key")
         if lease is None and lease_id in self._late:
             late = self._late[lease_id]
@@ -292,13 +294,15 @@ class LeaseBook:
             raise LeaseError(f"lease {lease_id!r} is held by another node")
         if lease_id in self._outstanding:
             del self._outstanding[lease_id]
+            for shadow, originals in [x for x in self._shadows.values() if lease_id in x[1]]:
+                self._beat(shadow)  # their answers now come second
+                self._drop_shadow(shadow.lease_id, "answered by another key")
         elif lease_id in self._shadows:
             done = set(lease.seeds)
             for original in self._drop_shadow(lease_id, "already completed"):
                 if original in self._outstanding:  # its holder's answer now comes second
-                    self._beaten[original] = beaten = self._outstanding.pop(original)
-                    if len(self._beaten) > MAX_LATE:
-                        del self._beaten[next(iter(self._beaten))]
+                    beaten = self._outstanding.pop(original)
+                    self._beat(beaten)
                     self._close(original, "answered by another key")
                     rest = [s for s in beaten.seeds if s not in done]
                     self._returned.update(dict.fromkeys(rest, now))
@@ -389,6 +393,12 @@ class LeaseBook:
         self._closed[lease_id] = reason
         if len(self._closed) > MAX_CLOSED:
             del self._closed[next(iter(self._closed))]  # dicts keep insertion order: the oldest
+
+    def _beat(self, lease: Lease) -> None:
+        """Another lease's answer completed `lease`'s seeds first (`beaten`)."""
+        self._beaten[lease.lease_id] = lease
+        if len(self._beaten) > MAX_LATE:
+            del self._beaten[next(iter(self._beaten))]
 
     def _drop_shadow(self, lease_id: str, reason: str) -> tuple[str, ...]:
         """Close shadow `lease_id`; the ids of the leases it repeats."""

@@ -66,6 +66,8 @@ class Pushes:
             batch = RolloutBatch.from_dict(body)
             samples = len(batch.samples)
             saved = self._accept(batch, peer_id, name, now)
+        except Beaten:
+            raise  # it lost a race for its seeds: work lost, no bad input (its proof is counted)
         except ProtocolError as e:
             with self.lock:
                 self.rejections[e.code] += samples

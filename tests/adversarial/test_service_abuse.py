@@ -14,7 +14,7 @@ import numpy as np
 
 from echo_coordinator.service import LeaseSettings
 from protocols.errors import RemoteError, TransportError
-from protocols.messages import LeaseRequest, NoWork, PushReceipt, RolloutBatch, RolloutSample, TaskLease
+from protocols.messages import LeaseRequest, PushReceipt, RolloutBatch, RolloutSample, TaskLease
 from protocols import rpc
 from protocols.signing import generate_key, public_bytes, sign_message
 from protocols.wire import decode_one_of
@@ -58,9 +58,8 @@ def test_a_flood_of_fresh_keys_holds_at_most_max_ahead_seeds_in_async_mode(tmp_p
 
     replies, outstanding, again = asyncio.run(go())
     leased = [r for r in replies if isinstance(r, TaskLease)]
-    assert 0 < len(leased) <= 4 and sum(len(x.seeds) for x in leased) <= 4, len(leased)
-    assert sum(isinstance(r, NoWork) for r in replies) >= 100  # the rest were told to wait
-    assert outstanding <= 4
+    # Past the first 4 they shadow those 4 leases (issue 36 point 2): no seed is added for them.
+    assert outstanding <= 4 and len({s for x in leased for s in x.seeds}) <= 4, leased
     assert isinstance(again, TaskLease)
 
 
@@ -104,8 +103,9 @@ def test_garbage_from_fresh_keys_waits_behind_the_training_steps_and_holds_few_p
                 except (TransportError, RemoteError) as e:
                     answer = e
                 # The next training step, queued after the garbage: it runs before any of it is verified.
-                checked_at_next_step = asyncio.ensure_future(
-                    coordinator.torch.call(lambda: coordinator.verifier.checked_samples))
+                # Submitted here and now, not from a task that might start only after step.set().
+                checked_at_next_step = asyncio.wrap_future(
+                    coordinator.torch.submit(lambda: coordinator.verifier.checked_samples))
                 step.set()
                 await training
                 results = await asyncio.gather(*pushing, return_exceptions=True)

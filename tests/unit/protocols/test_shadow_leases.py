@@ -72,6 +72,7 @@ def test_the_holder_answering_first_closes_the_shadow():
     with pytest.raises(LeaseError, match="answered by another key"):
         book.complete(shadow.lease_id, "newcomer", now=3.0)
     assert book.completed_count == 4 and not book.shadows
+    assert book.beaten(shadow.lease_id, "newcomer") == shadow  # its answer may still prove its key
 
 
 def test_a_shadow_outlives_the_lease_it_repeats_until_its_seeds_go_out_again():
