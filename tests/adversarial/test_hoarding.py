@@ -1,15 +1,15 @@
 """Keys that take leases and never answer, over the real transport, against a real coordinator and
-an honest node: they may hold a step's seeds for a quarter of `lease_seconds` once, then the
-seeds go to the node that delivers and each lapse shuts the hoarder out for longer (`lapsed`).
-The run finishes, the honest node is never refused, the hoarders are credited nothing."""
+an honest node that joins after them: a new key for every request (so no lapse ever shuts one
+out), asking from before the run starts. The honest node shadows their leases (issue 36 point 2)
+and answers at once; the run finishes, the honest node is never refused, the hoarders are
+credited nothing. Before shadow leases this run's steps took 31.0, 10.9 and 10.8 s (each waited
+out the hoarders' leases); with them, 4.6, 0.8 and 0.8 s."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import sys
-
-import pytest
 
 from tests.support.hoarders import Hoarders
 from tests.support.runs import VENV_BIN, join_argv, spawn
@@ -19,8 +19,7 @@ LEASE_SECONDS = 40  # a new key's lease: 10 s
 STEPS = 3
 
 
-@pytest.mark.parametrize("fresh", [False, True], ids=["same keys", "fresh keys"])
-def test_hoarding_keys_cannot_hold_the_run(tmp_path, processes, fresh):  # noqa: F811
+def test_hoarding_keys_cannot_hold_the_run(tmp_path, processes):  # noqa: F811
     model = build_tiny_gguf(tmp_path / "run.gguf", init_std=0.5)
     run_dir = tmp_path / "run"
     config = tmp_path / "run.toml"
@@ -46,7 +45,7 @@ threads = 1
                         tmp_path / "coordinator.log")
     argv = join_argv(run_dir, coordinator)
     address = argv[2]
-    hoarders = Hoarders(address, fresh=fresh)
+    hoarders = Hoarders(address, fresh=True)
     # The hoarders ask from before the run starts (it starts when the honest node has joined), so
     # they are first to the step's seeds.
     node = [str(VENV_BIN / argv[0]), *argv[1:], "--threads", "1"]
@@ -56,7 +55,7 @@ threads = 1
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     print(json.dumps({"replies": hoarders.replies, "step_seconds": [round(m["step_seconds"], 1) for m in metrics]}))
     assert len(metrics) == STEPS
-    # They held seeds, each time for a new key's short lease, and were shut out for lapsing.
+    # They held seeds, each time for a new key's short lease.
     assert hoarders.replies["lease"] > 0 and all(lease.expires_at - at <= LEASE_SECONDS / 4 + 1 for at, lease in hoarders.held)
     from echo_coordinator.ledger import Ledger
 

@@ -14,6 +14,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import gpu_check  # noqa: E402
 
 
+@pytest.mark.slow  # about 2 minutes (five processes, SmolLM2 among them): run before a GPU session (`make test-all`)
 def test_quick_runs_every_part_and_reports_each(tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--quick", "--out", str(tmp_path),
                            "--minutes", "6"], capture_output=True, text=True, timeout=420)
