@@ -115,7 +115,7 @@ class Pushes:
             self.judging.add(judging_now)
             round_ = self.rounds.round_of(batch.lease_id)
         book = self.leasing.book if round_ is None else round_.book
-        beaten = False  # a shadow's answer closed this lease first: judged for the key's proof only
+        beaten = False  # another lease's answer completed its seeds first: judged for the key's proof only
         try:
             with self.lock:
                 lease = self._held_lease(batch, now, round_)
@@ -195,7 +195,8 @@ class Pushes:
 
     def _held_lease(self, batch: RolloutBatch, now: float, round_: EvalRound | None) -> Lease:
         """Under the lock: the lease this batch answers (in `round_`'s book for an evaluation),
-        outstanding or late but still open (`LeaseBook.find`), held by its signer, admitting its version."""
+        outstanding or late but still open (`LeaseBook.find`) or beaten to its seeds
+        (`LeaseBook.beaten`), held by its signer, admitting its version."""
         book = self.leasing.book if round_ is None else round_.book
         lease = book.find(batch.lease_id, now) or book.beaten(batch.lease_id, batch.node_id)
         if lease is None:
