@@ -22,6 +22,7 @@ import pytest
 from hivemind.p2p import PeerID
 from safetensors.numpy import load_file
 
+from echo_node.schedule import set_paused
 from engines.backend import generate_one
 from engines.gguf_io import write_lora_adapter
 from engines.llama_backend import LlamaBackend
@@ -211,6 +212,9 @@ threads = 1
     argv = join_argv(run_dir, coordinator)
     address, run_fp = argv[2], argv[4]
     node = [str(VENV_BIN / argv[0]), *argv[1:], "--threads", "1"]
+    # The honest node joins and announces, but takes no lease until the attacks are done: with
+    # shadow leases nothing the attackers hold slows it, and the run was over before they were.
+    set_paused(tmp_path / "honest", True)
     honest = spawn(processes, [*node, "--name", "honest", "--data-dir", str(tmp_path / "honest")], tmp_path / "honest.log")
 
     attacker_dht = SwarmDHT.start("127.0.0.1", 0, [address])  # no validator: it stores whatever it likes
@@ -308,8 +312,13 @@ threads = 1
         rogue = generate_key()
         fake_manifest = sign_message(dataclasses.replace(manifest, run_key=public_bytes(rogue), trainer_addrs=()), rogue)
         await attacker_dht.put(record_key(run_fp, "manifest"), fake_manifest.to_wire(), 3600)
-        peers = verified_announcements(await attacker_dht.get(record_key(run_fp, "peers")))
-        honest_id = next(a.node_id for a in peers if a.name == "honest")
+        honest_id = None
+        for _ in range(120):  # the honest node announces itself once it has joined
+            peers = verified_announcements(await attacker_dht.get(record_key(run_fp, "peers")))
+            if (honest_id := next((a.node_id for a in peers if a.name == "honest"), None)) is not None:
+                break
+            await asyncio.sleep(0.5)
+        assert honest_id is not None, "the honest node never announced itself"
         impostor = sign_message(PeerAnnouncement(endpoint.peer_id, "impostor", "node", "llama_cpp",
                                                  manifest.base_sha256, 0, 0.0, public_bytes(rogue), time.time()), rogue)
         await attacker_dht.put(record_key(run_fp, "peers"), impostor.to_wire(), 3600, subkey=honest_id)
@@ -348,6 +357,7 @@ threads = 1
             watcher.shutdown()
         # A node joining after the forgeries and the claims joins and works.
         results["claims stored"] = asyncio.run(claim_the_base(manifest))  # (the attacker's own store takes any)
+        set_paused(tmp_path / "honest", False)
         late = spawn(processes, [*node, "--name", "late", "--data-dir", str(tmp_path / "late")], tmp_path / "late.log")
         wait_for(lambda: "joined run" in (tmp_path / "late.log").read_text(), 120, "the late node to join", [late])
         assert coordinator.wait(timeout=300) == 0, (tmp_path / "coordinator.log").read_text()[-3000:]
