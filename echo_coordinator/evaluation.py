@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from protocols.sync import LeaseBook
+from protocols.leases import LeaseBook
 
 EVAL_SEED_BASE = 10**12  # far from every training seed, the same set in every run of a task
 SAMPLINGS = {"greedy": ("greedy",), "sampled": ("sampled",), "both": ("greedy", "sampled")}

@@ -71,7 +71,7 @@ class LeaseError(ProtocolError):
 
 
 class Beaten(LeaseError):
-    """Another key's shadow of this lease was answered first (`protocols.sync.LeaseBook.shadow`):
+    """Another key's shadow of this lease was answered first (`protocols.leases.LeaseBook.shadow`):
     the batch was still judged, and if it passed it counts as the key's proof of work, but the
     seeds are done and it is not trained on or credited."""
 

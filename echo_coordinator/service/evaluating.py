@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from echo_coordinator.evaluation import EvalRound, EvalSet
 from protocols.messages import LeaseRequest, RolloutBatch, TaskLease
-from protocols.sync import LeaseBook
+from protocols.leases import LeaseBook
 
 MAX_OPEN_EVALS = 4  # evaluation rounds open at once; opening another gives up the oldest
 

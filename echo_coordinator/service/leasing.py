@@ -14,7 +14,8 @@ from echo_coordinator.service.settings import LeaseSettings
 from protocols.errors import PeerRefused
 from protocols.messages import LeaseRequest, RunManifest, TaskLease
 from protocols.sampling import training_noise
-from protocols.sync import LeaseBook, Mode, lease_version
+from protocols.leases import LeaseBook
+from protocols.sync import Mode, lease_version
 
 MAX_LEASES_PER_KEY = 2  # outstanding at once: one in generation, one whose push is being retried
 LAPSE_LONGEST = 3600.0  # the longest a key whose leases lapsed waits for its next one, seconds

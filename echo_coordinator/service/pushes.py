@@ -28,7 +28,8 @@ from echo_coordinator.service.settings import Work
 from engines.episodes import score
 from protocols.errors import Beaten, InvalidValue, LeaseError, PeerRefused, ProtocolError, Truncated
 from protocols.messages import PushReceipt, RolloutBatch, RunManifest
-from protocols.sync import Lease, Mode, Verdict, judge_version
+from protocols.leases import Lease
+from protocols.sync import Mode, Verdict, judge_version
 
 
 NEW_KEY_PUSHES = 4  # new keys' batches judged at once (of echo_coordinator.handlers' 16 push threads)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from protocols.errors import LeaseError
-from protocols.sync import LeaseBook
+from protocols.leases import LeaseBook
 
 TTL, SHORT = 40.0, 10.0  # a proven key's lease, and a new key's
 
@@ -117,7 +117,7 @@ def test_a_refused_shadow_is_released_and_the_seeds_stay_with_their_lease():
 
 
 def test_shadows_are_bounded(monkeypatch):
-    monkeypatch.setattr("protocols.sync.MAX_SHADOWS", 3)
+    monkeypatch.setattr("protocols.leases.MAX_SHADOWS", 3)
     book, held = hoarded()
     shadows = [book.shadow(f"k{i}", 4, 0, now=1.0, ttl=SHORT) for i in range(5)]
     assert [x.lease_id for x in book.shadows] == [x.lease_id for x in shadows[2:]]

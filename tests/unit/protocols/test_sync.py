@@ -11,12 +11,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from protocols.errors import InvalidValue, LeaseError
+from protocols.leases import Lease, LeaseBook
 from protocols.sync import (
     ReplayBuffer,
     lease_version,
     COUNTERS,
-    Lease,
-    LeaseBook,
     Mode,
     RolloutGate,
     Verdict,
@@ -66,7 +65,7 @@ def test_complete_once():
 
 
 def test_closed_leases_are_remembered_up_to_a_bound(monkeypatch):
-    monkeypatch.setattr("protocols.sync.MAX_CLOSED", 3)
+    monkeypatch.setattr("protocols.leases.MAX_CLOSED", 3)
     book = book_with(range(5))
     leases = [book.issue("n", 1, 0, now=0.0) for _ in range(5)]
     for lease in leases:
