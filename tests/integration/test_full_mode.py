@@ -15,8 +15,10 @@ from tests.support.runs import start_node
 from tests.support.runs import VENV_BIN, spawn, wait_for
 
 # The late node joins after version 2 and must catch up before the run ends: it takes up to 16 s to
-# start on a loaded machine, and a version about 3.4 s (at 10 steps it once missed the end).
-STEPS = 14
+# start on a loaded machine, and a version about 3.4 s (at 10 steps it once missed the end). Since
+# a full-mode node converts the base's float32 checkpoint into its own data dir (issue 36 point 6)
+# it starts a few seconds later, and at 14 steps it missed the end once.
+STEPS = 18
 GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
               "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
 
