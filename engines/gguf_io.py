@@ -93,16 +93,14 @@ class Layout:
                    tensor_shapes(path))
 
     def check_lora(self, name: str, a: np.ndarray, b: np.ndarray) -> None:
-        """LoRA factors for the model's tensor `name`, held to its shape before llama.cpp sees
-        them: llama.cpp checks little of an adapter, and factors it cannot multiply abort the
-        whole process at the first decode (`GGML_ASSERT(ggml_can_mul_mat)`). A is (r, in) and B
-        (out, r) for a weight (out, in); an expert tensor's carry its leading expert axis."""
+        """LoRA factors for the model's tensor `name` (out, in), held to its shape before llama.cpp
+        sees them: A (r, in) and B (out, r), an expert tensor's with its leading axis. llama.cpp
+        aborts the process at the first decode on factors it cannot multiply (`ggml_can_mul_mat`)."""
         if name not in self.shapes:
             raise UnsupportedModel(f"the adapter names {name}, which this model does not have")
         *lead, out_dim, in_dim = self.shapes[name]
         rank = a.shape[-2] if a.ndim == len(lead) + 2 else 0
-        want_a, want_b = (*lead, rank, in_dim), (*lead, out_dim, rank)
-        if rank < 1 or a.shape != want_a or b.shape != want_b:
+        if rank < 1 or a.shape != (*lead, rank, in_dim) or b.shape != (*lead, out_dim, rank):
             raise UnsupportedModel(f"LoRA factors of shapes {a.shape} and {b.shape} do not fit {name} "
                                    f"{self.shapes[name]}: A must be (..., r, {in_dim}) and B (..., {out_dim}, r)")
 
