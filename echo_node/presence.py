@@ -203,5 +203,5 @@ class Presence:
             announced = await self._announced()
         except TransportError:
             return []
-        self.endpoint.learn_relays(announced, self.session.config.address)  # the whole set, as the announcer's refresh does
+        self.endpoint.learn_relays(announced, self.session.config.address)  # the whole set, as `announce` does
         return [a.peer_id for a in announced if a.model_sha256 == sha256]

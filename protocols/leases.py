@@ -77,6 +77,7 @@ class LeaseBook:
         self._lapses: dict[str, tuple[int, float]] = {}  # key -> (lapses since it last delivered, last one)
         self._shadows: dict[str, tuple[Lease, tuple[str, ...]]] = {}  # shadow lease id -> (it, the leases it repeats)
         self._shadowed: dict[str, set[str]] = {}  # lease id -> keys whose shadows of it are outstanding
+        self._shadow_due = math.inf  # no shadow expires before this
         self._beaten: dict[str, Lease] = {}  # leases closed by a shadow's answer, newest last (`beaten`)
 
     @property
@@ -194,6 +195,7 @@ class LeaseBook:
         lease = Lease(f"{self._prefix}{self._next_id}", node_id, tuple(seeds), version, now + ttl, now)
         self._next_id += 1
         self._shadows[lease.lease_id] = (lease, tuple(originals))
+        self._shadow_due = min(self._shadow_due, lease.expires_at)
         for original in originals:
             self._shadowed.setdefault(original, set()).add(node_id)
         if len(self._shadows) > MAX_SHADOWS:
@@ -232,9 +234,10 @@ class LeaseBook:
             raise LeaseError(f"lease {lease_id!r} is held by another node")
         if lease_id in self._outstanding:
             del self._outstanding[lease_id]
-            for shadow, originals in [x for x in self._shadows.values() if lease_id in x[1]]:
-                self._beat(shadow)  # their answers now come second
-                self._drop_shadow(shadow.lease_id, "answered by another key")
+            if lease_id in self._shadowed:  # (a scan of the shadows only then: completing is a hot path)
+                for shadow, _ in [x for x in self._shadows.values() if lease_id in x[1]]:
+                    self._beat(shadow)  # their answers now come second
+                    self._drop_shadow(shadow.lease_id, "answered by another key")
         elif lease_id in self._shadows:
             done = set(lease.seeds)
             for original in self._drop_shadow(lease_id, "already completed"):
@@ -260,9 +263,12 @@ class LeaseBook:
         expired = [lease for lease in self._outstanding.values() if lease.expires_at <= now]
         self._reopen(expired, "expired")
         self._expired_count += len(expired)
-        shadows = [lease for lease, _ in self._shadows.values() if lease.expires_at <= now]
-        for lease in shadows:
-            self._drop_shadow(lease.lease_id, "expired")
+        shadows = []
+        if now >= self._shadow_due:  # every call scans the shadows (up to MAX_SHADOWS) only once one is due
+            shadows = [lease for lease, _ in self._shadows.values() if lease.expires_at <= now]
+            for lease in shadows:
+                self._drop_shadow(lease.lease_id, "expired")
+            self._shadow_due = min((lease.expires_at for lease, _ in self._shadows.values()), default=math.inf)
         for lease in expired + shadows:
             self._late[lease.lease_id] = lease
             if len(self._late) > MAX_LATE:

@@ -16,9 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from echo_coordinator.evaluation import EvalRound
-from echo_coordinator import trust as rule
 from echo_coordinator.ledger import Ledger
-from echo_coordinator.trust import BanRule, OutlierBudget, SpotCheck, Trust
+from echo_coordinator.trust import BanRule, OutlierBudget, SpotCheck, Trust, judged, struck
 from echo_coordinator.verify import Verifier
 from protocols.errors import PeerRefused, VerificationError
 from protocols.messages import PeerAnnouncement, RolloutBatch
@@ -110,11 +109,11 @@ class Policing:
 
     def settle(self, ledger: Ledger, node_id: str, reason: str | None, samples: int, now: float) -> None:
         """What a verdict on a key's batch of `samples` means for the key (`trust.judged`)."""
-        ledger.update_trust(node_id, lambda t: rule.judged(t, reason, samples, self.bans, self.outliers, now))
+        ledger.update_trust(node_id, lambda t: judged(t, reason, samples, self.bans, self.outliers, now))
 
     def strike(self, ledger: Ledger, node_id: str, now: float) -> None:
         """A cheat caught (a failed verification, a truncated sample): a strike and a ban."""
-        ledger.update_trust(node_id, lambda t: rule.struck(t, self.bans, now))
+        ledger.update_trust(node_id, lambda t: struck(t, self.bans, now))
 
 
 def relay_holders(announced: list[PeerAnnouncement], talked: dict[str, str], latest: int) -> dict[str, int]:
