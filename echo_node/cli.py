@@ -42,6 +42,11 @@ def join(
                                                            "system RAM, the rest on the GPU (a 30B-A3B model on an "
                                                            "8 GB GPU)."),
     n_cpu_moe: int = typer.Option(0, help="... or only the first N layers' experts."),
+    sandbox: bool = typer.Option(True, "--sandbox/--no-sandbox",
+                                 help="llama.cpp parses files the coordinator chose in a worker process that can "
+                                      "read only the model and its adapters, write none of your files and open no "
+                                      "connection. --no-sandbox: no confinement (the worker process stays), for a "
+                                      "GPU driver the sandbox keeps from working; please report it."),
     host: Optional[str] = typer.Option(None, help="Listen address for peers (default: 127.0.0.1 when the "
                                                   "coordinator is on 127.0.0.1, else 0.0.0.0)."),
     verbose: bool = typer.Option(False, "--verbose", help="A line per lease and update, and INFO logs, instead of "
@@ -65,7 +70,7 @@ def join(
             backend=backend, gpu_layers=gpu_layers, hours=hours, max_vram_gib=max_vram, kv=kv, parallel=parallel,
             host=host, verbose=verbose,
             allow_tasks=frozenset(allow_task), upload_mib_per_s=upload_mib_per_s, upload_gib_per_hour=upload_gib_per_hour,
-            max_disk_gib=max_disk, cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe,
+            max_disk_gib=max_disk, cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe, sandbox=sandbox,
         )
     except ConfigError as e:
         raise typer.BadParameter(str(e)) from None

@@ -40,6 +40,9 @@ class NodeConfig:
     parallel: int | None = None  # sequences decoded at once; None: the backend's default (llama.cpp: 8)
     cpu_moe: bool = False  # a mixture of experts' expert tensors stay in system RAM (llama.cpp) ...
     n_cpu_moe: int = 0  # ... or those of the first N layers
+    # llama.cpp runs in a worker process confined to the model and the node's adapters and exports
+    # (engines.sandbox); False: unconfined, for a system where the sandbox keeps a GPU backend from working.
+    sandbox: bool = True
     host: str | None = None  # listen address; None: loopback for a coordinator on loopback, else every interface
     verbose: bool = False  # a line per lease and update, and INFO logs, instead of one live status line
     # Environments named as `module:Class` this node may import and run (importing runs the

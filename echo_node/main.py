@@ -139,12 +139,16 @@ def _load_backend(session: Session, manifest: RunManifest, model: Path):
             raise JoinRefused("the transformers backend decodes one sequence at a time: leave --parallel out")
         backend = TransformersBackend(model, config.threads, window)
     else:
-        from engines.llama_backend import LlamaBackend
+        from engines.llama_process import LlamaProcess
 
-        backend = LlamaBackend(model, config.threads, window, interrupt=session.stop_requested,
-                               gpu_layers=config.gpu_layers, kv=config.kv, max_vram_gib=config.max_vram_gib,
-                               cpu_moe=config.cpu_moe, n_cpu_moe=config.n_cpu_moe,
+        # llama.cpp reads the model, our adapters (`updates.load_lora`) and writes full mode's exports
+        # (`Versions`), and nothing else of the data dir: not the node key.
+        backend = LlamaProcess(model, config.threads, window, interrupt=session.stop_requested,
+                               readable=(session.data_dir / "adapters",), writable=(session.data_dir / "weights",),
+                               confine=config.sandbox, gpu_layers=config.gpu_layers, kv=config.kv,
+                               max_vram_gib=config.max_vram_gib, cpu_moe=config.cpu_moe, n_cpu_moe=config.n_cpu_moe,
                                **({"parallel": config.parallel} if config.parallel else {}))
+        console.print(f"llama.cpp runs in a worker process: {backend.confined}")
         if backend.fitted:
             console.print(backend.fitted)
     master = backend.base_weights()[1] if manifest.update == "full" else {}

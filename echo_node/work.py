@@ -17,6 +17,7 @@ from echo_node.schedule import Hours, idle_reason
 from echo_node.session import Session, console
 from echo_node.updates import UpdateError
 from echo_node.versions import Versions
+from engines.backend import BackendCrashed
 from protocols import rpc
 from protocols.errors import InvalidValue, ProtocolError, RemoteError, TransportError
 from protocols.messages import LeaseRequest, NoWork, PushReceipt, RolloutBatch, RunManifest, TaskLease
@@ -29,7 +30,8 @@ log = logging.getLogger(__name__)
 # A node's first lease is one prompt's group: its first rollout is accepted sooner. Later it asks
 # for as many as the trainer gives; the trainer sizes leases to its batch (`parallel`).
 FIRST_LEASE_SEEDS = 1
-ROUND_FAILURES = (TransportError, ProtocolError, UpdateError)  # a round that failed so is tried again
+# A round that failed so is tried again (BackendCrashed: llama.cpp died in its worker, which was restarted).
+ROUND_FAILURES = (TransportError, ProtocolError, UpdateError, BackendCrashed)
 IDLE_POLL = 2.0  # seconds between looks at the pause file and the clock while idle
 CLOCK_SLACK = 600.0  # seconds a lease's expiry may lie in our past: the trainer's clock is not ours
 LONGEST_LEASE = 86_400.0  # seconds: a lease further out would hold our one push slot for days

@@ -18,6 +18,8 @@ from typing import Protocol
 
 import numpy as np
 
+from protocols.errors import EchoError
+
 
 @dataclass(frozen=True)
 class Completion:
@@ -44,6 +46,11 @@ Follow = Callable[[int, Completion], "Request | None"]
 
 class Interrupted(Exception):
     """The backend's `interrupt` was set while generating: the sample is dropped."""
+
+
+class BackendCrashed(EchoError):
+    """llama.cpp's worker process died (or broke its protocol) during a call, which failed; a
+    worker as it was before has taken its place (`engines.llama_process`)."""
 
 
 class Backend(Protocol):

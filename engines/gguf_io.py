@@ -28,7 +28,7 @@ from typing import Any
 import gguf
 import numpy as np
 
-from engines.gguf_read import read_tensors, tensor_shapes
+from engines.gguf_read import read_scalars, read_tensors, tensor_shapes
 from engines.hf import is_tied_head
 
 
@@ -83,8 +83,10 @@ class Layout:
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # every tensor's, numpy's order
 
     @classmethod
-    def of_model(cls, meta: dict[str, str], path: Path) -> Layout:
-        """The layout of the GGUF at `path`, whose metadata llama.cpp read as `meta`."""
+    def of_file(cls, path: Path) -> Layout:
+        """The layout of the GGUF at `path`, read from its header by our own reader: the node
+        checks what it hands llama.cpp against this, so llama.cpp's parser is not asked."""
+        meta = read_scalars(path)
         arch = arch_of(meta.get("general.architecture", "")).name
         n_head = int(meta[f"{arch}.attention.head_count"])
         return cls(arch, int(meta[f"{arch}.block_count"]), n_head,

@@ -78,6 +78,21 @@ def read_field(path: Path, key: str) -> Any:
     return None
 
 
+def read_scalars(path: Path) -> dict[str, Any]:
+    """Every scalar and string metadata field of a GGUF file in one pass (arrays, such as the
+    vocabulary, are stepped over)."""
+    fields = {}
+    with open(path, "rb") as f:
+        header = _Header(f, path)
+        for _ in range(header.n_fields):
+            name, kind = header.string(), header.unpack("<I")
+            if kind == _ARRAY:
+                header.skip(kind)
+            else:
+                fields[name] = header.scalar(name, kind)
+    return fields
+
+
 def _tensor_infos(f, path: Path) -> tuple[list[tuple[str, list[int], gguf.GGMLQuantizationType, int]], int]:
     """(name, file dimensions, type, offset) of every tensor, and where their data starts."""
     header = _Header(f, path)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -34,7 +35,8 @@ class LlamaBackend:
 
     def __init__(self, model_path: Path, threads: int = 0, n_ctx: int = 2048, interrupt: threading.Event | None = None,
                  gpu_layers: int | None = None, parallel: int = DEFAULT_PARALLEL, cpu_moe: bool = False,
-                 n_cpu_moe: int = 0, kv: str | None = None, max_vram_gib: float | None = None):
+                 n_cpu_moe: int = 0, kv: str | None = None, max_vram_gib: float | None = None,
+                 confine: Callable[[], object] | None = None):
         """`n_ctx`: each sequence's window, tokens. `parallel`: sequences decoded at once; the KV
         cache holds `parallel x n_ctx` tokens. `interrupt`: when set (the node stopping),
         generation stops at the next step. `gpu_layers`: layers to offload; None: all of them
@@ -42,7 +44,9 @@ class LlamaBackend:
         tensors stay in system RAM; `n_cpu_moe`: those of the first N layers (`llama_overrides`).
         `kv`: the KV cache's type (f32, f16); None: the first that works here (`llama_device`).
         `max_vram_gib`: the device memory the node may take; layers and `parallel` are fitted to it
-        (`self.fitted` says what was chosen)."""
+        (`self.fitted` says what was chosen). `confine`: called once the settings are chosen, before
+        llama.cpp opens the model (`engines.llama_worker` confines itself there; the probe
+        processes started before it confine themselves)."""
         if parallel < 1:
             raise ValueError(f"parallel must be at least 1, got {parallel}")
         self.gpu = bool(llama_cpp.llama_supports_gpu_offload())
@@ -61,12 +65,13 @@ class LlamaBackend:
         patterns = llama_overrides.expert_patterns(None if cpu_moe else n_cpu_moe)  # [] for neither
         self._overrides = llama_overrides.cpu_overrides(patterns) if patterns else None  # read at every load
         use_threads(threads)
+        if confine is not None:
+            confine()
         self.batch: llama_batch.BatchContext | None = None
         self.interrupt = interrupt or threading.Event()
         self.llm = self._load(model_path)
-        meta = self.llm.metadata
         self.file_type = file_type(model_path)  # the quant type to requantize to
-        self.layout = Layout.of_model(meta, Path(model_path))  # what a LoRA adapter for this model must match
+        self.layout = Layout.of_file(Path(model_path))  # what a LoRA adapter for this model must match
         self.hardware = hardware_summary(self._placement(), threads) + f", {self.settings}"
         if patterns and self.layout.n_expert:
             n_layers = self.layout.n_layers

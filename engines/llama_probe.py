@@ -75,7 +75,9 @@ def main() -> None:
     import numpy as np
 
     from engines.llama_batch import BatchContext, DecodeError
+    from engines.sandbox import confine
 
+    confine([args.model], [])  # the model is the coordinator's file: as confined as the worker that started us
     started = time.perf_counter()
     try:
         llm = llama_cpp.Llama(str(args.model), n_ctx=32, verbose=False, n_gpu_layers=args.gpu_layers)

@@ -1,0 +1,274 @@
+"""llama.cpp in a worker process: the node's `Backend` when it generates with llama.cpp.
+
+The worker (`engines.llama_worker`) holds an `engines.llama_backend.LlamaBackend`, confined
+(`engines.sandbox`). What it sends back is checked like any untrusted input (a worker whose
+parser was subverted is no longer ours): completions must fit their requests and the model's
+vocabulary, logprobs must be finite log-probabilities.
+
+A worker that dies (llama.cpp aborting on a file or in a kernel) is started again as it was (the
+weights and adapter it last served without failing) and the call that killed it fails:
+`set_adapter` and `load_weights` with a ValueError (an update the node cannot use), `generate`
+with `BackendCrashed` (the round is tried again). It costs a model load, not the node.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import numpy as np
+
+from engines.backend import BackendCrashed, Completion, Follow, Interrupted, Request
+from engines.full_weights import file_type
+from engines.gguf_io import FILE_TYPES, Layout, write_model
+from engines.hf import load_master
+from engines.llama_device import DeviceError
+from engines.llama_worker import MAX_MESSAGE_BYTES, wire_request
+
+POLL_SECONDS = 0.1  # how soon a stop reaches a generation in the worker
+MAX_LOGPROB = 1e-6  # a log-softmax is at most 0; rounding may leave it a hair above
+
+
+class LlamaProcess:
+    name = "llama_cpp"
+    WORKER = "engines.llama_worker"  # the module the worker runs
+
+    def __init__(self, model_path: Path, threads: int = 0, n_ctx: int = 2048, interrupt: threading.Event | None = None,
+                 readable: tuple[Path, ...] = (), writable: tuple[Path, ...] = (), confine: bool = True, **options):
+        """`LlamaBackend`'s arguments (`options`: its keywords), in a worker that may read only
+        the model file and beneath `readable`, and write only beneath `writable` (directories,
+        made here if missing). `confine`: False runs it unconfined, for a system where the
+        sandbox keeps llama.cpp from working."""
+        self.model_path = Path(model_path).absolute()  # the worker runs in /
+        self.n_ctx, self.interrupt = n_ctx, interrupt or threading.Event()
+        self.layout = Layout.of_file(self.model_path)  # read by our parser, before llama.cpp sees the file
+        self.file_type = file_type(self.model_path)
+        self.hf_config = None
+        for directory in (*readable, *writable):
+            directory.mkdir(parents=True, exist_ok=True)  # Landlock grants paths that exist
+        self._options = dict(options, threads=threads, n_ctx=n_ctx, confine=confine,
+                             readable=[str(p.absolute()) for p in (self.model_path, *readable)],
+                             writable=[str(p.absolute()) for p in writable])
+        self._serving, self._adapter = self.model_path, None  # what a restarted worker loads
+        self._lock = threading.RLock()  # one exchange at a time; `follow` may tokenize within one
+        self._rate = 0.0
+        self._process, self._conn = None, None
+        ready = self._start()
+        self.hardware, self.eos, self.vocab_size = ready["hardware"], ready["eos"], ready["vocab_size"]
+        self.parallel, self.n_params, self.fitted = ready["parallel"], ready["n_params"], ready["fitted"]
+        self.confined = ready["confined"] or "not confined (--no-sandbox)"
+        self.threads = threads
+
+    # -- the worker's life
+
+    def _start(self) -> dict:
+        ours, theirs = socket.socketpair()
+        command = [sys.executable, "-P", "-m", self.WORKER, str(theirs.fileno())]
+        # Its own process group, so that a kill takes whatever it started. GGML_NO_BACKTRACE: on an
+        # abort ggml forks a debugger to print a backtrace (one was seen spinning for 10 minutes).
+        self._process = subprocess.Popen(command, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+                                         cwd="/", start_new_session=True,  # cwd: not the volunteer's directory
+                                         env=dict(os.environ, GGML_NO_BACKTRACE="1"))
+        theirs.close()
+        self._conn = Connection(ours.detach())
+        self._send(dict(self._options, model=str(self._serving)))
+        ready = self._receive("loading the model")
+        if self._adapter is not None:
+            self._send({"op": "set_adapter", "path": str(self._adapter.absolute())})
+            self._receive(f"loading adapter {self._adapter}")
+        return ready
+
+    def _died(self, doing: str) -> BackendCrashed:
+        """The worker is gone (or broke its protocol): killed for good, and what happened."""
+        self._conn.close()
+        code = self._kill()
+        how = f"crashed ({signal.Signals(-code).name})" if code < 0 else f"exited with code {code}"
+        return BackendCrashed(f"llama.cpp's worker process {how} while {doing}")
+
+    def _restart(self, error: BackendCrashed) -> BackendCrashed:
+        """A worker in place of the one that died (none is started while one runs), and `error`."""
+        if self._process.poll() is None:
+            return error
+        try:
+            self._start()
+        except BackendCrashed as again:
+            raise BackendCrashed(f"{error}; restarting it failed too: {again}") from None
+        return error
+
+    def _kill(self) -> int:
+        """The worker and whatever it started killed; its exit code."""
+        try:
+            os.killpg(self._process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # every process of the group has exited and been reaped
+        return self._process.wait()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._process is not None and self._process.poll() is None:
+                self._conn.close()
+                self._kill()
+
+    # -- one exchange
+
+    def _send(self, message: dict) -> None:
+        try:
+            self._conn.send_bytes(json.dumps(message).encode())
+        except OSError:
+            raise self._died(f"being sent {message.get('op', 'its options')}") from None
+
+    def _receive(self, doing: str, interruptible: bool = False):
+        """The worker's next message: an answer's value, or a `follow` message as it is."""
+        signalled = False
+        try:
+            while not self._conn.poll(POLL_SECONDS):
+                if self._process.poll() is not None:  # dead, though a child of it may hold the socket open
+                    raise EOFError
+                if interruptible and self.interrupt.is_set() and not signalled:
+                    os.kill(self._process.pid, signal.SIGUSR1)
+                    signalled = True
+            message = json.loads(self._conn.recv_bytes(MAX_MESSAGE_BYTES))
+        except (EOFError, OSError, ValueError):  # ValueError: not JSON
+            raise self._died(doing) from None
+        if not isinstance(message, dict):
+            raise self._died(f"{doing} (it sent {type(message).__name__})")
+        if "follow" in message:
+            return message
+        if "error" in message:
+            kind, text = message.get("kind"), str(message["error"])
+            raise {"interrupted": Interrupted, "device": DeviceError}.get(kind, ValueError)(text)
+        return message.get("ok")
+
+    def _call(self, op: str, doing: str, **arguments):
+        """One request's answer; a worker that dies doing it is restarted (`BackendCrashed`)."""
+        with self._lock:
+            try:
+                self._send(dict(arguments, op=op))
+                return self._receive(doing)
+            except BackendCrashed as e:
+                raise self._restart(e) from None
+
+    # -- the Backend protocol
+
+    def generate(self, requests: list[Request], temperature: float, follow: Follow | None = None) -> list[Completion]:
+        """`engines.backend.Backend.generate`, in the worker; a worker that dies fails it with
+        `BackendCrashed`, restarted."""
+        if self.interrupt.is_set():
+            raise Interrupted("stopping")
+        current = list(requests)  # what each sequence asks now: its completion must fit it
+        with self._lock:
+            try:
+                self._send({"op": "generate", "requests": [wire_request(r) for r in requests],
+                            "temperature": temperature, "follow": follow is not None})
+                while "follow" in (reply := self._receive("generating", interruptible=True)):
+                    index = self._index(reply.get("follow"), current)
+                    following = self._following(follow, index, self._completion(reply.get("completion"), current[index]))
+                    if following is not None:
+                        current[index] = following
+                    self._send({"op": "followed", "request": None if following is None else wire_request(following)})
+                completions = reply.get("completions") if isinstance(reply, dict) else None
+                if not isinstance(completions, list) or len(completions) != len(current):
+                    raise self._died("generating (it sent a malformed answer)")
+                self._rate = float(reply.get("rate", 0.0))
+                return [self._completion(c, r) for c, r in zip(completions, current)]
+            except BackendCrashed as e:
+                raise self._restart(e) from None
+
+    def _following(self, follow: Follow, index: int, done: Completion) -> Request | None:
+        """`follow`'s answer; when it raises, the worker drops the batch before the error goes on."""
+        try:
+            return follow(index, done)
+        except BackendCrashed:
+            raise
+        except BaseException:
+            self._send({"op": "followed", "abort": True})
+            try:
+                self._receive("dropping the batch")
+            except Interrupted:
+                pass  # the answer expected: the worker is ready for the next request
+            raise
+
+    def _index(self, index, current: list[Request]) -> int:
+        if type(index) is not int or not 0 <= index < len(current):
+            raise self._died("generating (it named no sequence of the batch)")
+        return index
+
+    def _completion(self, wire, request: Request) -> Completion:
+        """A completion the worker sent, held to its request: at most `max_new_tokens` ids of the
+        vocabulary, one finite log-probability each."""
+        try:
+            ids, logprobs = wire
+            ok = (isinstance(ids, list) and isinstance(logprobs, list) and len(ids) == len(logprobs)
+                  and len(ids) <= request.max_new_tokens
+                  and all(type(t) is int and 0 <= t < self.vocab_size for t in ids)
+                  and all(type(p) is float and math.isfinite(p) and p <= MAX_LOGPROB for p in logprobs))
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise self._died("generating (it sent a completion that does not fit its request)")
+        return Completion(tuple(ids), tuple(logprobs))
+
+    def tokenize(self, text: str) -> list[int]:
+        ids = self._call("tokenize", "tokenizing", text=text)
+        if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < self.vocab_size for t in ids):
+            raise self._restart(self._died("tokenizing (it sent ids outside the vocabulary)"))
+        return ids
+
+    def detokenize(self, ids: tuple[int, ...]) -> str:
+        text = self._call("detokenize", "detokenizing", ids=list(ids))
+        if not isinstance(text, str):
+            raise self._restart(self._died("detokenizing (it sent no text)"))
+        return text
+
+    @property
+    def throughput(self) -> float:
+        return self._rate
+
+    def set_adapter(self, path: Path | None) -> None:
+        """Serve with this GGUF adapter (None: the base alone). A file llama.cpp refuses, or dies
+        on (loading it or at its first decode), changes nothing: a ValueError."""
+        with self._lock:
+            try:
+                self._call("set_adapter", f"loading adapter {path}", path=None if path is None else str(path.absolute()))
+            except BackendCrashed as e:
+                raise ValueError(str(e)) from None
+            self._adapter = path
+
+    def base_weights(self):
+        self.hf_config, master = load_master(self.model_path)
+        return self.hf_config, master
+
+    def load_weights(self, master: dict[str, np.ndarray], version: int, workdir: Path) -> None:
+        """Full mode: `master` written as GGUF here (our writer), requantized to the joined file's
+        type and loaded by the worker (which may write only beneath `workdir`); older exports go."""
+        if self._adapter is not None:
+            raise ValueError("a LoRA adapter is active; full-mode reloads do not combine with adapters")
+        workdir.mkdir(parents=True, exist_ok=True)
+        workdir = workdir.absolute()
+        out, f32 = workdir / f"v{version}.gguf", workdir / f"v{version}.f32.gguf"
+        write_model(self.hf_config, master, f32, tokenizer=self.model_path)
+        with self._lock:
+            try:
+                if self.file_type == FILE_TYPES["f32"]:
+                    f32.replace(out)
+                else:
+                    self._call("quantize", f"requantizing version {version}", source=str(f32), out=str(out),
+                               ftype=self.file_type)
+                self._call("reload", f"loading version {version}", path=str(out))
+            except BackendCrashed as e:
+                out.unlink(missing_ok=True)
+                raise ValueError(str(e)) from None
+            finally:
+                f32.unlink(missing_ok=True)
+            self._serving = out
+        for old in workdir.glob("v*.gguf"):
+            if old != out:
+                old.unlink()

@@ -1,0 +1,139 @@
+"""llama.cpp in its worker process (`engines.llama_process`): the same samples as in-process, a
+crash in llama.cpp costs a restart and not the node, and a worker's answers are held to their
+requests like any untrusted input."""
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from engines.backend import BackendCrashed, Interrupted, Request
+from engines.llama_backend import LlamaBackend
+from engines.llama_process import LlamaProcess
+from tests.support.hostile_worker import ANSWERS
+from tests.support.tiny_model import build_tiny_gguf
+from tests.unit.engines.test_sandbox import landlock_abi
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return build_tiny_gguf(tmp_path_factory.mktemp("m") / "tiny.gguf")
+
+
+@pytest.fixture
+def worker(model, tmp_path):
+    process = LlamaProcess(model, threads=1, n_ctx=128, parallel=2, readable=(tmp_path,))
+    yield process
+    process.close()
+
+
+def adapter(path, layout, a_shape, seed=0):
+    """A LoRA adapter of attn_q in layer 0, written directly (no shape check): A of `a_shape`,
+    B of rank `a_shape[-2]`, which llama.cpp checks A against."""
+    rng = np.random.default_rng(seed)
+    out_dim = layout.shapes["blk.0.attn_q.weight"][0]
+    writer = gguf.GGUFWriter(str(path), arch=layout.arch)
+    writer.add_type(gguf.GGUFType.ADAPTER)
+    writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, 4.0)
+    writer.add_tensor("blk.0.attn_q.weight.lora_a", rng.normal(0, 1, a_shape).astype(np.float32))
+    writer.add_tensor("blk.0.attn_q.weight.lora_b", rng.normal(0, 1, (out_dim, a_shape[-2])).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+REQUESTS = [Request((1, 400, 401, 402), 12, seed) for seed in (3, 4, 5)]
+
+
+def test_the_worker_samples_what_the_backend_samples_turn_by_turn(model, worker):
+    """Three sequences on two slots, each continued once by a follow that tokenizes (a nested
+    request to the worker while its generation waits for the answer)."""
+    here = LlamaBackend(model, threads=1, n_ctx=128, parallel=2)
+    assert worker.confined.startswith(f"landlock ABI {landlock_abi()}") if landlock_abi() > 0 else True
+
+    def follow(backend, turns):
+        def after(index, done):
+            turns.append((index, done))
+            if len([i for i, _ in turns if i == index]) > 1:
+                return None
+            reply = backend.tokenize(f"reply {backend.detokenize(done.token_ids[:2])}")
+            return Request(REQUESTS[index].prompt_ids + done.token_ids + tuple(reply), 6, 7 + index, len(done.token_ids))
+        return after
+
+    ours, theirs = [], []
+    assert worker.generate(REQUESTS, 0.9, follow(worker, ours)) == here.generate(REQUESTS, 0.9, follow(here, theirs))
+    assert ours == theirs and len(ours) == 6
+    assert worker.throughput > 0 and worker.vocab_size == here.vocab_size and worker.eos == here.eos
+
+
+def test_an_adapter_that_aborts_llama_cpp_costs_a_restart_not_the_node(worker, tmp_path):
+    """A 3-D lora_a for a matrix: llama.cpp loads it and aborts at its first decode
+    (`GGML_ASSERT(ggml_can_mul_mat)`), which killed the node and every restart of it."""
+    good = adapter(tmp_path / "good.gguf", worker.layout, (2, worker.layout.n_embd))
+    worker.set_adapter(good)
+    with_good = worker.generate(REQUESTS, 0.9)
+    before = worker._process.pid
+    bad = adapter(tmp_path / "bad.gguf", worker.layout, (2, 1, worker.layout.n_embd), seed=1)
+    with pytest.raises(ValueError, match=r"worker process crashed \(SIGABRT\) while loading adapter .*bad.gguf"):
+        worker.set_adapter(bad)
+    assert worker._process.pid != before  # a new worker ...
+    assert worker.generate(REQUESTS, 0.9) == with_good  # ... serving the adapter that worked
+
+
+def test_a_worker_killed_mid_generation_fails_that_call_only(worker):
+    alone = worker.generate(REQUESTS, 0.9)
+    long = [Request((1, 400), 120, seed) for seed in range(6)]
+    threading.Timer(0.3, os.kill, (worker._process.pid, signal.SIGKILL)).start()
+    with pytest.raises(BackendCrashed, match=r"crashed \(SIGKILL\) while generating"):
+        worker.generate(long, 0.9)
+    assert worker.generate(REQUESTS, 0.9) == alone
+
+
+def test_a_follow_that_fails_drops_the_batch_and_keeps_the_worker(worker):
+    alone = worker.generate(REQUESTS, 0.9)
+    pid = worker._process.pid
+
+    def broken(index, done):
+        raise KeyError("the environment failed")
+
+    with pytest.raises(KeyError, match="the environment failed"):
+        worker.generate(REQUESTS, 0.9, broken)
+    assert worker._process.pid == pid and worker.generate(REQUESTS, 0.9) == alone
+
+
+def test_a_stop_reaches_the_generation_in_the_worker(worker):
+    long = [Request((1, 400), 120, seed) for seed in range(6)]
+    threading.Timer(0.2, worker.interrupt.set).start()
+    started = time.monotonic()
+    with pytest.raises(Interrupted):
+        worker.generate(long, 0.9)
+    assert time.monotonic() - started < 5
+    with pytest.raises(Interrupted):  # stopping is for good: nothing more is generated
+        worker.generate(REQUESTS, 0.9)
+    worker.interrupt.clear()
+    assert len(worker.generate(REQUESTS, 0.9)) == 3
+
+
+class Hostile(LlamaProcess):
+    WORKER = "tests.support.hostile_worker"
+
+
+@pytest.mark.parametrize("mode", [*ANSWERS, "not json"])
+def test_a_worker_answer_that_does_not_fit_its_request_is_refused_and_the_worker_replaced(model, mode, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parents[3]))  # the worker runs in /: `tests` from here
+    worker = Hostile(model, confine=False, mode=mode)
+    try:
+        first = worker._process.pid
+        with pytest.raises(BackendCrashed, match="while generating"):
+            worker.generate([Request((1, 2), 4, 1)], 1.0, lambda i, done: None)
+        assert worker._process.pid != first and worker._process.poll() is None
+    finally:
+        worker.close()

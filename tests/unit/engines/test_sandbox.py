@@ -1,0 +1,84 @@
+"""What a process confined by `engines.sandbox` can still reach: run in a real child process, each
+attempt made after `confine`, on this machine's kernel."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+PROBE = textwrap.dedent("""
+    import json, os, socket, sys
+    from pathlib import Path
+    from engines.sandbox import confine
+
+    allowed, writable, secret, port, parent = sys.argv[1:]
+    how = confine([Path(allowed)], [Path(writable)])
+
+    def attempt(action):
+        try:
+            action()
+            return "ok"
+        except OSError as e:
+            return e.__class__.__name__
+
+    print(json.dumps({
+        "how": how,
+        "read allowed": attempt(lambda: (Path(allowed) / "model.gguf").read_bytes()),
+        "read secret": attempt(lambda: Path(secret).read_bytes()),
+        "list home": attempt(lambda: os.listdir(Path(secret).parent)),
+        "write writable": attempt(lambda: (Path(writable) / "v1.gguf").write_bytes(b"x")),
+        "write allowed": attempt(lambda: (Path(allowed) / "evil").write_bytes(b"x")),
+        "overwrite model": attempt(lambda: (Path(allowed) / "model.gguf").write_bytes(b"x")),
+        "connect": attempt(lambda: socket.create_connection(("127.0.0.1", int(port)), timeout=2)),
+        "parent environ": attempt(lambda: Path(f"/proc/{parent}/environ").read_bytes()),
+        "parent cmdline": attempt(lambda: Path(f"/proc/{parent}/cmdline").read_bytes()),
+        "own status": attempt(lambda: Path("/proc/self/status").read_bytes()),
+        "cpuinfo": attempt(lambda: Path("/proc/cpuinfo").read_bytes()),
+        "signal parent": attempt(lambda: os.kill(int(parent), 0)),
+        "read python": attempt(lambda: Path(os.__file__).read_bytes()),
+    }))
+""")
+
+
+def landlock_abi() -> int:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    return libc.syscall(444, None, ctypes.c_size_t(0), ctypes.c_uint32(1))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Landlock is Linux's")
+def test_a_confined_process_reads_only_what_it_is_given_and_writes_and_dials_nothing(tmp_path):
+    allowed, writable, home = tmp_path / "models", tmp_path / "weights", tmp_path / "home"
+    for d in (allowed, writable, home):
+        d.mkdir()
+    (allowed / "model.gguf").write_bytes(b"GGUF")
+    secret = home / "id_ed25519"
+    secret.write_text("the volunteer's key")
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        done = subprocess.run([sys.executable, "-c", PROBE, str(allowed), str(writable), str(secret),
+                               str(listener.getsockname()[1]), str(os.getpid())],
+                              capture_output=True, text=True, timeout=60, cwd="/")
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    abi = landlock_abi()
+    if abi < 1:
+        assert seen["how"].startswith("worker process only (no Landlock")
+        return
+    assert seen["how"].startswith(f"landlock ABI {abi}")
+    assert seen["read allowed"] == seen["write writable"] == seen["read python"] == "ok"
+    assert seen["own status"] == seen["cpuinfo"] == "ok"
+    for denied in ("read secret", "list home", "write allowed", "overwrite model", "parent environ", "parent cmdline"):
+        assert seen[denied] == "PermissionError", denied
+    assert (allowed / "model.gguf").read_bytes() == b"GGUF" and not (allowed / "evil").exists()
+    if abi >= 4:
+        assert seen["connect"] == "PermissionError"
+    if abi >= 6:
+        assert seen["signal parent"] == "PermissionError"
