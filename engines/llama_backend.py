@@ -65,17 +65,17 @@ class LlamaBackend:
         patterns = llama_overrides.expert_patterns(None if cpu_moe else n_cpu_moe)  # [] for neither
         self._overrides = llama_overrides.cpu_overrides(patterns) if patterns else None  # read at every load
         use_threads(threads)
-        if confine is not None:
-            confine()
-        self.batch: llama_batch.BatchContext | None = None
-        self.interrupt = interrupt or threading.Event()
-        self.llm = self._load(model_path)
         self.file_type = file_type(model_path)  # the quant type to requantize to
         self.layout = Layout.of_file(Path(model_path))  # what a LoRA adapter for this model must match
         self.hardware = hardware_summary(self._placement(), threads) + f", {self.settings}"
         if patterns and self.layout.n_expert:
             n_layers = self.layout.n_layers
             self.hardware += f", experts in RAM ({'every layer' if cpu_moe else f'first {min(n_cpu_moe, n_layers)} of {n_layers} layers'})"
+        if confine is not None:  # after reading /proc for `hardware`, before llama.cpp reads the model
+            confine()
+        self.batch: llama_batch.BatchContext | None = None
+        self.interrupt = interrupt or threading.Event()
+        self.llm = self._load(model_path)
         self.vocab_size = self.llm.n_vocab()
         self.n_params = int(llama_cpp.llama_model_n_params(self.llm.model))  # bounds what an adapter may declare
         self.eos = self.llm.token_eos()

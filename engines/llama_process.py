@@ -35,6 +35,15 @@ from engines.llama_worker import MAX_MESSAGE_BYTES, wire_request
 
 POLL_SECONDS = 0.1  # how soon a stop reaches a generation in the worker
 MAX_LOGPROB = 1e-6  # a log-softmax is at most 0; rounding may leave it a hair above
+# What the worker inherits of the node's environment (which may hold the volunteer's secrets):
+# where to find programs and libraries, and the settings of the libraries it runs.
+ENVIRONMENT = ("PATH", "HOME", "LANG", "TMPDIR", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV")
+ENVIRONMENT_PREFIXES = ("LC_", "GGML_", "LLAMA_", "CUDA_", "NVIDIA_", "HIP_", "ROCR_", "HSA_", "VK_", "MESA_",
+                        "OMP_", "OPENBLAS_", "MKL_", "NUMBA_", "KMP_")
+
+
+def worker_environment() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k in ENVIRONMENT or k.startswith(ENVIRONMENT_PREFIXES)}
 
 
 class LlamaProcess:
@@ -76,7 +85,7 @@ class LlamaProcess:
         # abort ggml forks a debugger to print a backtrace (one was seen spinning for 10 minutes).
         self._process = subprocess.Popen(command, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
                                          cwd="/", start_new_session=True,  # cwd: not the volunteer's directory
-                                         env=dict(os.environ, GGML_NO_BACKTRACE="1"))
+                                         env=dict(worker_environment(), GGML_NO_BACKTRACE="1"))
         theirs.close()
         self._conn = Connection(ours.detach())
         self._send(dict(self._options, model=str(self._serving)))

@@ -15,8 +15,11 @@ or `detokenize` before it does. SIGUSR1 interrupts a generation (the node stoppi
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
+import threading
+import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -31,7 +34,19 @@ def wire_request(r) -> list:
     return [list(r.prompt_ids), r.max_new_tokens, r.seed, r.offset]
 
 
+ORPHAN_POLL = 0.5  # seconds between looks at whether the node is still there
+
+
+def _die_with(parent: int) -> None:
+    """End this process once the node that started it is gone (killed, say, mid-lease), not when
+    a generation it no longer wants is done: a busy orphan would hold the CPU meanwhile."""
+    while os.getppid() == parent:
+        time.sleep(ORPHAN_POLL)
+    os._exit(0)
+
+
 def main() -> None:
+    threading.Thread(target=_die_with, args=(os.getppid(),), daemon=True, name="orphan-watch").start()
     conn = Connection(int(sys.argv[1]))
     options = json.loads(conn.recv_bytes(MAX_MESSAGE_BYTES))
     import numpy as np

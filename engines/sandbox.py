@@ -2,8 +2,8 @@
 
 On Linux 5.13+ Landlock (an unprivileged kernel sandbox, no root, no namespaces) leaves it:
 - reading only system and Python directories (/usr, /lib, /etc, /sys, the interpreter's prefix
-  and import path), its own /proc entry and the machine's, and the paths it is given (the node's
-  model and adapters);
+  and import path) and the paths it is given (the node's model and adapters): not /proc, so what
+  it needs there (the machine's memory, say) is read before `confine`;
 - writing only beneath the directories it is given to write (full mode's re-exported weights)
   and /dev (a GPU is driven through its device files);
 - no TCP connections or listening sockets (kernel ABI 4+), and no signals to, or abstract unix
@@ -35,9 +35,8 @@ _NET_BIND_TCP, _NET_CONNECT_TCP = 1 << 0, 1 << 1
 _FS_RIGHTS = {1: (1 << 13) - 1, 2: (1 << 14) - 1, 3: (1 << 15) - 1, 5: (1 << 16) - 1}
 SYSTEM_READABLE = ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc", "/opt", "/sys")
 OUR_PACKAGES = ("engines", "protocols", "tasks")  # what the worker (and a probe it starts) imports
-# Of /proc, only this process's own directory and the machine's: another process's (the node's,
-# the volunteer's shell's) environment and command line stay unread.
-PROC_READABLE = ("/proc/self", "/proc/cpuinfo", "/proc/meminfo", "/proc/stat", "/proc/sys", "/proc/driver")
+# Not /proc: another process's environment and command line are readable there, and Landlock's
+# rules on /proc entries do not last (they are lost when the kernel drops their dentries: seen).
 
 
 class _Ruleset(ctypes.Structure):
@@ -96,7 +95,7 @@ def _readable(given: list[Path]) -> list[Path]:
     python = [sys.prefix, sys.base_prefix, sys.exec_prefix, *sys.path]
     # An editable install imports our packages through a finder, not a directory on sys.path.
     python += [os.path.dirname(sys.modules[name].__file__) for name in OUR_PACKAGES if name in sys.modules]
-    return list(given) + [Path(p) for p in (*SYSTEM_READABLE, *PROC_READABLE, *python) if p]
+    return list(given) + [Path(p) for p in (*SYSTEM_READABLE, *python) if p]
 
 
 def _allow(libc, ruleset: int, path: Path, access: int) -> None:

@@ -3,6 +3,8 @@ crash in llama.cpp costs a restart and not the node, and a worker's answers are 
 requests like any untrusted input."""
 
 import os
+import subprocess
+import sys
 import signal
 import threading
 import time
@@ -137,3 +139,20 @@ def test_a_worker_answer_that_does_not_fit_its_request_is_refused_and_the_worker
         assert worker._process.pid != first and worker._process.poll() is None
     finally:
         worker.close()
+
+
+def test_a_worker_whose_node_is_killed_mid_generation_stops_at_once(model, tmp_path):
+    """A node killed mid-lease (SIGKILL: nothing of it runs) must not leave its worker generating."""
+    script = ("import sys; from engines.llama_process import LlamaProcess; from engines.backend import Request\n"
+              f"w = LlamaProcess({str(model)!r}, threads=1, n_ctx=2048, parallel=2)\n"
+              "print(w._process.pid, flush=True)\n"
+              "w.generate([Request((1, 400), 2000, s) for s in range(8)], 0.9)\n")  # ~20 s of work
+    node = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    pid = int(node.stdout.readline())
+    time.sleep(0.5)  # generating
+    node.kill()
+    node.wait()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and os.path.exists(f"/proc/{pid}"):
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{pid}")
