@@ -5,7 +5,8 @@ Q4_1, the shipped file):
 - load: from constructing the backend to its first answer (the join's model-load phase);
 - tokens/s: one lease's batch (8 prompts x `--tokens` new tokens, parallel 8), the two
   alternating `--rounds` times so that both see the same machine;
-- restart: from the worker's death (SIGKILL) to its replacement answering again.
+- restart: from the worker's death (SIGKILL) to its replacement answering again;
+- memory: the worker's resident set, against what loading the model adds to the node's own.
 
     .venv/bin/python bench/llama_worker.py [--rounds 5] [--tokens 64] [--threads 2]
 
@@ -23,6 +24,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -58,7 +61,14 @@ def main() -> None:
                 backend.close()
             del backend
 
-    here, worker = LlamaBackend(model, **options), LlamaProcess(model, **options)
+    node = psutil.Process()
+    before = node.memory_info().rss
+    here = LlamaBackend(model, **options)
+    here.generate([Request((1, 2, 3), 8, 1)], 1.0)
+    in_process_mib = (node.memory_info().rss - before) / 2**20
+    worker = LlamaProcess(model, **options)
+    worker.generate([Request((1, 2, 3), 8, 1)], 1.0)
+    worker_mib = psutil.Process(worker._process.pid).memory_info().rss / 2**20
     prompt = tuple(here.tokenize("<|im_start|>user\nWhat is 17 + 25? Think step by step.<|im_end|>\n"
                                  "<|im_start|>assistant\n"))
     requests = [Request(prompt, args.tokens, seed) for seed in range(8)]
@@ -90,11 +100,13 @@ def main() -> None:
         print(f"{kind:12} {med[kind]:8.2f} {rate[kind]:8.1f}")
     print(f"{'ratio':12} {med['worker'] / med['in-process']:8.2f} {rate['worker'] / rate['in-process']:8.3f}")
     print(f"restart after a crash (kill to next answer): median {statistics.median(restarts):.2f} s")
+    print(f"memory: the worker holds {worker_mib:.0f} MiB; loading in-process adds {in_process_mib:.0f} MiB to the node")
     print(json.dumps({"load_ratio": round(med["worker"] / med["in-process"], 2),
                       "rate_ratio": round(rate["worker"] / rate["in-process"], 3),
                       "load_s": {k: round(v, 2) for k, v in med.items()},
                       "tokens_per_s": {k: round(v, 1) for k, v in rate.items()},
                       "restart_s": round(statistics.median(restarts), 2), "rounds": args.rounds,
+                      "worker_rss_mib": round(worker_mib), "in_process_rss_mib": round(in_process_mib),
                       "confined": confined}))
 
 

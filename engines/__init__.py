@@ -5,6 +5,8 @@
 - `sampler`               verifiable Gumbel-max at compiled speed: the node's sampling, the CPU verifier's margins
 - `device_sampler`        the verifier's margins over a forward batch's logits on any torch device, one transfer a batch
 - `triton_scan`           its one pass a row on a GPU (Triton): log-sum-exp, the noise, the best two z
+- `llama_process`         the node's llama.cpp: a `llama_backend` in a worker process (`llama_worker`),
+                          confined (`sandbox`), restarted when it dies, its answers checked
 - `llama_backend`         llama-cpp-python: the model, LoRA hot-swap, full-mode reloads
 - `llama_batch`           llama.cpp batched decoding: a lease's sequences in one context, shared prompts
 - `transformers_backend`  the same on transformers (CUDA when present), full-mode updates in place

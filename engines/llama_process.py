@@ -42,6 +42,11 @@ ENVIRONMENT_PREFIXES = ("LC_", "GGML_", "LLAMA_", "CUDA_", "NVIDIA_", "HIP_", "R
                         "OMP_", "OPENBLAS_", "MKL_", "NUMBA_", "KMP_")
 
 
+def plain(text, limit: int = 2000) -> str:
+    """What a worker said, as printable text of bounded length (no terminal escapes)."""
+    return "".join(c for c in str(text)[:limit] if c.isprintable())
+
+
 def worker_environment() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k in ENVIRONMENT or k.startswith(ENVIRONMENT_PREFIXES)}
 
@@ -71,9 +76,13 @@ class LlamaProcess:
         self._rate = 0.0
         self._process, self._conn = None, None
         ready = self._start()
-        self.hardware, self.eos, self.vocab_size = ready["hardware"], ready["eos"], ready["vocab_size"]
-        self.parallel, self.n_params, self.fitted = ready["parallel"], ready["n_params"], ready["fitted"]
-        self.confined = ready["confined"] or "not confined (--no-sandbox)"
+        counts = [ready.get(k) if isinstance(ready, dict) else None for k in ("eos", "vocab_size", "parallel", "n_params")]
+        if not all(type(n) is int and n >= 0 for n in counts) or not counts[1] or not counts[2]:
+            raise self._died("loading the model (it described the model in no numbers)")
+        self.eos, self.vocab_size, self.parallel, self.n_params = counts
+        # Printed on the volunteer's console and announced: as plain text, whatever the worker sent.
+        self.hardware, self.fitted = plain(ready.get("hardware")), ready.get("fitted") and plain(ready["fitted"])
+        self.confined = plain(ready.get("confined")) if ready.get("confined") else "not confined (--no-sandbox)"
         self.threads = threads
 
     # -- the worker's life
@@ -152,7 +161,7 @@ class LlamaProcess:
         if "follow" in message:
             return message
         if "error" in message:
-            kind, text = message.get("kind"), str(message["error"])
+            kind, text = message.get("kind"), plain(message["error"])
             raise {"interrupted": Interrupted, "device": DeviceError}.get(kind, ValueError)(text)
         return message.get("ok")
 

@@ -21,14 +21,16 @@ ANSWERS = {  # to a generate of one request of up to 4 tokens, in a vocabulary o
 def main() -> None:
     conn = Connection(int(sys.argv[1]))
     options = json.loads(conn.recv_bytes())
-    conn.send_bytes(json.dumps({"ok": {"hardware": "hostile", "eos": 2, "vocab_size": 100, "parallel": 1,
+    conn.send_bytes(json.dumps({"ok": {"hardware": "hostile \x1b]52;c;ZWNobyBldmls\x07", "eos": 2, "vocab_size": 100, "parallel": 1,
                                        "n_params": 1000, "fitted": None, "confined": None}}).encode())
     while True:
         try:
             message = json.loads(conn.recv_bytes())
         except EOFError:
             return
-        if message["op"] != "generate":
+        if message["op"] == "tokenize":
+            conn.send_bytes(json.dumps({"error": "\x1b[2Jrefused", "kind": "value"}).encode())
+        elif message["op"] != "generate":
             conn.send_bytes(json.dumps({"ok": None}).encode())
         elif options["mode"] == "not json":
             conn.send_bytes(b"\x80\x04 not json")

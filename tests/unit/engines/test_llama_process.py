@@ -137,6 +137,9 @@ def test_a_worker_answer_that_does_not_fit_its_request_is_refused_and_the_worker
         with pytest.raises(BackendCrashed, match="while generating"):
             worker.generate([Request((1, 2), 4, 1)], 1.0, lambda i, done: None)
         assert worker._process.pid != first and worker._process.poll() is None
+        assert worker.hardware == "hostile ]52;c;ZWNobyBldmls"  # no terminal escape reaches the console
+        with pytest.raises(ValueError, match=r"^\[2Jrefused$"):
+            worker.tokenize("x")
     finally:
         worker.close()
 
