@@ -37,13 +37,17 @@ def test_sequential_run_with_two_nodes(tmp_path, tiny_model, processes):
     assert join_line in (tmp_path / "coordinator.log").read_text()  # printed verbatim for volunteers
     argv = shlex.split(join_line)
     nodes = []
-    for name in ("n1", "n2"):
-        args = [str(VENV_BIN / argv[0]), *argv[1:], "--name", name, "--data-dir", str(tmp_path / name), "--threads", "1"]
+    for name, sandbox in (("n1", "--sandbox"), ("n2", "--no-sandbox")):
+        args = [str(VENV_BIN / argv[0]), *argv[1:], "--name", name, "--data-dir", str(tmp_path / name), "--threads", "1",
+                sandbox]
         nodes.append(spawn(processes, args, tmp_path / f"{name}.log"))
 
     assert coordinator.wait(timeout=300) == 0, (tmp_path / "coordinator.log").read_text()[-3000:]
     for node, name in zip(nodes, ("n1", "n2")):
         assert node.wait(timeout=60) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+    # llama.cpp ran in a worker process on both, confined on the first (this kernel has Landlock: test_sandbox).
+    assert "llama.cpp runs in a worker process: landlock ABI" in (tmp_path / "n1.log").read_text()
+    assert "llama.cpp runs in a worker process: not confined (--no-sandbox)" in (tmp_path / "n2.log").read_text()
 
     # One metrics line per version, in the documented shape; rewards recomputed by the trainer.
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
