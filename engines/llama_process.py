@@ -13,6 +13,7 @@ with `BackendCrashed` (the round is tried again). It costs a model load, not the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -34,6 +35,7 @@ from engines.llama_device import DeviceError
 from engines.llama_worker import MAX_MESSAGE_BYTES, wire_request
 
 POLL_SECONDS = 0.1  # how soon a stop reaches a generation in the worker
+EXIT_SECONDS = 2.0  # a worker whose socket closed has that long to exit before it is killed
 MAX_LOGPROB = 1e-6  # a log-softmax is at most 0; rounding may leave it a hair above
 # What the worker inherits of the node's environment (which may hold the volunteer's secrets):
 # where to find programs and libraries, and the settings of the libraries it runs.
@@ -78,12 +80,11 @@ class LlamaProcess:
         ready = self._start()
         counts = [ready.get(k) if isinstance(ready, dict) else None for k in ("eos", "vocab_size", "parallel", "n_params")]
         if not all(type(n) is int and n >= 0 for n in counts) or not counts[1] or not counts[2]:
-            raise self._died("loading the model (it described the model in no numbers)")
+            raise self._died("loading the model (it described the model in no numbers)", broke=True)
         self.eos, self.vocab_size, self.parallel, self.n_params = counts
         # Printed on the volunteer's console and announced: as plain text, whatever the worker sent.
         self.hardware, self.fitted = plain(ready.get("hardware")), ready.get("fitted") and plain(ready["fitted"])
         self.confined = plain(ready.get("confined")) if ready.get("confined") else "not confined (--no-sandbox)"
-        self.threads = threads
 
     # -- the worker's life
 
@@ -104,11 +105,16 @@ class LlamaProcess:
             self._receive(f"loading adapter {self._adapter}")
         return ready
 
-    def _died(self, doing: str) -> BackendCrashed:
-        """The worker is gone (or broke its protocol): killed for good, and what happened."""
+    def _died(self, doing: str, broke: bool = False) -> BackendCrashed:
+        """The worker is gone, or (`broke`) broke its protocol and is ended: what happened."""
         self._conn.close()
+        if not broke:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._process.wait(EXIT_SECONDS)  # its socket closed as it died: let it finish dying
+        alive = self._process.poll() is None
         code = self._kill()
-        how = f"crashed ({signal.Signals(-code).name})" if code < 0 else f"exited with code {code}"
+        how = ("was ended by the node" if alive else f"crashed ({signal.Signals(-code).name})" if code < 0
+               else f"exited with code {code}")
         return BackendCrashed(f"llama.cpp's worker process {how} while {doing}")
 
     def _restart(self, error: BackendCrashed) -> BackendCrashed:
@@ -154,10 +160,12 @@ class LlamaProcess:
                     os.kill(self._process.pid, signal.SIGUSR1)
                     signalled = True
             message = json.loads(self._conn.recv_bytes(MAX_MESSAGE_BYTES))
-        except (EOFError, OSError, ValueError):  # ValueError: not JSON
+        except (EOFError, OSError):  # OSError: also a message past MAX_MESSAGE_BYTES
             raise self._died(doing) from None
+        except ValueError:
+            raise self._died(f"{doing} (it sent no JSON)", broke=True) from None
         if not isinstance(message, dict):
-            raise self._died(f"{doing} (it sent {type(message).__name__})")
+            raise self._died(f"{doing} (it sent {type(message).__name__})", broke=True)
         if "follow" in message:
             return message
         if "error" in message:
@@ -194,7 +202,7 @@ class LlamaProcess:
                     self._send({"op": "followed", "request": None if following is None else wire_request(following)})
                 completions = reply.get("completions") if isinstance(reply, dict) else None
                 if not isinstance(completions, list) or len(completions) != len(current):
-                    raise self._died("generating (it sent a malformed answer)")
+                    raise self._died("generating (it sent a malformed answer)", broke=True)
                 self._rate = float(reply.get("rate", 0.0))
                 return [self._completion(c, r) for c, r in zip(completions, current)]
             except BackendCrashed as e:
@@ -216,7 +224,7 @@ class LlamaProcess:
 
     def _index(self, index, current: list[Request]) -> int:
         if type(index) is not int or not 0 <= index < len(current):
-            raise self._died("generating (it named no sequence of the batch)")
+            raise self._died("generating (it named no sequence of the batch)", broke=True)
         return index
 
     def _completion(self, wire, request: Request) -> Completion:
@@ -231,19 +239,19 @@ class LlamaProcess:
         except (TypeError, ValueError):
             ok = False
         if not ok:
-            raise self._died("generating (it sent a completion that does not fit its request)")
+            raise self._died("generating (it sent a completion that does not fit its request)", broke=True)
         return Completion(tuple(ids), tuple(logprobs))
 
     def tokenize(self, text: str) -> list[int]:
         ids = self._call("tokenize", "tokenizing", text=text)
         if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < self.vocab_size for t in ids):
-            raise self._restart(self._died("tokenizing (it sent ids outside the vocabulary)"))
+            raise self._restart(self._died("tokenizing (it sent ids outside the vocabulary)", broke=True))
         return ids
 
     def detokenize(self, ids: tuple[int, ...]) -> str:
         text = self._call("detokenize", "detokenizing", ids=list(ids))
         if not isinstance(text, str):
-            raise self._restart(self._died("detokenizing (it sent no text)"))
+            raise self._restart(self._died("detokenizing (it sent no text)", broke=True))
         return text
 
     @property
