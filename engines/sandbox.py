@@ -9,8 +9,8 @@ On Linux 5.13+ Landlock (an unprivileged kernel sandbox, no root, no namespaces)
 - no TCP connections or listening sockets (kernel ABI 4+), and no signals to, or abstract unix
   sockets of, processes outside the sandbox (ABI 6+).
 Landlock also keeps it from tracing or reading the memory of the node that started it. On every
-system it dumps no core and is the first process the kernel's OOM killer
-takes. What it cannot do elsewhere (macOS, older kernels) `confine` says in its answer.
+system it dumps no core and is the first process the kernel's OOM killer takes. What is left out
+elsewhere (macOS, older kernels) `confine` says in its answer.
 """
 
 from __future__ import annotations
