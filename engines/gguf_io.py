@@ -12,8 +12,7 @@ The one subtle part is RoPE layout: HF Llama checkpoints use the rotate-half lay
 `llama` architecture the interleaved one, so convert_hf_to_gguf.py permutes the rows of q_proj and
 k_proj, and a LoRA update B @ A of those matrices must be permuted the same way (a row
 permutation of B). Qwen2 and Qwen3 run rotate-half (NEOX) RoPE in llama.cpp: nothing to permute.
-Measured on tiny models: llama.cpp with the written adapter matches the HF peft model's logits to
-4e-5 (fp32).
+Measured on tiny models: llama.cpp with the written adapter matches HF peft's logits to 4e-5 (fp32).
 """
 
 from __future__ import annotations
@@ -84,8 +83,7 @@ class Layout:
 
     @classmethod
     def of_file(cls, path: Path) -> Layout:
-        """The layout of the GGUF at `path`, read from its header by our own reader: the node
-        checks what it hands llama.cpp against this, so llama.cpp's parser is not asked."""
+        """The layout of the GGUF at `path`, from its header read by our reader, not llama.cpp's."""
         meta = read_scalars(path)
         arch = arch_of(meta.get("general.architecture", "")).name
         n_head = int(meta[f"{arch}.attention.head_count"])
