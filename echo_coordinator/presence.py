@@ -1,6 +1,7 @@
-"""The run in the DHT: the manifest record kept alive, and the nodes' announcements read back
-(who holds which version, for the relay's upload budget; hardware and liveness, for the
-dashboard and the end of the run). One background task of the event loop."""
+"""The run in the DHT: the manifest record kept alive; and who holds which version, for the
+relay's upload budget, refreshed from what the nodes' lease requests say. One background task
+of the event loop. (The nodes' announcements in the DHT's peers record are not read here: their
+cost grows with the swarm, a second a read at a thousand nodes; docs/scaling.md.)"""
 
 from __future__ import annotations
 
@@ -9,16 +10,14 @@ import logging
 import time
 
 from echo_coordinator.service import RunService
-from echo_coordinator.service.policing import relay_holders
 from protocols.errors import TransportError
-from protocols.messages import RunManifest, verified_announcements
+from protocols.messages import RunManifest
 from protocols.supervise import retry
 
 log = logging.getLogger(__name__)
 
 RECORD_TTL = 120.0  # seconds; DHT records are refreshed at a third of this
-PEER_REFRESH = 1.0  # seconds between reads of the nodes' announcements (who can relay what)
-ANNOUNCED_FRESH = 15.0  # a live node re-announces every 5 s; older announcements are of nodes gone
+PEER_REFRESH = 1.0  # seconds between looks at who can relay what
 
 
 class Presence:
@@ -47,12 +46,7 @@ class Presence:
         if time.monotonic() - self.last_put > RECORD_TTL / 3:
             await self.dht.put(record_key(self.fp, "manifest"), manifest.to_wire(), RECORD_TTL)
             self.last_put = time.monotonic()
-        record = await self.dht.get(record_key(self.fp, "peers"))
-        # Off the event loop: a full record (4,096 signed announcements) takes ~0.3 s to verify.
-        announced = await asyncio.to_thread(verified_announcements, record, manifest.run_id)
-        self.peer_versions = relay_holders(announced, service.talked(), service.version)
-        service.note_peers({a.node_id: a.hardware for a in announced},
-                           frozenset(a.node_id for a in announced if time.time() - a.time < ANNOUNCED_FRESH))
+        self.peer_versions = service.relay_holders(time.time())
         service.prune(time.time())
 
 

@@ -20,7 +20,7 @@ from echo_node.versions import Versions
 from engines.backend import BackendCrashed
 from protocols import rpc
 from protocols.errors import InvalidValue, ProtocolError, RemoteError, TransportError
-from protocols.messages import LeaseRequest, NoWork, PushReceipt, RolloutBatch, RunManifest, TaskLease
+from protocols.messages import HARDWARE_CHARS, LeaseRequest, NoWork, PushReceipt, RolloutBatch, RunManifest, TaskLease
 from protocols.signing import sign_message
 from protocols.supervise import retry
 from protocols.wire import decode_one_of
@@ -157,7 +157,7 @@ class Work:
         request = sign_message(LeaseRequest(
             run_id=self.manifest.run_id, node_key=s.node_key, peer_id=self.endpoint.peer_id, name=s.name,
             version=self.versions.version, max_seeds=64 if self.accepted else FIRST_LEASE_SEEDS, time=time.time(),
-            backend=self.backend.name, parallel=self.backend.parallel,
+            backend=self.backend.name, parallel=self.backend.parallel, hardware=self.backend.hardware[:HARDWARE_CHARS],
             update_failed=self.update_failed and self.latest > self.versions.version,
         ), s.key)
         raw = await self.endpoint.call_one(self.trainer, rpc.LEASE, request.to_wire())

@@ -20,7 +20,7 @@ from echo_coordinator.ledger import Ledger
 from echo_coordinator.trust import BanRule, OutlierBudget, SpotCheck, Trust, judged, struck
 from echo_coordinator.verify import Verifier
 from protocols.errors import PeerRefused, VerificationError
-from protocols.messages import PeerAnnouncement, RolloutBatch
+from protocols.messages import RolloutBatch
 from protocols.sampling import training_noise
 from protocols.signing import FINGERPRINT_CHARS
 
@@ -116,13 +116,14 @@ class Policing:
         ledger.update_trust(node_id, lambda t: struck(t, self.bans, now))
 
 
-def relay_holders(announced: list[PeerAnnouncement], talked: dict[str, str], latest: int) -> dict[str, int]:
-    """libp2p peer -> version it holds, from the announcements whose node has asked us for work
-    from that very peer (`talked`: node id -> peer) and that claim no version past `latest`, the
-    newest published. An announcement alone could claim any version and any capacity, and the
-    upload budget would then turn honest nodes away to fetch from it (the budget's `patience`
-    bounds what a claim that is only a claim costs them)."""
-    return {a.peer_id: a.version for a in announced if talked.get(a.node_id) == a.peer_id and a.version <= latest}
+def relay_holders(talked: dict[str, str], held: dict[str, int], latest: int) -> dict[str, int]:
+    """libp2p peer -> version it holds: per node key, the peer its lease requests came from
+    (`talked`, authenticated by the transport) and the version they said it holds (`held`), when
+    that is no version past `latest`, the newest published. The caller passes keys that had work
+    accepted lately only: a claim alone could name any version, and the upload budget would turn
+    honest nodes away to fetch from it (its `patience` bounds what such a claim costs them).
+    (This was read from the DHT's peers record, whose cost grows with the swarm: docs/scaling.md.)"""
+    return {peer: held[n] for n, peer in talked.items() if n in held and held[n] <= latest}
 
 
 def read_allow_list(path: Path) -> frozenset[str]:

@@ -9,7 +9,7 @@ ever seen.
 from __future__ import annotations
 
 from echo_coordinator.capacity import Throughput
-from echo_coordinator.service.policing import RateLimit
+from echo_coordinator.service.policing import RateLimit, relay_holders
 from protocols.errors import PeerRefused
 from protocols.messages import LeaseRequest
 from protocols.supervise import Backoff
@@ -29,8 +29,7 @@ class Registry:
         self.last_seen: dict[str, float] = {}  # node id -> time of its last signed lease request
         self.backends: dict[str, str] = {}  # node id -> backend it says it samples with (display only)
         self.parallel: dict[str, int] = {}  # node id -> sequences it says it decodes at once
-        self.hardware: dict[str, str] = {}  # node id -> its announcement's hardware summary (display only)
-        self.announced: frozenset[str] = frozenset()  # node ids with a live announcement in the DHT
+        self.hardware: dict[str, str] = {}  # node id -> the hardware its lease requests name (display only)
         self.talked: dict[str, str] = {}  # node id -> libp2p peer its last lease request came from
         self.told_finished: dict[str, int] = {}  # nodes that have heard the run is over -> the version they held
         self.expected: frozenset[str] = frozenset()  # nodes working before a restart (see `expect`)
@@ -50,6 +49,8 @@ class Registry:
             raise PeerRefused("rate_limited", f"more than {LEASE_RATE.rate:g} lease requests a second")
         self.names[node_id], self.last_seen[node_id] = request.name, now
         self.backends[node_id], self.parallel[node_id] = request.backend, request.parallel
+        if request.hardware:
+            self.hardware[node_id] = request.hardware
         self.throughput.holds(node_id, request.version, now)
         if peer_id:
             self.talked[node_id] = peer_id
@@ -57,22 +58,24 @@ class Registry:
     def name(self, node_id: str) -> str:
         return self.names.get(node_id, node_id[:8])
 
-    def note_peers(self, hardware: dict[str, str], announced: frozenset[str]) -> None:
-        """What the DHT's announcements say now; each replaces the last whole."""
-        self.hardware, self.announced = dict(hardware), frozenset(announced)
-
     def all_told_finished(self, now: float) -> bool:
-        """Every node that asked for work lately, and every node announcing itself in the run (one
-        that has not asked since a restart may be waiting out a retry delay), has heard. A key
-        that has done neither for `LIVE_SECONDS` is gone (killed, or one of a flood of fresh
-        keys): the end of the run does not wait for it."""
+        """Every node that asked for work lately has heard, and after a restart every node that
+        worked before it (`expect`: one may be waiting out a retry delay). A key that has not
+        asked for `LIVE_SECONDS` is gone (killed, or one of a flood of fresh keys): the end of
+        the run does not wait for it."""
         asking = {n for n, at in self.last_seen.items() if now - at < LIVE_SECONDS}
         expected = self.expected if now < self.expected_until else set()
-        return asking | self.announced | expected <= self.told_finished.keys()
+        return asking | expected <= self.told_finished.keys()
 
     def proven(self, node_id: str, now: float) -> bool:
         """Has the key had a batch accepted lately? (A claim alone earns a key nothing.)"""
         return self.throughput.rate(node_id, now) is not None
+
+    def relay_holders(self, now: float, latest: int) -> dict[str, int]:
+        """libp2p peer -> version it holds, of the `working` keys (`relay_holders`)."""
+        working = self.working(now)
+        return relay_holders({n: self.talked[n] for n in working if n in self.talked},
+                             {n: self.throughput.held[n] for n in working if n in self.throughput.held}, latest)
 
     def working(self, now: float) -> list[str]:
         """Keys that asked lately and are `proven`: those a restart should wait for. (Only keys
@@ -96,6 +99,7 @@ class Registry:
             self.names.pop(node_id, None)
             self.backends.pop(node_id, None)
             self.parallel.pop(node_id, None)
+            self.hardware.pop(node_id, None)
             self.throughput.forget(node_id)
             self.talked.pop(node_id, None)
             self.told_finished.pop(node_id, None)

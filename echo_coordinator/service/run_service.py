@@ -113,10 +113,15 @@ class RunService:
             self.leasing.finished = True
             self.relay.budget = None
 
-    def note_peers(self, hardware: dict[str, str], announced: frozenset[str]) -> None:
-        """What the DHT's live announcements say: node id -> hardware summary, and who announces."""
+    def talked(self) -> dict[str, str]:
+        """Node id -> the libp2p peer it asked for work from."""
         with self.lock:
-            self.nodes.note_peers(hardware, announced)
+            return dict(self.nodes.talked)
+
+    def relay_holders(self, now: float) -> dict[str, int]:
+        """libp2p peer -> version it holds, of the keys working lately (`Registry.relay_holders`)."""
+        with self.lock:
+            return self.nodes.relay_holders(now, self.version)
 
     # -- driven by the step loop -----------------------------------------------------------------
 
@@ -245,11 +250,6 @@ class RunService:
                         buffered_groups=len(self.buffer.replay), outstanding_leases=len(self.leasing.book.outstanding),
                         update_seconds=self.nodes.throughput.update_seconds(), nodes=self.nodes.nodes(now),
                         unsigned=dict(self.pushes.unsigned))
-
-    def talked(self) -> dict[str, str]:
-        """Node id -> the libp2p peer it asked for work from: proof that an announcement is live."""
-        with self.lock:
-            return dict(self.nodes.talked)
 
     # -- handlers --------------------------------------------------------------------------------
 

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from protocols.errors import InvalidValue, MalformedMessage, MessageTooLarge
-from protocols.messages.run import MAX_SAMPLE_TOKENS
+from protocols.messages.run import HARDWARE_CHARS, MAX_SAMPLE_TOKENS
 from protocols.signing import PUBLIC_KEY_BYTES, fingerprint, verify_body
 from protocols.wire import Fields, WireMessage, array_bytes, unpack
 
@@ -38,6 +38,7 @@ class LeaseRequest(WireMessage):
     backend: str = ""  # what the node samples with, e.g. "llama.cpp Q4_1": shown on the dashboard, never trusted
     parallel: int = 1  # sequences the node decodes at once; leases are sized to fill them (`Leasing`)
     update_failed: bool = False  # it could not update past `version` (`protocols.sync.lease_version`)
+    hardware: str = ""  # what it runs on ("x86_64, 8 cores, 31 GiB RAM, CPU only"): shown on the dashboard
 
     @property
     def node_id(self) -> str:
@@ -50,6 +51,7 @@ class LeaseRequest(WireMessage):
             **({"backend": self.backend} if self.backend else {}),  # optional: older nodes signed without it
             **({"parallel": self.parallel} if self.parallel != 1 else {}),  # the same
             **({"update_failed": True} if self.update_failed else {}),
+            **({"hardware": self.hardware} if self.hardware else {}),
         }
 
     @classmethod
@@ -62,6 +64,7 @@ class LeaseRequest(WireMessage):
             backend=f.text("backend", 64) if f.has("backend") else "",
             parallel=f.integer("parallel", 1, MAX_PARALLEL) if f.has("parallel") else 1,
             update_failed=f.flag("update_failed") if f.has("update_failed") else False,
+            hardware=f.text("hardware", HARDWARE_CHARS) if f.has("hardware") else "",
         )
 
 

@@ -3,6 +3,7 @@
 import pytest
 
 from echo_coordinator.service.policing import RateLimit, read_allow_list, relay_holders
+from echo_coordinator.service.registry import Registry
 from tests.unit.protocols import factories
 from tests.unit.protocols.factories import peer_id
 
@@ -25,10 +26,17 @@ def test_allow_list(tmp_path):
         read_allow_list(path)
 
 
-def test_only_announcements_of_nodes_that_talked_count_as_relays():
-    live = factories.announcement(peer_id=peer_id("Live"), version=3, public_key=bytes(range(32)))
-    claim = factories.announcement(peer_id=peer_id("Fake"), version=99, throughput=1e9, public_key=bytes(range(1, 33)))
-    moved = factories.announcement(peer_id=peer_id("Elsewhere"), version=5, public_key=bytes(range(2, 34)))
-    future = factories.announcement(peer_id=peer_id("Future"), version=10**9, public_key=bytes(range(3, 35)))
-    talked = {live.node_id: peer_id("Live"), moved.node_id: peer_id("Other"), future.node_id: peer_id("Future")}  # moved: another peer spoke
-    assert relay_holders([live, claim, moved, future], talked, latest=3) == {peer_id("Live"): 3}  # a version not yet published
+def test_relays_are_the_peers_that_working_keys_asked_from_at_versions_published():
+    """The relay's holders come from lease requests (their peer is the transport's), of keys that
+    had work accepted lately: a claim alone, or a version not yet published, counts for nothing."""
+    registry, now = Registry(), 100.0
+    keys = {name: bytes([i]) * 32 for i, name in enumerate(("live", "claim", "future"), 1)}
+    for name, version in (("live", 3), ("claim", 99), ("future", 10**9)):
+        request = factories.lease_request(node_key=keys[name], version=version, peer_id=peer_id(name.title()),
+                                          hardware="x86_64, 2 cores", time=now)
+        registry.heard(request, peer_id(name.title()), now)
+        if name != "claim":  # it only asked
+            registry.throughput.pushed(request.node_id, 4, now - 1, now)
+    assert registry.relay_holders(now, latest=3) == {peer_id("Live"): 3}
+    assert registry.nodes(now)[factories.lease_request(node_key=keys["live"]).node_id]["hardware"] == "x86_64, 2 cores"
+    assert relay_holders({"a": "PeerA", "b": "PeerB"}, {"a": 2, "c": 1}, latest=2) == {"PeerA": 2}  # b said no version
