@@ -119,9 +119,9 @@ class Policing:
 def relay_holders(talked: dict[str, str], held: dict[str, int], latest: int) -> dict[str, int]:
     """libp2p peer -> version it holds: per node key, the peer its lease requests came from
     (`talked`, authenticated by the transport) and the version they said it holds (`held`), when
-    that is no version past `latest`, the newest published. The caller passes keys that had work
-    accepted lately only: a claim alone could name any version, and the upload budget would turn
-    honest nodes away to fetch from it (its `patience` bounds what such a claim costs them).
+    that is no version past `latest`, the newest published. A claim of a version that exists is
+    still only a claim: the upload budget's `patience` bounds what one costs the honest nodes it
+    turns away to fetch from the claimant.
     (This was read from the DHT's peers record, whose cost grows with the swarm: docs/scaling.md.)"""
     return {peer: held[n] for n, peer in talked.items() if n in held and held[n] <= latest}
 

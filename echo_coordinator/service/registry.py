@@ -72,10 +72,12 @@ class Registry:
         return self.throughput.rate(node_id, now) is not None
 
     def relay_holders(self, now: float, latest: int) -> dict[str, int]:
-        """libp2p peer -> version it holds, of the `working` keys (`relay_holders`)."""
-        working = self.working(now)
-        return relay_holders({n: self.talked[n] for n in working if n in self.talked},
-                             {n: self.throughput.held[n] for n in working if n in self.throughput.held}, latest)
+        """libp2p peer -> version it holds, of the keys that asked for work lately (`relay_holders`).
+        Not only keys with work accepted: at a run's start nodes fetch the base from each other
+        before any has worked."""
+        asking = [n for n, at in self.last_seen.items() if now - at < LIVE_SECONDS]
+        return relay_holders({n: self.talked[n] for n in asking if n in self.talked},
+                             {n: self.throughput.held[n] for n in asking if n in self.throughput.held}, latest)
 
     def working(self, now: float) -> list[str]:
         """Keys that asked lately and are `proven`: those a restart should wait for. (Only keys

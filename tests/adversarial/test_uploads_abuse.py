@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from echo_coordinator.presence import PEER_REFRESH
 from echo_node.updates import UpdateError, catch_up
 from protocols import rpc
 from protocols.errors import RemoteError, TransportError
@@ -26,10 +27,10 @@ MIB = 2**20
 
 
 async def sybils_fetch_then_claim(coordinator: LiveService, claim: int) -> tuple[list[Peer], SwarmDHT]:
-    """Two fresh keys, each on its own peer, ask for work (so their announcements count), fetch
-    version 1 from the trainer (taking its copies), then announce holding version `claim` and
-    serve nothing. Returns their peers (and the DHT peer they wrote through) once the
-    coordinator has read the announcements."""
+    """Two fresh keys, each on its own peer, fetch version 1 from the trainer (taking its
+    copies), then say they hold version `claim` (in their lease requests, and announced in the
+    DHT) and serve nothing. Returns their peers (and the DHT peer they wrote through) once the
+    coordinator's presence has refreshed."""
     chunks = coordinator.publish(1)
     dht = SwarmDHT.start("127.0.0.1", 0, [coordinator.address])  # theirs: it stores what they like
     sybils: list[Peer] = []
@@ -37,7 +38,6 @@ async def sybils_fetch_then_claim(coordinator: LiveService, claim: int) -> tuple
         sybils += await Peer.many(coordinator.address, 2)
         keys = [generate_key() for _ in sybils]
         for sybil, key in zip(sybils, keys):
-            await sybil.ask(coordinator, key)
             # Retried as a node retries a broken stream (a loaded make test broke one once): the
             # sybils' fetch sets the scene; what is tested is the honest node's wait after it.
             got = await retry(lambda: sybil.endpoint.call(coordinator.peer, rpc.CHUNKS, ChunkRequest(tuple(chunks)).to_wire()),
@@ -47,10 +47,8 @@ async def sybils_fetch_then_claim(coordinator: LiveService, claim: int) -> tuple
                 sybil.peer_id, "sybil", "node", "llama_cpp", coordinator.manifest.base_sha256, claim, 0.0,
                 public_bytes(key), time.time(), run_id=coordinator.manifest.run_id), key)
             await dht.put(record_key(coordinator.fp, "peers"), claimed.to_wire(), 60, subkey=claimed.node_id)
-        ids = {fingerprint(public_bytes(k)) for k in keys}
-        async with asyncio.timeout(15):  # the coordinator reads announcements every second
-            while not ids <= coordinator.service.nodes.announced:
-                await asyncio.sleep(0.1)
+            await sybil.ask(coordinator, key, version=claim)
+        await asyncio.sleep(2 * PEER_REFRESH)  # the coordinator's presence has looked again
         return sybils, dht
     except BaseException:
         await asyncio.gather(*(s.shutdown() for s in sybils))
@@ -90,6 +88,7 @@ def test_claims_of_a_version_not_yet_published_hold_no_one_back(tmp_path):
     async def go():
         async with LiveService(tmp_path) as coordinator:  # the budget as the coordinator builds it
             sybils, dht = await sybils_fetch_then_claim(coordinator, claim=10**9)
+            assert coordinator.presence.holding(1) == 0
             try:
                 return await honest_catch_up(coordinator, [s.peer_id for s in sybils], within=10)
             finally:
@@ -107,6 +106,7 @@ def test_peers_that_claim_the_version_and_never_serve_it_delay_a_node_only_for_t
     async def go():
         async with LiveService(tmp_path, budget=UploadBudget(2, patience=3.0)) as coordinator:
             sybils, dht = await sybils_fetch_then_claim(coordinator, claim=1)
+            assert coordinator.presence.holding(1) == 2
             try:
                 return await honest_catch_up(coordinator, [s.peer_id for s in sybils], within=12)
             finally:

@@ -2,7 +2,7 @@
 transport: a real `RunService` (SQLite ledger and journal, leasing, pushes, policing with the real
 `Verifier` on a toy model, run on a real `TorchThread`), its stream handlers
 (`echo_coordinator.handlers`) and relay on a real hivemind DHT peer on 127.0.0.1, and its DHT
-presence (`echo_coordinator.presence`) reading the announcements peers put there. What it lacks
+presence (`echo_coordinator.presence`), which learns who holds what from lease requests. What it lacks
 is the trainer: a test publishes versions itself (`publish`) and holds the torch thread busy as a
 training step would (`TorchThread.call`). Starts in about a second; a whole coordinator takes 15.
 
@@ -154,12 +154,14 @@ class Peer:
     async def shutdown(self) -> None:
         await self.p2p.shutdown()
 
-    def lease_request(self, service: LiveService, key, name: str = "mallory") -> LeaseRequest:
-        return sign_message(LeaseRequest(service.manifest.run_id, public_bytes(key), self.peer_id, name, 0, 64,
+    def lease_request(self, service: LiveService, key, name: str = "mallory", version: int = 0) -> LeaseRequest:
+        return sign_message(LeaseRequest(service.manifest.run_id, public_bytes(key), self.peer_id, name, version, 64,
                                          time.time()), key)
 
-    async def ask(self, service: LiveService, key, timeout: float | None = None, name: str = "mallory"):
-        """A lease request signed by `key`, over the real stream: the TaskLease or NoWork."""
-        raw = await self.endpoint.call_one(service.peer, rpc.LEASE, self.lease_request(service, key, name).to_wire(),
-                                           timeout=timeout)
+    async def ask(self, service: LiveService, key, timeout: float | None = None, name: str = "mallory",
+                  version: int = 0):
+        """A lease request signed by `key`, saying it holds `version`, over the real stream: the
+        TaskLease or NoWork."""
+        raw = await self.endpoint.call_one(service.peer, rpc.LEASE,
+                                           self.lease_request(service, key, name, version).to_wire(), timeout=timeout)
         return decode_one_of(raw, tuple(rpc.LEASE.replies))

@@ -3,7 +3,7 @@
 import pytest
 
 from echo_coordinator.service.policing import RateLimit, read_allow_list, relay_holders
-from echo_coordinator.service.registry import Registry
+from echo_coordinator.service.registry import LIVE_SECONDS, Registry
 from tests.unit.protocols import factories
 from tests.unit.protocols.factories import peer_id
 
@@ -26,17 +26,15 @@ def test_allow_list(tmp_path):
         read_allow_list(path)
 
 
-def test_relays_are_the_peers_that_working_keys_asked_from_at_versions_published():
-    """The relay's holders come from lease requests (their peer is the transport's), of keys that
-    had work accepted lately: a claim alone, or a version not yet published, counts for nothing."""
+def test_relays_are_the_peers_that_keys_asked_from_lately_at_versions_published():
+    """The relay's holders come from lease requests (their peer is the transport's) of keys that
+    asked lately: a version not yet published, or a key gone quiet, counts for nothing."""
     registry, now = Registry(), 100.0
-    keys = {name: bytes([i]) * 32 for i, name in enumerate(("live", "claim", "future"), 1)}
-    for name, version in (("live", 3), ("claim", 99), ("future", 10**9)):
+    keys = {name: bytes([i]) * 32 for i, name in enumerate(("live", "quiet", "future"), 1)}
+    for name, version, at in (("live", 3, now), ("quiet", 2, now - LIVE_SECONDS - 1), ("future", 10**9, now)):
         request = factories.lease_request(node_key=keys[name], version=version, peer_id=peer_id(name.title()),
-                                          hardware="x86_64, 2 cores", time=now)
-        registry.heard(request, peer_id(name.title()), now)
-        if name != "claim":  # it only asked
-            registry.throughput.pushed(request.node_id, 4, now - 1, now)
+                                          hardware="x86_64, 2 cores", time=at)
+        registry.heard(request, peer_id(name.title()), at)
     assert registry.relay_holders(now, latest=3) == {peer_id("Live"): 3}
     assert registry.nodes(now)[factories.lease_request(node_key=keys["live"]).node_id]["hardware"] == "x86_64, 2 cores"
     assert relay_holders({"a": "PeerA", "b": "PeerB"}, {"a": 2, "c": 1}, latest=2) == {"PeerA": 2}  # b said no version
