@@ -141,6 +141,8 @@ class Pushes:
             now += time.monotonic() - started  # the lease may have expired while we judged
             groups = [] if round_ is not None else judging.groups(batch, rewards, peer_id, name, unchecked=waits)
             with self.lock:
+                # Another key's answer may have completed these seeds while this batch was judged.
+                beaten = beaten or book.beaten(batch.lease_id, batch.node_id) is not None
                 if beaten:
                     if not waits:  # verified: the key delivered, as a proven key does
                         self.nodes.throughput.pushed(batch.node_id, len(batch.samples), lease.issued_at, now)

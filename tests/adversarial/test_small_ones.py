@@ -18,10 +18,11 @@ from typer.testing import CliRunner
 from echo_coordinator import web
 from echo_coordinator.cli import app
 from echo_coordinator.observe import RunView
+from echo_coordinator.presence import PEER_REFRESH
 from echo_coordinator.report import read_report
 from protocols import rpc
 from protocols.errors import RemoteError
-from protocols.messages import PeerAnnouncement, RolloutBatch, TaskLease
+from protocols.messages import PeerAnnouncement, RolloutBatch, TaskLease, verified_announcements
 from protocols.signing import canonical, fingerprint, generate_key, public_bytes, sign_message
 from protocols.transport.dht import SwarmDHT, record_key
 from protocols.wire import decode_one_of
@@ -64,11 +65,13 @@ def test_a_signature_made_for_other_bytes_than_this_kind_of_message_is_refused(t
 
 def test_a_nodes_announcement_replayed_from_another_run_is_not_counted(tmp_path):
     """A volunteer's key takes part in two runs. Its signed announcement from the other run,
-    copied into this run's record (a valid entry under its key), must not make this coordinator
-    count it as a node of this run; a node's own announcement for this run is."""
+    copied into this run's record (a valid entry under its key), must not make a node of this
+    run take it for a peer holding the base; a node's own announcement for this run is. The
+    coordinator counts neither: it learns who holds what from lease requests."""
     async def go():
         async with LiveService(tmp_path) as coordinator:
             attacker = SwarmDHT.start("127.0.0.1", 0, [coordinator.address])  # stores whatever it is given
+            reader = SwarmDHT.start("127.0.0.1", 0, [coordinator.address])  # a node of this run
             try:
                 replayed, own = generate_key(), generate_key()
                 for key, run_id in ((replayed, "run-0"), (own, coordinator.manifest.run_id)):
@@ -77,16 +80,18 @@ def test_a_nodes_announcement_replayed_from_another_run_is_not_counted(tmp_path)
                         public_bytes(key), time.time(), run_id=run_id), key)
                     await attacker.put(record_key(coordinator.fp, "peers"), announcement.to_wire(), 60,
                                        subkey=announcement.node_id)
-                ids = [fingerprint(public_bytes(k)) for k in (replayed, own)]
-                async with asyncio.timeout(15):  # the coordinator reads the record every second
-                    while ids[1] not in coordinator.service.nodes.announced:
-                        await asyncio.sleep(0.1)
-                return ids, coordinator.service.nodes.announced
+                record = await reader.get(record_key(coordinator.fp, "peers"))
+                await asyncio.sleep(2 * PEER_REFRESH)
+                return ([fingerprint(public_bytes(k)) for k in (replayed, own)], set(record),
+                        {a.node_id for a in verified_announcements(record, coordinator.manifest.run_id)},
+                        coordinator.presence.holding(0))
             finally:
                 attacker.shutdown()
+                reader.shutdown()
 
-    (replayed, own), announced = asyncio.run(go())
-    assert own in announced and replayed not in announced
+    (replayed, own), stored, counted, coordinator_counts = asyncio.run(go())
+    assert stored == {replayed, own}  # both are valid entries of the record ...
+    assert counted == {own} and coordinator_counts == 0  # ... but only this run's counts, and only for nodes
 
 
 def get(url: str, host: str | None = None) -> tuple[int, bytes]:

@@ -7,7 +7,7 @@ import pytest
 
 from echo_coordinator.ledger import Ledger
 from echo_coordinator.publish import Publisher
-from echo_coordinator.service import LeaseSettings, Policing, Refused, RunService, Work
+from echo_coordinator.service import LeaseSettings, Policing, Refused, RunService, Work, judging
 from echo_coordinator.trust import BanRule, OutlierBudget, SpotCheck
 from echo_coordinator.service.registry import LIVE_SECONDS, RESTART_PATIENCE
 from echo_coordinator.verify import Verifier
@@ -293,6 +293,31 @@ def test_a_hoarded_step_is_answered_at_once_through_shadow_leases(service):
     service.open_step([7, 8])
     proven = service.handle_lease(lease_request(newcomer, time=NOW + 7), now=NOW + 7)
     assert proven.expires_at == NOW + 7 + service.settings.lease_seconds  # a proven key's lease: never shadowed
+
+
+def test_a_batch_beaten_while_it_is_judged_is_beaten_not_refused(service, monkeypatch):
+    """The newcomer pushes first, but a shadow's answer completes its seeds while its batch is
+    judged (outside the lock): it is `Beaten`, as if it had come second, not a `bad_lease`
+    rejection (seen in full test runs as `lease ... is answered by another key`)."""
+    honest, newcomer = generate_key(), generate_key()
+    service.open_step([1, 2])
+    proving = service.handle_lease(lease_request(honest), now=NOW)
+    push(service, answer_batch(service, honest, proving), peer_id("Node"), now=NOW + 1)
+    service.open_step([5, 6])
+    mine = service.handle_lease(lease_request(newcomer, time=NOW + 4), now=NOW + 4)
+    theirs = service.handle_lease(lease_request(honest, time=NOW + 4), now=NOW + 4)
+    assert theirs.seeds == mine.seeds  # a shadow of the newcomer's lease
+    check = judging.check_samples  # the first step of judging, outside the lock
+
+    def check_while_the_shadow_is_answered(batch, *args):
+        if batch.lease_id == mine.lease_id:
+            push(service, answer_batch(service, honest, theirs), peer_id("Node"), now=NOW + 5)
+        return check(batch, *args)
+
+    monkeypatch.setattr(judging, "check_samples", check_while_the_shadow_is_answered)
+    with pytest.raises(Beaten, match="answered first by another key"):
+        push(service, answer_batch(service, newcomer, mine), peer_id("Newcomer"), now=NOW + 5)
+    assert sum(service.pushes.rejections.values()) == 0 and service.leasing.book.completed_count == 4
 
 
 def lora_snapshot(version, adapter, key):
