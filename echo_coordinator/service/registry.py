@@ -15,7 +15,7 @@ from protocols.messages import LeaseRequest
 from protocols.supervise import Backoff
 
 LEASE_RATE = RateLimit(rate=4.0, burst=8.0)  # lease requests per key; an honest node asks every 0.5 s at most
-LIVE_SECONDS = 15.0  # a node waiting for work asks every 0.5 s, and any live node re-announces every 5 s
+LIVE_SECONDS = 15.0  # a node waiting for work asks every 0.5 s (one generating a lease asks again when it is done)
 # After a restart, how long nodes that were working before it are waited for at the end of the run:
 # one that cannot reach the coordinator asks again within its longest retry delay.
 RESTART_PATIENCE = Backoff.cap + 5.0
