@@ -1,7 +1,7 @@
 """What the service knows per node key (a node's signing key fingerprint, its id).
 
-Learnt from its signed lease requests (name, backend, batch size, held version, the libp2p peer
-it spoke from) and from the DHT's announcements (hardware, liveness). Keys are free, so everything here
+Learnt from its signed lease requests only (name, backend, batch size, hardware, held version, the
+libp2p peer it spoke from, liveness): the coordinator reads no DHT announcement. Keys are free, so everything here
 is forgotten once a key has been quiet for a while (`prune`): it must not grow with every key
 ever seen.
 """
@@ -58,14 +58,15 @@ class Registry:
     def name(self, node_id: str) -> str:
         return self.names.get(node_id, node_id[:8])
 
-    def all_told_finished(self, now: float) -> bool:
-        """Every node that asked for work lately has heard, and after a restart every node that
-        worked before it (`expect`: one may be waiting out a retry delay). A key that has not
-        asked for `LIVE_SECONDS` is gone (killed, or one of a flood of fresh keys): the end of
-        the run does not wait for it."""
+    def all_told_finished(self, now: float, holding: set[str]) -> bool:
+        """Every node that asked for work lately or holds a lease (`holding`: one generating a
+        long lease asks again only when it is done) has heard, and after a restart every node
+        that worked before it (`expect`: one may be waiting out a retry delay). A key that has
+        not asked for `LIVE_SECONDS` and holds nothing is gone (killed, or one of a flood of
+        fresh keys): the end of the run does not wait for it."""
         asking = {n for n, at in self.last_seen.items() if now - at < LIVE_SECONDS}
         expected = self.expected if now < self.expected_until else set()
-        return asking | expected <= self.told_finished.keys()
+        return asking | holding | expected <= self.told_finished.keys()
 
     def proven(self, node_id: str, now: float) -> bool:
         """Has the key had a batch accepted lately? (A claim alone earns a key nothing.)"""

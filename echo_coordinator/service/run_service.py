@@ -214,7 +214,9 @@ class RunService:
 
     def all_told_finished(self, now: float) -> bool:
         with self.lock:
-            return self.nodes.all_told_finished(now)
+            books = [self.leasing.book, *self.rounds.books()]
+            holding = {x.node_id for b in books for x in (*b.outstanding, *b.shadows) if x.expires_at > now}
+            return self.nodes.all_told_finished(now, holding)
 
     def told_behind(self) -> bool:
         """Some node heard the run is over while holding an older version: it fetches the last."""

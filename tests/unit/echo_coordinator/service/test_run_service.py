@@ -142,6 +142,24 @@ def test_the_run_ends_once_every_asking_node_has_heard(service):
     assert service.all_told_finished(NOW + 2)  # the key gone quiet, never told, does not hold the end
 
 
+def test_the_run_end_waits_for_a_node_still_generating_its_lease(service):
+    """A node generating one long lease asks again only when it is done: while its lease is
+    unexpired the run waits for it (up to the linger), though it has not asked for LIVE_SECONDS."""
+    slow, quick = generate_key(), generate_key()
+    service.open_step([1, 2, 3, 4])
+    first = service.handle_lease(lease_request(slow, time=NOW - 2), now=NOW - 2)
+    assert push(service, answer_batch(service, slow, first), peer_id("Node"), NOW - 1).accepted  # proven: a long lease
+    lease = service.handle_lease(lease_request(slow), now=NOW)
+    assert lease.seeds and lease.expires_at > NOW + LIVE_SECONDS + 2
+    service.handle_lease(lease_request(quick, time=NOW + LIVE_SECONDS), now=NOW + LIVE_SECONDS)
+    service.finish()
+    assert service.handle_lease(lease_request(quick, time=NOW + LIVE_SECONDS + 1), now=NOW + LIVE_SECONDS + 1).finished
+    assert not service.all_told_finished(NOW + LIVE_SECONDS + 2)  # `slow` is still at work
+    assert service.all_told_finished(lease.expires_at + 1)  # its lease lapsed: it is gone
+    assert service.handle_lease(lease_request(slow, time=NOW + LIVE_SECONDS + 3), now=NOW + LIVE_SECONDS + 3).finished
+    assert service.all_told_finished(NOW + LIVE_SECONDS + 3)
+
+
 def test_after_a_restart_the_run_ends_only_once_nodes_working_before_it_have_heard(tmp_path):
     """A node waiting out a retry delay while the coordinator restarted may neither ask nor show in
     the DHT before a short restarted run ends: the nodes that had work accepted lately are saved
