@@ -95,7 +95,7 @@ class LlamaProcess:
         # abort ggml forks a debugger to print a backtrace (one was seen spinning for 10 minutes).
         self._process = subprocess.Popen(command, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
                                          cwd="/", start_new_session=True,  # cwd: not the volunteer's directory
-                                         env=dict(worker_environment(), GGML_NO_BACKTRACE="1"))
+                                         env=dict(worker_environment(), GGML_NO_BACKTRACE="1", OPENBLAS_NUM_THREADS="1"))
         theirs.close()
         self._conn = Connection(ours.detach())
         self._send(dict(self._options, model=str(self._serving)))

@@ -46,7 +46,7 @@ def _die_with(parent: int) -> None:
 
 
 def main() -> None:
-    threading.Thread(target=_die_with, args=(os.getppid(),), daemon=True, name="orphan-watch").start()
+    parent = os.getppid()
     conn = Connection(int(sys.argv[1]))
     options = json.loads(conn.recv_bytes(MAX_MESSAGE_BYTES))
     import numpy as np
@@ -56,7 +56,7 @@ def main() -> None:
     from engines.gguf_io import quantize
     from engines.llama_backend import LlamaBackend
     from engines.llama_device import DeviceError
-    from engines.sampler import sample_rows
+    from engines.sampler import sample_rows, use_threads
 
     def send(message: dict) -> None:
         conn.send_bytes(json.dumps(message).encode())
@@ -64,7 +64,10 @@ def main() -> None:
     def receive() -> dict:
         return json.loads(conn.recv_bytes(MAX_MESSAGE_BYTES))
 
-    # Compiled (or read from numba's cache) before confining: the cache's directory is not writable after.
+    # Compiled (or read from numba's cache) before confining: the cache's directory is not writable
+    # after. On one thread: Landlock confines only the thread that asks, so no other thread may
+    # exist then (`sandbox.confine` checks); numba's start once the backend calls it, confined.
+    use_threads(1)
     for seed in (1, None):
         sample_rows(np.zeros((1, 8), np.float32), 1.0, [seed], [0])
     confined = []
@@ -125,6 +128,7 @@ def main() -> None:
     except (ValueError, RuntimeError, OSError) as e:
         send({"error": str(e), "kind": "value"})
         return
+    threading.Thread(target=_die_with, args=(parent,), daemon=True, name="orphan-watch").start()  # confined too
     signal.signal(signal.SIGUSR1, lambda *_: backend.interrupt.set())
     send({"ok": {"hardware": backend.hardware, "eos": backend.eos, "vocab_size": backend.vocab_size,
                  "parallel": backend.parallel, "n_params": backend.n_params, "fitted": backend.fitted,

@@ -19,6 +19,7 @@ import ctypes
 import os
 import resource
 import sys
+import threading
 from pathlib import Path
 
 # linux/landlock.h; the syscall numbers are those of the generic table (x86_64 and arm64 alike).
@@ -64,6 +65,12 @@ def confine(readable: list[Path], writable: list[Path]) -> str:
     abi = libc.syscall(_CREATE_RULESET, None, ctypes.c_size_t(0), ctypes.c_uint32(_CREATE_RULESET_VERSION))
     if abi < 1:
         return f"worker process only (no Landlock in this kernel: {os.strerror(ctypes.get_errno())})"
+    # Landlock confines the calling thread (and those it starts later), not its siblings: a thread
+    # started before would stay free, and code that takes over this one could take it over too.
+    others = [t for t in os.listdir("/proc/self/task") if int(t) != threading.get_native_id()]
+    if others:
+        names = ", ".join(sorted({Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in others}))
+        return f"worker process only ({len(others)} other threads ran before it could be confined: {names})"
     fs = _FS_RIGHTS[max(k for k in _FS_RIGHTS if k <= abi)]
     net = _NET_BIND_TCP | _NET_CONNECT_TCP if abi >= 4 else 0
     scoped = _SCOPE_ABSTRACT_UNIX_SOCKET | _SCOPE_SIGNAL if abi >= 6 else 0

@@ -82,3 +82,23 @@ def test_a_confined_process_reads_only_what_it_is_given_and_writes_and_dials_not
         assert seen["connect"] == "PermissionError"
     if abi >= 6:
         assert seen["signal parent"] == "PermissionError"
+
+
+@pytest.mark.skipif(landlock_abi() < 1 if sys.platform.startswith("linux") else True, reason="needs Landlock")
+def test_a_process_that_already_runs_another_thread_says_it_is_not_confined(tmp_path):
+    """Landlock confines only the thread that asks: a sibling started before it would stay free
+    (and code that took over the confined one could take it over), so the process is not called
+    confined, and it says which threads were in the way."""
+    code = textwrap.dedent("""
+        import sys, threading, time
+        from pathlib import Path
+        from engines.sandbox import confine
+        threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
+        print(confine([], []))
+        print(Path(sys.argv[1]).read_text())  # not given, read all the same: nothing was confined
+    """)
+    (tmp_path / "secret").write_text("not given")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "secret")], capture_output=True, text=True,
+                          timeout=60)
+    assert done.stdout.splitlines() == ["worker process only (1 other threads ran before it could be confined: python)",
+                                        "not given"], done.stderr
