@@ -1,0 +1,347 @@
+"""How many volunteers one coordinator serves: N simulated volunteers against a coordinator's
+network side, over the real transport.
+
+The coordinator (its own process) is `tests.support.live_service.LiveService` in async mode: the
+real `RunService` (leasing, pushes, policing, SQLite ledger and journal), its stream handlers and
+relay on a real hivemind DHT peer on 127.0.0.1, the real `Verifier` on the toy model (every
+position's logits are fixed: the forward costs nothing, so what is measured is everything but the
+model's forward). A trainer stand-in takes a step's groups as soon as they are buffered, verifies
+the unchecked ones as a step would, credits them (`commit_step`) and publishes the next version.
+
+Volunteers: `--procs` processes, each with its share of the N node keys spread over libp2p peers
+(`--keys-per-peer` keys share one peer: a p2pd daemon per key would not fit this machine), at most
+2 calls in flight per peer and RPC (the coordinator's per-peer limit). Each key behaves as an
+honest node: it asks for a lease, samples the toy model with the lease's noise, signs and pushes,
+then waits out the rest of its `--period`; on NoWork it takes the version it is told and asks again
+after the retry delay.
+
+    .venv/bin/python bench/swarm_scale.py [--sizes 16,100,300,1000] [--seconds 60] [--warmup 20]
+
+Per N, after the warm-up: lease and push latency p50/p99 (the call, not the volunteer's own
+queue), accepted samples/s against offered, errors by code, the coordinator's CPU ms per accepted
+sample split by component (`bench/cpu_split.py`; its DHT process and p2pd daemon included), its
+RSS at the start and end of the measured window, and whether every acknowledged sample was
+credited or dropped stale. The knee is the first N where accepted/s falls under 90 % of offered or
+p99 lease latency passes 100 ms. Ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+GOAL_P99_LEASE_MS = 100.0
+GOAL_CPU_MS = 2.0
+GRACE = 3.0  # seconds the coordinator keeps serving after the volunteers' last lease
+
+
+# -- the coordinator ---------------------------------------------------------------------------
+
+async def coordinator(args) -> None:
+    import psutil
+
+    from bench.cpu_split import CpuSplit, children, native_threads, own_cpu
+    from echo_coordinator.service import LeaseSettings
+    from tests.support.live_service import LiveService
+
+    step_groups = max(4, args.nodes * args.seeds // 5)  # a step every ~2 s at one push per 10 s per key
+    settings = LeaseSettings(lease_seconds=60, seeds_per_lease=args.seeds, max_ahead=4 * step_groups)
+    with tempfile.TemporaryDirectory() as tmp:
+        async with LiveService(Path(tmp), mode="async", settings=settings, seeds=0) as live:
+            live.publish(1)
+            print(json.dumps(dict(address=live.address, run_id=live.manifest.run_id)), flush=True)
+            args.start = float(await asyncio.to_thread(sys.stdin.readline))  # the driver's, once volunteers start
+            split = CpuSplit().start()
+            service, proc = live.service, psutil.Process()
+            acked = count_acknowledged(service)
+            ledger_queue = time_ledger_thread(live.ledger)
+            measuring, marks, steps = False, {}, 0
+            end = args.start + args.warmup + args.seconds
+            while time.time() < end:
+                if not measuring and time.time() >= args.start + args.warmup:
+                    measuring = True
+                    split.reset()
+                    ledger_queue.clear()
+                    marks = dict(cpu=own_cpu(), children=children(), rss=proc.memory_info().rss, steps=steps,
+                                 acked=acked[0], at=time.time())
+                if await asyncio.to_thread(service.buffered_groups) >= step_groups:
+                    await step(live, step_groups)
+                    steps += 1
+                else:
+                    await asyncio.sleep(0.05)
+            cpu, kids, elapsed = own_cpu() - marks["cpu"], children(), time.time() - marks["at"]
+            rss_end = proc.memory_info().rss
+            split.stop()
+            accepted = acked[0] - marks["acked"]
+            ledger_stats = summarize_ledger(ledger_queue, elapsed)
+            await asyncio.sleep(GRACE)  # for the pushes still in flight
+            await step(live, None)  # the rest of the buffer, so that every acknowledged sample is settled
+            kid_cpu = {k: v - marks["children"].get(k, 0.0) for k, v in kids.items()}
+            print(json.dumps(dict(
+                accepted=accepted, seconds=elapsed, steps=steps - marks["steps"], cpu_s=cpu, children_s=kid_cpu,
+                split_s=dict(split.seconds), rss_start=marks["rss"], rss_end=rss_end,
+                acknowledged=acked[0], native_threads_s=native_threads(), books=books(live), ledger_thread=ledger_stats,
+                rejections=dict(service.rejection_counts()))), flush=True)
+
+
+def time_ledger_thread(ledger) -> list[tuple[str, float, float]]:
+    """(what, seconds queued, seconds run) of every call on the ledger's one thread: lease
+    requests wait there for a trust read and the lease book's journal write."""
+    calls, submit = [], ledger.submit
+
+    def timed(fn, *args, **kwargs):
+        queued = time.perf_counter()
+
+        def run():
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                calls.append((getattr(fn, "__qualname__", "?"), started - queued, time.perf_counter() - started))
+
+        return submit(run)
+
+    ledger.submit = timed
+    return calls
+
+
+def summarize_ledger(calls: list[tuple[str, float, float]], seconds: float) -> dict:
+    waits = sorted(w for _, w, _ in calls)
+    busy: Counter[str] = Counter()
+    for what, _, ran in calls:
+        busy[what] += ran
+    return dict(busy_share=sum(busy.values()) / seconds, wait_p50_ms=1000 * waits[len(waits) // 2] if waits else None,
+                wait_p99_ms=1000 * waits[int(len(waits) * 0.99)] if waits else None,
+                busiest={k: round(v, 2) for k, v in busy.most_common(5)}, calls=len(calls))
+
+
+def count_acknowledged(service) -> list[int]:
+    """A running count of the samples the service acknowledges (its handlers look `handle_push` up
+    at each call)."""
+    count, handle = [0], service.handle_push
+
+    def counted(*args, **kwargs):
+        receipt = handle(*args, **kwargs)
+        count[0] += receipt.accepted
+        return receipt
+
+    service.handle_push = counted
+    return count
+
+
+async def step(live, groups: int | None) -> None:
+    """What the trainer does with a step's groups, less the training: verify the unchecked ones,
+    settle, credit, publish the next version."""
+    service, verifier = live.service, live.verifier
+    version = service.version
+    batch = await asyncio.to_thread(service.take_batch, groups)
+    verdicts = []
+    for u in batch.unchecked:
+        reason, _ = await asyncio.to_thread(verifier.judged, u.version, [batch.samples[i] for i in u.samples],
+                                            u.seeds())
+        verdicts.append((u, reason))
+    if verdicts:
+        await asyncio.to_thread(service.settle, verdicts)
+    await asyncio.to_thread(service.commit_step, version)
+    if groups is not None:
+        live.publish(version + 1)
+
+
+def books(live) -> dict:
+    """The ledger's credited samples and the buffer's stale drops, to check nothing acknowledged is lost."""
+    db = sqlite3.connect(live.tmp_path / "ledger.sqlite")
+    try:
+        credited = db.execute("SELECT COALESCE(SUM(accepted), 0) FROM peers").fetchone()[0]
+        waiting = db.execute("SELECT COALESCE(SUM(count), 0) FROM buffer").fetchone()[0]
+    finally:
+        db.close()
+    return dict(credited=credited, in_buffer=waiting, stale=live.service.buffer.stale_dropped)
+
+
+# -- the volunteers ------------------------------------------------------------------------------
+
+async def volunteers(args) -> None:
+    from bench.cpu_split import children, own_cpu
+    from protocols import rpc
+    from protocols.errors import ProtocolError, RemoteError, TransportError
+    from protocols.messages import LeaseRequest, NoWork, PushReceipt, TaskLease
+    from protocols.multiaddr import peer_of
+    from protocols.signing import generate_key, public_bytes, sign_message
+    from protocols.supervise import Backoff
+    from protocols.wire import decode_one_of
+    from tests.support.live_service import Peer, sampled_batch
+
+    peers = await Peer.many(args.address, max(1, -(-args.nodes // args.keys_per_peer)))
+    gates = {(p.peer_id, r.name): asyncio.Semaphore(2) for p in peers for r in (rpc.LEASE, rpc.PUSH)}
+    coordinator_peer, run_id = peer_of(args.address), args.run_id
+    measure_from, end = args.start + args.warmup, args.start + args.warmup + args.seconds
+    out = dict(lease_ms=[], push_ms=[], errors=Counter(), acked=0, offered=0, nowork=0, acked_total=0, keys_acked=0,
+               busy=0)
+
+    async def call(peer, method, payload: bytes) -> bytes:
+        """One call as a node makes it: "busy" (the peer's calls in flight at the coordinator's
+        limit) is no verdict, and is asked again."""
+        backoff = Backoff()
+        while True:
+            async with gates[peer.peer_id, method.name]:
+                started = time.perf_counter()
+                try:
+                    raw = await peer.endpoint.call_one(coordinator_peer, method, payload)
+                except RemoteError as e:
+                    if e.code != "busy":
+                        raise
+                    out["busy"] += time.time() >= measure_from
+                    await asyncio.sleep(backoff.next())
+                    continue
+                if time.time() >= measure_from:
+                    out["lease_ms" if method is rpc.LEASE else "push_ms"].append(1000 * (time.perf_counter() - started))
+                return raw
+
+    async def volunteer(i: int) -> None:
+        peer, key, version, mine = peers[i % len(peers)], generate_key(), 1, 0
+        await asyncio.sleep(max(0.0, args.start - time.time()) + random.uniform(0, args.period))
+        while time.time() < end:
+            began, counting = time.monotonic(), time.time() >= measure_from
+            try:
+                request = sign_message(LeaseRequest(run_id, public_bytes(key), peer.peer_id, f"v{i}", version, args.seeds,
+                                                    time.time(), parallel=args.seeds * args.group), key)
+                reply = decode_one_of(await call(peer, rpc.LEASE, request.to_wire()), (TaskLease, NoWork))
+                if isinstance(reply, NoWork):
+                    out["nowork"] += counting
+                    version = max(version, reply.latest_version)
+                    await asyncio.sleep(reply.retry_after)
+                    continue
+                out["offered"] += counting * len(reply.seeds) * args.group
+                receipt = PushReceipt.from_wire(await call(peer, rpc.PUSH, sampled_batch(run_id, key, reply).to_wire()))
+                out["acked"] += counting * receipt.accepted
+                out["acked_total"] += receipt.accepted
+                out["keys_acked"] += not mine and receipt.accepted > 0
+                mine += receipt.accepted
+                version = max(version, receipt.latest_version)
+            except (TransportError, ProtocolError) as e:
+                out["errors"][e.code if isinstance(e, RemoteError) else type(e).__name__] += counting
+                await asyncio.sleep(1.0)
+                continue
+            await asyncio.sleep(max(0.0, began + args.period - time.monotonic()))
+
+    cpu = {}
+
+    async def measure_cpu() -> None:
+        await asyncio.sleep(max(0.0, measure_from - time.time()))
+        cpu["start"] = own_cpu() + sum(children().values())
+        await asyncio.sleep(max(0.0, end - time.time()))
+        cpu["end"] = own_cpu() + sum(children().values())
+
+    await asyncio.gather(measure_cpu(), *(volunteer(i) for i in range(args.nodes)))
+    out["cpu_s"] = cpu["end"] - cpu["start"]  # the volunteers' process and its p2pd daemons, measured window
+    await asyncio.gather(*(p.shutdown() for p in peers))
+    print(json.dumps(out), flush=True)
+
+
+# -- the driver --------------------------------------------------------------------------------
+
+def percentile(values: list[float], q: float) -> float | None:
+    return statistics.quantiles(values, n=100)[q - 1] if len(values) >= 2 else None
+
+
+def run_size(n: int, args) -> dict:
+    here = [sys.executable, __file__]
+    common = ["--warmup", str(args.warmup), "--seconds", str(args.seconds), "--seeds", str(args.seeds)]
+    # Verification on one numba thread: the toy model's rows are tiny, and numba's OpenMP threads
+    # spin-wait after each parallel region for longer than the region takes (measured: ~1 ms of
+    # CPU a sample, as large as the transport's). A real model's rows keep them busy instead.
+    coord = subprocess.Popen([*here, "_coordinator", "--nodes", str(n), *common], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, env=dict(os.environ, NUMBA_NUM_THREADS="1"))
+    hello = json.loads(coord.stdout.readline())
+    start = time.time() + 3 + n / 100  # room for the volunteers' p2pd daemons to start
+    coord.stdin.write(f"{start}\n")
+    coord.stdin.flush()
+    common += ["--start", str(start)]
+    from tests.support.live_service import GROUP  # noqa: E402
+
+    procs = min(args.procs, n)
+    vols = [subprocess.Popen([*here, "_volunteers", "--address", hello["address"], "--run-id", hello["run_id"], "--group", str(GROUP),
+                              "--nodes", str(n // procs + (i < n % procs)), "--keys-per-peer", str(args.keys_per_peer),
+                              "--period", str(args.period), *common], stdout=subprocess.PIPE, text=True)
+            for i in range(procs)]
+    parts = [json.loads(v.communicate()[0].strip().splitlines()[-1]) for v in vols]
+    stats = json.loads(coord.communicate()[0].strip().splitlines()[-1])
+    lease_ms = [x for p in parts for x in p["lease_ms"]]
+    push_ms = [x for p in parts for x in p["push_ms"]]
+    errors = sum((Counter(p["errors"]) for p in parts), Counter())
+    acked = sum(p["acked"] for p in parts)
+    offered = sum(p["offered"] for p in parts)
+    accepted = max(stats["accepted"], 1)
+    kids, parts_s = stats["children_s"], dict(stats["split_s"])
+    cpu_s = stats["cpu_s"] - parts_s.pop("profiler", 0.0)  # the bench's own sampling is not the coordinator's
+    parts_s["unattributed"] = max(0.0, cpu_s - sum(parts_s.values()))  # threads Python does not know
+    parts_s.update(kids)
+    split = {k: 1000 * v / accepted for k, v in sorted(parts_s.items(), key=lambda kv: -kv[1])}
+    return dict(
+        nodes=n, offered_per_s=n / args.period * GROUP * args.seeds, accepted_per_s=stats["accepted"] / stats["seconds"],
+        lease_p50_ms=percentile(lease_ms, 50), lease_p99_ms=percentile(lease_ms, 99),
+        push_p50_ms=percentile(push_ms, 50), push_p99_ms=percentile(push_ms, 99),
+        errors=dict(errors), busy_retries=sum(p["busy"] for p in parts), nowork=sum(p["nowork"] for p in parts), acked=acked, leased_samples=offered,
+        keys_acked=sum(p["keys_acked"] for p in parts), acked_total=sum(p["acked_total"] for p in parts),
+        acknowledged=stats["acknowledged"],
+        cpu_ms_per_sample=1000 * (cpu_s + sum(kids.values())) / accepted, cpu_ms_by_component=split,
+        rss_mib_start=stats["rss_start"] / 2**20, rss_mib_end=stats["rss_end"] / 2**20, steps=stats["steps"],
+        books=stats["books"], rejections=stats["rejections"], native_threads_s=stats["native_threads_s"],
+        ledger_thread=stats["ledger_thread"],
+        cpu_ms_per_push=1000 * (cpu_s + sum(kids.values())) / max(1, len(push_ms)),
+        coordinator_cores=(cpu_s + sum(kids.values())) / stats["seconds"],
+        volunteer_cores=sum(p["cpu_s"] for p in parts) / args.seconds)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1].startswith("_"):
+        role, rest = sys.argv[1], sys.argv[2:]
+        p = argparse.ArgumentParser()
+        for flag in ("--start", "--warmup", "--seconds", "--period"):
+            p.add_argument(flag, type=float, default=10.0)
+        for flag in ("--nodes", "--keys-per-peer", "--group", "--seeds"):
+            p.add_argument(flag, type=int, default=1)
+        p.add_argument("--address")
+        p.add_argument("--run-id")
+        args = p.parse_args(rest)
+        asyncio.run(coordinator(args) if role == "_coordinator" else volunteers(args))
+        return
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default="16,100,300,1000")
+    p.add_argument("--seconds", type=float, default=60.0, help="measured window per size")
+    p.add_argument("--warmup", type=float, default=20.0)
+    p.add_argument("--period", type=float, default=10.0, help="seconds between one volunteer's pushes")
+    p.add_argument("--procs", type=int, default=2, help="volunteer processes")
+    p.add_argument("--keys-per-peer", type=int, default=20)
+    p.add_argument("--seeds", type=int, default=4, help="prompts a lease asks for (each sampled GROUP=2 times)")
+    args = p.parse_args()
+    rows = [run_size(int(n), args) for n in args.sizes.split(",")]
+    print(f"{'N':>6} {'offered/s':>9} {'accepted/s':>10} {'lease p50/p99 ms':>17} {'push p50/p99 ms':>16} "
+          f"{'cpu ms/sample':>13} {'cores c+v':>9} {'RSS MiB':>13} errors")
+    for r in rows:
+        print(f"{r['nodes']:>6} {r['offered_per_s']:>9.1f} {r['accepted_per_s']:>10.1f} "
+              f"{r['lease_p50_ms'] or 0:>8.1f}/{r['lease_p99_ms'] or 0:<8.1f} {r['push_p50_ms'] or 0:>7.1f}/"
+              f"{r['push_p99_ms'] or 0:<8.1f} {r['cpu_ms_per_sample']:>13.2f} {r['coordinator_cores']:>4.2f}+{r['volunteer_cores']:<4.2f} "
+              f"{r['rss_mib_start']:>6.0f}->{r['rss_mib_end']:<6.0f} {r['errors'] or ''}")
+        print("       cpu ms/sample by component: " + ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_ms_by_component"].items()))
+    knee = next((r["nodes"] for r in rows if r["accepted_per_s"] < 0.9 * r["offered_per_s"]
+                 or (r["lease_p99_ms"] or 0) > GOAL_P99_LEASE_MS), None)
+    print(json.dumps(dict(bench="swarm_scale", knee=knee, rows=rows)))
+
+
+if __name__ == "__main__":
+    main()

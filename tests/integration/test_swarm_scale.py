@@ -1,0 +1,24 @@
+"""bench/swarm_scale.py at 50 volunteers: a coordinator's network side serves them over the real
+transport without an error, every key gets work accepted, and every acknowledged sample is
+credited in the ledger or dropped as stale (nothing acknowledged is lost). Speed is the bench's
+business, not this test's."""
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import swarm_scale  # noqa: E402
+
+
+def test_fifty_volunteers_are_served_and_nothing_acknowledged_is_lost():
+    args = argparse.Namespace(seconds=10.0, warmup=3.0, period=4.0, procs=2, keys_per_peer=25, seeds=2)
+    row = swarm_scale.run_size(50, args)
+    assert row["errors"] == {} and row["rejections"] == {}, row
+    assert row["keys_acked"] == 50, row  # every volunteer had work accepted
+    assert row["acked_total"] == row["acknowledged"] > 0, row  # what the volunteers heard is what the service said
+    books = row["books"]
+    assert books["in_buffer"] == 0 and books["credited"] + books["stale"] == row["acknowledged"], row
+    assert row["accepted_per_s"] > 0.5 * row["offered_per_s"], row
