@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import threading
 
+import pytest
+
 from echo_coordinator import trust
 from echo_coordinator.ledger import Ledger, MetricsLog
 from echo_coordinator.trust import BanRule, OutlierBudget, Trust
@@ -45,6 +47,35 @@ def test_a_keys_trust_record_is_stored_as_the_rule_changes_it(tmp_path):
     assert ledger.trust("n") == first and ledger.trust("unknown") == Trust()
     ledger.close()
 
+
+def test_a_known_keys_trust_is_read_without_the_ledger_thread_and_a_rolled_back_write_is_forgotten(tmp_path):
+    """Every lease request reads its key's trust record: once known it is read from memory, so a
+    lease does not queue behind a step's writes on the ledger's one thread."""
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    stored = ledger.update_trust("n", lambda t: trust.verified(t, 8))
+    held, release = threading.Event(), threading.Event()
+    busy = ledger.submit(lambda: (held.set(), release.wait(10)))
+    assert held.wait(10)
+    got: list[Trust] = []
+    reader = threading.Thread(target=lambda: got.append(ledger.trust("n")))
+    reader.start()
+    reader.join(5)
+    assert got == [stored]  # answered while the thread is busy
+    release.set()
+    busy.result()
+
+    def struck_then_fail() -> None:
+        with ledger.transaction():
+            ledger.update_trust("n", lambda t: trust.struck(t, BanRule(first=100.0), now=1.0))
+            raise RuntimeError("crash mid-transaction")
+
+    with pytest.raises(RuntimeError):
+        ledger.submit(struck_then_fail).result()
+    assert ledger.trust("n") == stored  # not the strike that was rolled back
+    ledger.close()
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    assert ledger.trust("n") == stored
+    ledger.close()
 
 def test_a_transaction_that_fails_leaves_nothing_behind(tmp_path):
     ledger = Ledger(tmp_path / "ledger.sqlite")
