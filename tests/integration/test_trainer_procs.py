@@ -16,7 +16,9 @@ from tests.support.runs import spawn, wait_for
 from tests.support.runs import check_books, metrics
 
 
-@pytest.mark.parametrize("update, sharding", [("lora", "none"), ("full", "fsdp")])
+# LoRA unsharded in `make test-all` only (35 s): its step on two ranks is checked against one process's in
+# test_distributed for every mode and sharding; the sharded full-mode run covers the run's wiring.
+@pytest.mark.parametrize("update, sharding", [pytest.param("lora", "none", marks=pytest.mark.slow), ("full", "fsdp")])
 def test_a_run_trains_on_two_trainer_processes(tmp_path, tiny_model, processes, update, sharding):
     run_dir, steps = tmp_path / "run", 4
     config = async_config(tmp_path / "run.toml", tiny_model, run_dir, steps, 2, extra=f'update = "{update}"',
