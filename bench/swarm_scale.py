@@ -301,6 +301,7 @@ def run_size(n: int, args) -> dict:
         errors=dict(errors), busy_retries=sum(p["busy"] for p in parts), nowork=sum(p["nowork"] for p in parts), acked=acked, leased_samples=offered,
         keys_acked=sum(p["keys_acked"] for p in parts), acked_total=sum(p["acked_total"] for p in parts),
         acknowledged=stats["acknowledged"],
+        lost=stats["acknowledged"] - sum(stats["books"].values()),  # acknowledged, yet neither credited, stale nor waiting
         cpu_ms_per_sample=1000 * (cpu_s + sum(kids.values())) / accepted, cpu_ms_by_component=split,
         rss_mib_start=stats["rss_start"] / 2**20, rss_mib_end=stats["rss_end"] / 2**20, steps=stats["steps"],
         books=stats["books"], rejections=stats["rejections"], native_threads_s=stats["native_threads_s"],
@@ -357,8 +358,9 @@ def median_row(runs: list[dict]) -> dict:
             row[key] = statistics.median(r[key] for r in runs)
         elif key == "cpu_ms_by_component":
             row[key] = {k: statistics.median(r[key].get(k, 0.0) for r in runs) for k in value}
-    row["runs"] = [{k: r[k] for k in ("accepted_per_s", "lease_p99_ms", "push_p99_ms", "cpu_ms_per_sample")}
-                   for r in runs]
+    row["lost"] = max(r["lost"] for r in runs)
+    row["runs"] = [{k: r[k] for k in ("accepted_per_s", "lease_p99_ms", "push_p99_ms", "cpu_ms_per_sample", "books",
+                                      "acknowledged")} for r in runs]
     return row
 
 

@@ -73,7 +73,8 @@ UNPROVEN = "accepted = 0 AND node_id NOT IN (SELECT node_id FROM evaluations)"
 
 # Trust records kept in memory (`Ledger.trust`): every lease request reads its key's twice and every
 # push once, and a trip to the ledger's one thread queues behind each step's writes (measured at
-# 600 volunteers: two thirds of that thread's time went to these reads). Past this many, the
+# 600 volunteers: two thirds of that thread's time went to these reads). Keys without a record are
+# remembered too (a crowd of new keys reads theirs as often). Past this many (keys are free), the
 # memory starts again from the file.
 TRUST_CACHE = 100_000
 
@@ -163,9 +164,7 @@ class Ledger:
     def _read_trust(self, node_id: str) -> Trust:
         row = self.db.execute("SELECT verified, failed, banned_until, samples, outliers FROM trust WHERE node_id = ?",
                               (node_id,)).fetchone()
-        if row is None:
-            return Trust()  # not remembered: keys are free, and a fresh key's record costs a read
-        return self._remember(node_id, Trust(*row))
+        return self._remember(node_id, Trust(*row) if row else Trust())
 
     def _remember(self, node_id: str, trust: Trust) -> Trust:
         if len(self._trust) >= TRUST_CACHE:
