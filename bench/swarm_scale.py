@@ -220,8 +220,8 @@ async def volunteers(args) -> None:
         while time.time() < end:
             began, counting = time.monotonic(), time.time() >= measure_from
             try:
-                request = sign_message(LeaseRequest(run_id, public_bytes(key), peer.peer_id, f"v{i}", version, args.seeds,
-                                                    time.time(), parallel=args.seeds * args.group), key)
+                request = sign_message(LeaseRequest(run_id, public_bytes(key), peer.peer_id, f"v{i}", version,
+                                                    args.seeds, time.time(), parallel=args.seeds * args.group), key)
                 reply = decode_one_of(await call(peer, rpc.LEASE, request.to_wire()), (TaskLease, NoWork))
                 if isinstance(reply, NoWork):
                     out["nowork"] += counting
@@ -277,7 +277,8 @@ def run_size(n: int, args) -> dict:
     from tests.support.live_service import GROUP  # noqa: E402
 
     procs = min(args.procs, n)
-    vols = [subprocess.Popen([*here, "_volunteers", "--address", hello["address"], "--run-id", hello["run_id"], "--group", str(GROUP),
+    vols = [subprocess.Popen([*here, "_volunteers", "--address", hello["address"], "--run-id", hello["run_id"],
+                              "--group", str(GROUP),
                               "--nodes", str(n // procs + (i < n % procs)), "--keys-per-peer", str(args.keys_per_peer),
                               "--period", str(args.period), *common], stdout=subprocess.PIPE, text=True)
             for i in range(procs)]
@@ -295,13 +296,16 @@ def run_size(n: int, args) -> dict:
     parts_s.update(kids)
     split = {k: 1000 * v / accepted for k, v in sorted(parts_s.items(), key=lambda kv: -kv[1])}
     return dict(
-        nodes=n, offered_per_s=n / args.period * GROUP * args.seeds, accepted_per_s=stats["accepted"] / stats["seconds"],
+        nodes=n, offered_per_s=n / args.period * GROUP * args.seeds,
+        accepted_per_s=stats["accepted"] / stats["seconds"],
         lease_p50_ms=percentile(lease_ms, 50), lease_p99_ms=percentile(lease_ms, 99),
         push_p50_ms=percentile(push_ms, 50), push_p99_ms=percentile(push_ms, 99),
-        errors=dict(errors), busy_retries=sum(p["busy"] for p in parts), nowork=sum(p["nowork"] for p in parts), acked=acked, leased_samples=offered,
+        errors=dict(errors), busy_retries=sum(p["busy"] for p in parts), nowork=sum(p["nowork"] for p in parts),
+        acked=acked, leased_samples=offered,
         keys_acked=sum(p["keys_acked"] for p in parts), acked_total=sum(p["acked_total"] for p in parts),
         acknowledged=stats["acknowledged"],
-        lost=stats["acknowledged"] - sum(stats["books"].values()),  # acknowledged, yet neither credited, stale nor waiting
+        # acknowledged, yet neither credited, dropped as stale nor waiting in the journal
+        lost=stats["acknowledged"] - sum(stats["books"].values()),
         cpu_ms_per_sample=1000 * (cpu_s + sum(kids.values())) / accepted, cpu_ms_by_component=split,
         rss_mib_start=stats["rss_start"] / 2**20, rss_mib_end=stats["rss_end"] / 2**20, steps=stats["steps"],
         books=stats["books"], rejections=stats["rejections"], native_threads_s=stats["native_threads_s"],
@@ -340,9 +344,11 @@ def main() -> None:
     for r in rows:
         print(f"{r['nodes']:>6} {r['offered_per_s']:>9.1f} {r['accepted_per_s']:>10.1f} "
               f"{r['lease_p50_ms'] or 0:>8.1f}/{r['lease_p99_ms'] or 0:<8.1f} {r['push_p50_ms'] or 0:>7.1f}/"
-              f"{r['push_p99_ms'] or 0:<8.1f} {r['cpu_ms_per_sample']:>13.2f} {r['coordinator_cores']:>4.2f}+{r['volunteer_cores']:<4.2f} "
+              f"{r['push_p99_ms'] or 0:<8.1f} {r['cpu_ms_per_sample']:>13.2f} "
+              f"{r['coordinator_cores']:>4.2f}+{r['volunteer_cores']:<4.2f} "
               f"{r['rss_mib_start']:>6.0f}->{r['rss_mib_end']:<6.0f} {r['errors'] or ''}")
-        print("       cpu ms/sample by component: " + ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_ms_by_component"].items()))
+        parts = r["cpu_ms_by_component"].items()
+        print("       cpu ms/sample by component: " + ", ".join(f"{k} {v:.2f}" for k, v in parts))
     knee = next((r["nodes"] for r in rows if r["accepted_per_s"] < 0.9 * r["offered_per_s"]
                  or (r["lease_p99_ms"] or 0) > GOAL_P99_LEASE_MS), None)
     goals = dict(p99_lease_ms=GOAL_P99_LEASE_MS, cpu_ms_per_sample=GOAL_CPU_MS)
