@@ -72,6 +72,7 @@ async def coordinator(args) -> None:
             service, proc = live.service, psutil.Process()
             acked = count_acknowledged(service)
             ledger_queue = time_ledger_thread(live.ledger)
+            in_service = time_leases(service)
             measuring, marks, steps = False, {}, 0
             end = args.start + args.warmup + args.seconds
             while time.time() < end:
@@ -79,6 +80,7 @@ async def coordinator(args) -> None:
                     measuring = True
                     split.reset()
                     ledger_queue.clear()
+                    in_service.clear()
                     marks = dict(cpu=own_cpu(), children=children(), rss=proc.memory_info().rss, steps=steps,
                                  acked=acked[0], at=time.time())
                 if await asyncio.to_thread(service.buffered_groups) >= step_groups:
@@ -91,6 +93,8 @@ async def coordinator(args) -> None:
             split.stop()
             accepted = acked[0] - marks["acked"]
             ledger_stats = summarize_ledger(ledger_queue, elapsed)
+            took = sorted(in_service) or [0.0]
+            lease_service_ms = [1000 * took[int(len(took) * q)] for q in (0.5, 0.99)]
             await asyncio.sleep(GRACE)  # for the pushes still in flight
             await step(live, None)  # the rest of the buffer, so that every acknowledged sample is settled
             kid_cpu = {k: v - marks["children"].get(k, 0.0) for k, v in kids.items()}
@@ -98,6 +102,7 @@ async def coordinator(args) -> None:
                 accepted=accepted, seconds=elapsed, steps=steps - marks["steps"], cpu_s=cpu, children_s=kid_cpu,
                 split_s=dict(split.seconds), rss_start=marks["rss"], rss_end=rss_end,
                 acknowledged=acked[0], native_threads_s=native_threads(), books=books(live), ledger_thread=ledger_stats,
+                lease_service_ms=lease_service_ms,
                 rejections=dict(service.rejection_counts()))), flush=True)
 
 
@@ -130,6 +135,22 @@ def summarize_ledger(calls: list[tuple[str, float, float]], seconds: float) -> d
     return dict(busy_share=sum(busy.values()) / seconds, wait_p50_ms=1000 * waits[len(waits) // 2] if waits else None,
                 wait_p99_ms=1000 * waits[int(len(waits) * 0.99)] if waits else None,
                 busiest={k: round(v, 2) for k, v in busy.most_common(5)}, calls=len(calls))
+
+
+def time_leases(service) -> list[float]:
+    """Seconds each `handle_lease` took on its lease thread: against the latency a volunteer sees,
+    what the service itself costs and what is queueing before it (transport, event loop, threads)."""
+    took, handle = [], service.handle_lease
+
+    def timed(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return handle(*args, **kwargs)
+        finally:
+            took.append(time.perf_counter() - started)
+
+    service.handle_lease = timed
+    return took
 
 
 def count_acknowledged(service) -> list[int]:
@@ -309,7 +330,7 @@ def run_size(n: int, args) -> dict:
         cpu_ms_per_sample=1000 * (cpu_s + sum(kids.values())) / accepted, cpu_ms_by_component=split,
         rss_mib_start=stats["rss_start"] / 2**20, rss_mib_end=stats["rss_end"] / 2**20, steps=stats["steps"],
         books=stats["books"], rejections=stats["rejections"], native_threads_s=stats["native_threads_s"],
-        ledger_thread=stats["ledger_thread"],
+        ledger_thread=stats["ledger_thread"], lease_in_service_p50_p99_ms=stats["lease_service_ms"],
         cpu_ms_per_push=1000 * (cpu_s + sum(kids.values())) / max(1, len(push_ms)),
         coordinator_cores=(cpu_s + sum(kids.values())) / stats["seconds"],
         volunteer_cores=sum(p["cpu_s"] for p in parts) / args.seconds)
