@@ -70,9 +70,8 @@ async def coordinator(args) -> None:
             args.start = float(await asyncio.to_thread(sys.stdin.readline))  # the driver's, once volunteers start
             split = CpuSplit().start()
             service, proc = live.service, psutil.Process()
-            acked = count_acknowledged(service)
+            watch = Watch(service)
             ledger_queue = time_ledger_thread(live.ledger)
-            in_service = time_leases(service)
             measuring, marks, steps = False, {}, 0
             end = args.start + args.warmup + args.seconds
             while time.time() < end:
@@ -80,9 +79,9 @@ async def coordinator(args) -> None:
                     measuring = True
                     split.reset()
                     ledger_queue.clear()
-                    in_service.clear()
+                    watch.lease_seconds.clear()
                     marks = dict(cpu=own_cpu(), children=children(), rss=proc.memory_info().rss, steps=steps,
-                                 acked=acked[0], at=time.time())
+                                 acked=watch.acknowledged, at=time.time())
                 if await asyncio.to_thread(service.buffered_groups) >= step_groups:
                     await step(live, step_groups)
                     steps += 1
@@ -91,9 +90,9 @@ async def coordinator(args) -> None:
             cpu, kids, elapsed = own_cpu() - marks["cpu"], children(), time.time() - marks["at"]
             rss_end = proc.memory_info().rss
             split.stop()
-            accepted = acked[0] - marks["acked"]
+            accepted = watch.acknowledged - marks["acked"]
             ledger_stats = summarize_ledger(ledger_queue, elapsed)
-            took = sorted(in_service) or [0.0]
+            took = sorted(watch.lease_seconds) or [0.0]
             lease_service_ms = [1000 * took[int(len(took) * q)] for q in (0.5, 0.99)]
             await asyncio.sleep(GRACE)  # for the pushes still in flight
             await step(live, None)  # the rest of the buffer, so that every acknowledged sample is settled
@@ -101,7 +100,7 @@ async def coordinator(args) -> None:
             print(json.dumps(dict(
                 accepted=accepted, seconds=elapsed, steps=steps - marks["steps"], cpu_s=cpu, children_s=kid_cpu,
                 split_s=dict(split.seconds), rss_start=marks["rss"], rss_end=rss_end,
-                acknowledged=acked[0], native_threads_s=native_threads(), books=books(live), ledger_thread=ledger_stats,
+                acknowledged=watch.acknowledged, native_threads_s=native_threads(), books=books(live), ledger_thread=ledger_stats,
                 lease_service_ms=lease_service_ms,
                 rejections=dict(service.rejection_counts()))), flush=True)
 
@@ -137,34 +136,29 @@ def summarize_ledger(calls: list[tuple[str, float, float]], seconds: float) -> d
                 busiest={k: round(v, 2) for k, v in busy.most_common(5)}, calls=len(calls))
 
 
-def time_leases(service) -> list[float]:
-    """Seconds each `handle_lease` took on its lease thread: against the latency a volunteer sees,
-    what the service itself costs and what is queueing before it (transport, event loop, threads)."""
-    took, handle = [], service.handle_lease
+class Watch:
+    """What the service's handlers do, seen from inside (they look `handle_lease` and
+    `handle_push` up at each call): the samples acknowledged so far, and the seconds each
+    `handle_lease` took on its lease thread (against the latency a volunteer sees: what the
+    service itself costs, and what is queueing before it)."""
 
-    def timed(*args, **kwargs):
-        started = time.perf_counter()
-        try:
-            return handle(*args, **kwargs)
-        finally:
-            took.append(time.perf_counter() - started)
+    def __init__(self, service):
+        self.acknowledged, self.lease_seconds = 0, []
+        lease, push = service.handle_lease, service.handle_push
 
-    service.handle_lease = timed
-    return took
+        def timed_lease(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return lease(*args, **kwargs)
+            finally:
+                self.lease_seconds.append(time.perf_counter() - started)
 
+        def counted_push(*args, **kwargs):
+            receipt = push(*args, **kwargs)
+            self.acknowledged += receipt.accepted
+            return receipt
 
-def count_acknowledged(service) -> list[int]:
-    """A running count of the samples the service acknowledges (its handlers look `handle_push` up
-    at each call)."""
-    count, handle = [0], service.handle_push
-
-    def counted(*args, **kwargs):
-        receipt = handle(*args, **kwargs)
-        count[0] += receipt.accepted
-        return receipt
-
-    service.handle_push = counted
-    return count
+        service.handle_lease, service.handle_push = timed_lease, counted_push
 
 
 async def step(live, groups: int | None) -> None:
@@ -213,7 +207,7 @@ async def volunteers(args) -> None:
     gates = {(p.peer_id, r.name): asyncio.Semaphore(2) for p in peers for r in (rpc.LEASE, rpc.PUSH)}
     coordinator_peer, run_id = peer_of(args.address), args.run_id
     measure_from, end = args.start + args.warmup, args.start + args.warmup + args.seconds
-    out = dict(lease_ms=[], push_ms=[], errors=Counter(), acked=0, offered=0, nowork=0, acked_total=0, keys_acked=0,
+    out = dict(lease_ms=[], push_ms=[], errors=Counter(), acked=0, leased=0, nowork=0, acked_total=0, keys_acked=0,
                busy=0)
 
     async def call(peer, method, payload: bytes) -> bytes:
@@ -249,7 +243,7 @@ async def volunteers(args) -> None:
                     version = max(version, reply.latest_version)
                     await asyncio.sleep(reply.retry_after)
                     continue
-                out["offered"] += counting * len(reply.seeds) * args.group
+                out["leased"] += counting * len(reply.seeds) * args.group
                 receipt = PushReceipt.from_wire(await call(peer, rpc.PUSH, sampled_batch(run_id, key, reply).to_wire()))
                 out["acked"] += counting * receipt.accepted
                 out["acked_total"] += receipt.accepted
@@ -309,7 +303,7 @@ def run_size(n: int, args) -> dict:
     push_ms = [x for p in parts for x in p["push_ms"]]
     errors = sum((Counter(p["errors"]) for p in parts), Counter())
     acked = sum(p["acked"] for p in parts)
-    offered = sum(p["offered"] for p in parts)
+    leased = sum(p["leased"] for p in parts)
     accepted = max(stats["accepted"], 1)
     kids, parts_s = stats["children_s"], dict(stats["split_s"])
     cpu_s = stats["cpu_s"] - parts_s.pop("profiler", 0.0)  # the bench's own sampling is not the coordinator's
@@ -322,7 +316,7 @@ def run_size(n: int, args) -> dict:
         lease_p50_ms=percentile(lease_ms, 50), lease_p99_ms=percentile(lease_ms, 99),
         push_p50_ms=percentile(push_ms, 50), push_p99_ms=percentile(push_ms, 99),
         errors=dict(errors), busy_retries=sum(p["busy"] for p in parts), nowork=sum(p["nowork"] for p in parts),
-        acked=acked, leased_samples=offered,
+        acked=acked, leased_samples=leased,
         keys_acked=sum(p["keys_acked"] for p in parts), acked_total=sum(p["acked_total"] for p in parts),
         acknowledged=stats["acknowledged"],
         # acknowledged, yet neither credited, dropped as stale nor waiting in the journal
