@@ -31,8 +31,6 @@ sys.path.insert(0, str(ROOT))
 
 from echo_coordinator.config import RunConfig  # noqa: E402
 
-PEERS_KEY = "echo/bench/peers"
-
 
 def build_updates(density: float, lora_encoding: str):
     """(run manifest, full-mode delta update, LoRA delta and snapshot bytes, bf16 checkpoint bytes)."""
@@ -78,17 +76,24 @@ def build_updates(density: float, lora_encoding: str):
 
 
 async def trainer_round(n: int, relay_on: bool, update, manifest_path: Path, work: Path) -> dict:
-    from protocols.messages import verified_announcements
+    from echo_coordinator.presence import pick_holders
+    from protocols import rpc
+    from protocols.messages import HoldersRequest
     from protocols.transport.dht import SwarmDHT
     from protocols.transport.relay import Relay
     from protocols.uploads import UploadBudget
 
     dht = SwarmDHT.start("127.0.0.1", 0)
-    holding = {"count": 0}
-    relay = Relay(budget=UploadBudget() if relay_on else None, peers_holding=lambda v: holding["count"])
+    holding: dict[str, int] = {}  # peer -> version, as the coordinator learns it (from lease requests there)
+    relay = Relay(budget=UploadBudget() if relay_on else None, peers_holding=lambda v: len(holding))
     relay.remember(*update)
     endpoint = await dht.endpoint()
     await relay.serve(endpoint)
+
+    async def holders(request: bytes, peer: str):
+        yield pick_holders(holding, frozenset(), {}, HoldersRequest.from_wire(request).version, peer).to_wire()
+
+    await endpoint.serve(rpc.HOLDERS, holders)
     go = work / f"go-{n}-{relay_on}"
     procs = [subprocess.Popen(
         [sys.executable, __file__, "--fetcher", dht.addresses()[0], str(manifest_path), str(go), str(int(relay_on))],
@@ -100,15 +105,13 @@ async def trainer_round(n: int, relay_on: bool, update, manifest_path: Path, wor
         started = time.time()
         go.touch()
         done = []
-        waiting = [asyncio.create_task(asyncio.to_thread(p.stdout.readline)) for p in procs]
-        while not all(w.done() for w in waiting):
-            holding["count"] = len(verified_announcements(await dht.get(PEERS_KEY)))
-            await asyncio.sleep(0.2)
-        for w in waiting:
-            line = w.result()
+        for line in asyncio.as_completed([asyncio.to_thread(p.stdout.readline) for p in procs]):
+            line = await line
             if not line.startswith("DONE"):
                 raise SystemExit(f"a fetcher failed: {line!r}")
-            done.append(float(line.split()[1]))
+            _, at, peer = line.split()
+            done.append(float(at))
+            holding[peer] = 1
         return dict(nodes=n, relay=relay_on, trainer_upload_bytes=relay.bytes_served,
                     update_bytes=sum(map(len, update[1].values())), all_nodes_on_version_seconds=max(done) - started)
     finally:
@@ -119,11 +122,11 @@ async def trainer_round(n: int, relay_on: bool, update, manifest_path: Path, wor
 
 
 async def fetcher(address: str, manifest_path: str, go: str, relay_on: bool) -> None:
-    """One node: join, wait for the go signal, catch up to version 1 (peers first when relay is
-    on), then announce holding it and keep serving until killed."""
+    """One node: join, wait for the go signal, catch up to version 1 (from the peers the trainer
+    names, when relay is on), then say it holds it and keep serving until killed."""
     from echo_node.updates import UpdateError, catch_up
-    from protocols.messages import PeerAnnouncement, RunManifest, verified_announcements
-    from protocols.signing import generate_key, public_bytes, sign_message
+    from protocols import rpc
+    from protocols.messages import Holders, HoldersRequest, RunManifest
     from protocols.multiaddr import peer_of
     from protocols.transport.dht import SwarmDHT
     from protocols.transport.relay import Relay
@@ -131,7 +134,7 @@ async def fetcher(address: str, manifest_path: str, go: str, relay_on: bool) -> 
     manifest = RunManifest.from_wire(Path(manifest_path).read_bytes())
     dht = SwarmDHT.start("127.0.0.1", 0, [address])
     endpoint = await dht.endpoint()
-    relay, key = Relay(), generate_key()
+    relay = Relay()
     await relay.serve(endpoint)
     trainer = peer_of(address)
     print("READY", flush=True)
@@ -141,20 +144,19 @@ async def fetcher(address: str, manifest_path: str, go: str, relay_on: bool) -> 
     async def apply(update, store, payloads):
         relay.remember(update, store)
 
+    async def peers(version: int) -> list[str]:
+        if not relay_on:
+            return []
+        raw = await endpoint.call_one(trainer, rpc.HOLDERS, HoldersRequest(version).to_wire())
+        return list(Holders.from_wire(raw).peers)
+
     while True:
-        peers = [a.peer_id for a in verified_announcements(await dht.get(PEERS_KEY)) if a.version >= 1] if relay_on else []
         try:
-            await catch_up(endpoint, trainer, lambda v: peers, manifest, 0, 1, apply, 120)
+            await catch_up(endpoint, trainer, peers, manifest, 0, 1, apply, 120)
             break
         except UpdateError:
             await asyncio.sleep(0.2)  # the trainer said busy and no peer held it yet
-    done = time.time()
-    announcement = sign_message(PeerAnnouncement(
-        peer_id=endpoint.peer_id, name="bench", role="node", backend="none", model_sha256=manifest.base_sha256,
-        version=1, throughput=0.0, public_key=public_bytes(key), time=done,
-    ), key)
-    await dht.put(PEERS_KEY, announcement.to_wire(), 120, subkey=announcement.node_id)  # readers check the subkey
-    print(f"DONE {done}", flush=True)
+    print(f"DONE {time.time()} {endpoint.peer_id}", flush=True)
     await asyncio.sleep(3600)
 
 

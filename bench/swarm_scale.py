@@ -14,13 +14,15 @@ Volunteers: `--procs` processes, each with its share of the N node keys spread o
 2 calls in flight per peer and RPC (the coordinator's per-peer limit). Each key behaves as an
 honest node: it asks for a lease of `--seeds` prompts, samples the toy model with the lease's
 noise, signs and pushes, then waits out the rest of its `--period`; on NoWork it takes the version
-it is told and asks again after the retry delay; "busy" is asked again with the node's backoff.
+it is told and asks again after the retry delay; "busy" is asked again with the node's backoff. A
+key told of a newer version asks the coordinator once who holds it (`echo.holders`), as a node
+does before fetching it (the fetch itself is not played: the toy model has no weights).
 
     .venv/bin/python bench/swarm_scale.py [--sizes 16,100,300,1000] [--seconds 60] [--warmup 20]
         [--repeat 3]
 
-Per N, after the warm-up (medians of `--repeat` runs): lease and push latency p50/p99 (the call,
-not the volunteer's own queue), accepted samples/s against offered, errors by code, the
+Per N, after the warm-up (medians of `--repeat` runs): lease, push and holders latency p50/p99
+(the call, not the volunteer's own queue), accepted samples/s against offered, errors by code, the
 coordinator's CPU ms per accepted sample and per push, split by component (`bench/cpu_split.py`;
 its DHT process and p2pd daemon included), the cores the coordinator and the volunteers used, the
 ledger thread's busy share and queue, the coordinator's RSS at the start and end of the measured
@@ -196,7 +198,7 @@ async def volunteers(args) -> None:
     from bench.cpu_split import children, own_cpu
     from protocols import rpc
     from protocols.errors import ProtocolError, RemoteError, TransportError
-    from protocols.messages import LeaseRequest, NoWork, PushReceipt, TaskLease
+    from protocols.messages import Holders, HoldersRequest, LeaseRequest, NoWork, PushReceipt, TaskLease
     from protocols.multiaddr import peer_of
     from protocols.signing import generate_key, public_bytes, sign_message
     from protocols.supervise import Backoff
@@ -204,11 +206,12 @@ async def volunteers(args) -> None:
     from tests.support.live_service import Peer, sampled_batch
 
     peers = await Peer.many(args.address, max(1, -(-args.nodes // args.keys_per_peer)))
-    gates = {(p.peer_id, r.name): asyncio.Semaphore(2) for p in peers for r in (rpc.LEASE, rpc.PUSH)}
+    gates = {(p.peer_id, r.name): asyncio.Semaphore(2) for p in peers for r in (rpc.LEASE, rpc.PUSH, rpc.HOLDERS)}
+    timed = {rpc.LEASE: "lease_ms", rpc.PUSH: "push_ms", rpc.HOLDERS: "holders_ms"}
     coordinator_peer, run_id = peer_of(args.address), args.run_id
     measure_from, end = args.start + args.warmup, args.start + args.warmup + args.seconds
-    out = dict(lease_ms=[], push_ms=[], errors=Counter(), acked=0, leased=0, nowork=0, acked_total=0, keys_acked=0,
-               busy=0)
+    out = dict(lease_ms=[], push_ms=[], holders_ms=[], holders_named=0, errors=Counter(), acked=0, leased=0,
+               nowork=0, acked_total=0, keys_acked=0, busy=0)
 
     async def call(peer, method, payload: bytes) -> bytes:
         """One call as a node makes it: "busy" (the peer's calls in flight at the coordinator's
@@ -226,8 +229,13 @@ async def volunteers(args) -> None:
                     await asyncio.sleep(backoff.next())
                     continue
                 if time.time() >= measure_from:
-                    out["lease_ms" if method is rpc.LEASE else "push_ms"].append(1000 * (time.perf_counter() - started))
+                    out[timed[method]].append(1000 * (time.perf_counter() - started))
                 return raw
+
+    async def move_to(peer, version: int) -> None:
+        """A node moving to a new version asks once who holds it (the fetch itself is not played)."""
+        named = Holders.from_wire(await call(peer, rpc.HOLDERS, HoldersRequest(version).to_wire()))
+        out["holders_named"] += len(named.peers)
 
     async def volunteer(i: int) -> None:
         peer, key, version, mine = peers[i % len(peers)], generate_key(), 1, 0
@@ -240,7 +248,9 @@ async def volunteers(args) -> None:
                 reply = decode_one_of(await call(peer, rpc.LEASE, request.to_wire()), (TaskLease, NoWork))
                 if isinstance(reply, NoWork):
                     out["nowork"] += counting
-                    version = max(version, reply.latest_version)
+                    if reply.latest_version > version:
+                        version = reply.latest_version
+                        await move_to(peer, version)
                     await asyncio.sleep(reply.retry_after)
                     continue
                 out["leased"] += counting * len(reply.seeds) * args.group
@@ -249,7 +259,9 @@ async def volunteers(args) -> None:
                 out["acked_total"] += receipt.accepted
                 out["keys_acked"] += not mine and receipt.accepted > 0
                 mine += receipt.accepted
-                version = max(version, receipt.latest_version)
+                if receipt.latest_version > version:
+                    version = receipt.latest_version
+                    await move_to(peer, version)
             except (TransportError, ProtocolError) as e:
                 out["errors"][e.code if isinstance(e, RemoteError) else type(e).__name__] += counting
                 await asyncio.sleep(1.0)
@@ -301,6 +313,7 @@ def run_size(n: int, args) -> dict:
     stats = json.loads(coord.communicate()[0].strip().splitlines()[-1])
     lease_ms = [x for p in parts for x in p["lease_ms"]]
     push_ms = [x for p in parts for x in p["push_ms"]]
+    holders_ms = [x for p in parts for x in p["holders_ms"]]
     errors = sum((Counter(p["errors"]) for p in parts), Counter())
     acked = sum(p["acked"] for p in parts)
     leased = sum(p["leased"] for p in parts)
@@ -315,6 +328,8 @@ def run_size(n: int, args) -> dict:
         accepted_per_s=stats["accepted"] / stats["seconds"],
         lease_p50_ms=percentile(lease_ms, 50), lease_p99_ms=percentile(lease_ms, 99),
         push_p50_ms=percentile(push_ms, 50), push_p99_ms=percentile(push_ms, 99),
+        holders_asks=len(holders_ms), holders_p50_ms=percentile(holders_ms, 50),
+        holders_p99_ms=percentile(holders_ms, 99), holders_named=sum(p["holders_named"] for p in parts),
         errors=dict(errors), busy_retries=sum(p["busy"] for p in parts), nowork=sum(p["nowork"] for p in parts),
         acked=acked, leased_samples=leased,
         keys_acked=sum(p["keys_acked"] for p in parts), acked_total=sum(p["acked_total"] for p in parts),

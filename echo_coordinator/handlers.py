@@ -11,16 +11,17 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
 from echo_coordinator.display import Display
+from echo_coordinator.presence import Presence
 from echo_coordinator.service import RunService
 from protocols import rpc
-from protocols.messages import LeaseRequest, ReachRequest
+from protocols.messages import HoldersRequest, LeaseRequest, ReachRequest
 
 
 LEASE_THREADS = 4
 PUSH_THREADS = 16  # pushes in flight at once; more wait for a thread (each holds only its request bytes)
 
 
-async def register_handlers(endpoint, service: RunService, prober) -> None:
+async def register_handlers(endpoint, service: RunService, presence: Presence, prober) -> None:
     loop = asyncio.get_running_loop()
     leases = ThreadPoolExecutor(LEASE_THREADS, thread_name_prefix="lease")
     pushes = ThreadPoolExecutor(PUSH_THREADS, thread_name_prefix="push")
@@ -38,10 +39,18 @@ async def register_handlers(endpoint, service: RunService, prober) -> None:
         yield receipt.to_wire()
 
     async def reach(request: bytes, peer: str, observed: str):
-        yield (await prober.answer(ReachRequest.from_wire(request), peer, observed)).to_wire()
+        asked = ReachRequest.from_wire(request)
+        reply = await prober.answer(asked, peer, observed)
+        if reply.reachable:
+            presence.reached(peer, relayed=asked.relayed)
+        yield reply.to_wire()
+
+    async def holders(request: bytes, peer: str):
+        yield presence.holders(HoldersRequest.from_wire(request), peer).to_wire()
 
     await endpoint.serve(rpc.MANIFEST, manifest)
     await endpoint.serve(rpc.REACH, reach, with_address=True)
+    await endpoint.serve(rpc.HOLDERS, holders)
     await endpoint.serve(rpc.LEASE, lease)
     await endpoint.serve(rpc.PUSH, push)
     await service.relay.serve(endpoint)  # echo.update, echo.updates, echo.chunks

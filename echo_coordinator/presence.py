@@ -1,23 +1,29 @@
-"""The run in the DHT: the manifest record kept alive; and who holds which version, for the
-relay's upload budget, refreshed from what the nodes' lease requests say. One background task
-of the event loop. (The nodes' announcements in the DHT's peers record are not read here: their
-cost grows with the swarm, a second a read at a thousand nodes; docs/scaling.md.)"""
+"""The run in the DHT: the manifest record kept alive; and who holds which version, refreshed
+from what the nodes' lease requests say, for the relay's upload budget and for nodes asking whom
+to fetch a version from (`echo.holders`). One background task of the event loop.
+
+Nodes do not announce themselves in the DHT: a peers record with one entry per node cost every
+reader megabytes a read at a thousand nodes, and any fresh key could fill it (docs/scaling.md).
+Here each node is known by the libp2p peer its signed lease requests came from (the transport
+authenticates it), and an answer lists a few holders, not the swarm."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 
 from echo_coordinator.service import RunService
 from protocols.errors import TransportError
-from protocols.messages import RunManifest
+from protocols.messages import MAX_HOLDERS, Holders, HoldersRequest, RunManifest
 from protocols.supervise import retry
 
 log = logging.getLogger(__name__)
 
 RECORD_TTL = 120.0  # seconds; DHT records are refreshed at a third of this
 PEER_REFRESH = 1.0  # seconds between looks at who can relay what
+MAX_RELAYED = 10_000  # peers remembered as reached through our relay (the oldest are forgotten first)
 
 
 class Presence:
@@ -26,11 +32,26 @@ class Presence:
         # libp2p peer id -> version it announced. Replaced whole by the refresh (event loop), read
         # by the relay's budget: a reader sees one reading or the next, never half of one.
         self.peer_versions: dict[str, int] = {}
+        self.proven: frozenset[str] = frozenset()  # peers whose key had work accepted lately, same refresh
+        # Peers our relayed reachability probe reached: others dial them through our relay circuit.
+        self.relayed: dict[str, None] = {}
         self.last_put = -RECORD_TTL  # time.monotonic() of the last manifest put
 
     def holding(self, version: int) -> int:
         """How many peers announced holding `version` or newer."""
         return sum(held >= version for held in self.peer_versions.values())
+
+    def holders(self, request: HoldersRequest, asker: str) -> Holders:
+        """Whom `asker` may fetch `request.version` from (`pick_holders`)."""
+        return pick_holders(self.peer_versions, self.proven, self.relayed, request.version, asker)
+
+    def reached(self, peer: str, relayed: bool) -> None:
+        """Our reachability probe reached `peer`, through our relay or directly."""
+        self.relayed.pop(peer, None)
+        if relayed:
+            self.relayed[peer] = None
+            if len(self.relayed) > MAX_RELAYED:
+                del self.relayed[next(iter(self.relayed))]
 
     async def refresh(self, manifest: RunManifest, service: RunService) -> None:
         """Keep the manifest record alive and learn who holds which version (the relay's budget
@@ -46,8 +67,22 @@ class Presence:
         if time.monotonic() - self.last_put > RECORD_TTL / 3:
             await self.dht.put(record_key(self.fp, "manifest"), manifest.to_wire(), RECORD_TTL)
             self.last_put = time.monotonic()
-        self.peer_versions = service.relay_holders(time.time())
+        self.peer_versions, self.proven = service.relay_holders(time.time())
         service.prune(time.time())
+
+
+def pick_holders(versions: dict[str, int], proven: frozenset[str], relayed, version: int, asker: str,
+                 rng=random) -> Holders:
+    """Up to MAX_HOLDERS peers that hold `version` or later, not `asker`: peers whose key had work
+    accepted first, claims of other keys (free to make) only in the places left; each group in
+    random order, so that askers spread over the holders. A flood of fresh keys claiming every
+    version thus never hides a proven holder, and a silent claimant costs the asker one stall
+    (`echo_node.updates.fetch_chunks` draws a few at once and shuns those that failed)."""
+    having = [peer for peer, held in versions.items() if held >= version and peer != asker]
+    first, rest = [p for p in having if p in proven], [p for p in having if p not in proven]
+    rng.shuffle(first)
+    chosen = first[:MAX_HOLDERS] + rng.sample(rest, min(len(rest), max(0, MAX_HOLDERS - len(first))))
+    return Holders(tuple(chosen), tuple(p for p in chosen if p in relayed))
 
 
 async def _log_failure(error: BaseException, delay: float) -> None:

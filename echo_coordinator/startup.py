@@ -172,7 +172,7 @@ class Coordinator:
                        model=self.model.name, task=cfg.task, staleness=cfg.staleness,
                        samples_per_step=cfg.prompts_per_step * cfg.group_size,
                        resumed_at=service.version if state else None)
-        prober = await self._open_streams(dht, service, addresses[0])
+        prober = await self._open_streams(dht, service, presence, addresses[0])
 
         supervisor = Supervisor()
         supervisor.start(presence.refresh(manifest, service), "dht-refresh")
@@ -210,14 +210,14 @@ class Coordinator:
             run=self.torch.run,
         )
 
-    async def _open_streams(self, dht, service: RunService, address: str):
+    async def _open_streams(self, dht, service: RunService, presence: Presence, address: str):
         """The stream handlers on the DHT's endpoint, and the reachability prober; returns the prober."""
         from protocols.transport.reach import Prober  # hivemind
 
         endpoint = await dht.endpoint()
         prober = Prober(self.run_config.host, address)
         await prober.start()
-        await register_handlers(endpoint, service, prober)
+        await register_handlers(endpoint, service, presence, prober)
         return prober
 
     def _manifest(self, run_id: str, base_sha256: str, tokenizer, addresses: list[str]) -> RunManifest:

@@ -6,7 +6,7 @@ Its models and generation are `engines/`; this package is the process around the
 - `main`           run_node, the process shell (logging, live status line, signals, exit codes), and the
                    order of a node's life: join the swarm, join the run, load the model, work, leave
 - `session`        what every part shares: identity, console, stop signals, the "cannot reach" message
-- `presence`       the DHT, reachability behind NAT and the relay, our announcement and peers' versions
+- `presence`       the DHT, reachability behind NAT and the relay, who holds a version (asked of the coordinator)
 - `join`           the run's manifest checked against the pinned key, its trainer, its base model; Phases
 - `versions`       which version the node serves and moving to a lease's (the node-side staleness gate)
 - `work`           the loop: lease -> version -> generate -> push, one push in flight beside generation
@@ -21,13 +21,13 @@ the node on its old version, still serving.
 
 Who owns what. One asyncio event loop runs everything but generation and weight loading:
 `Session` (identity, stop events, when the coordinator last answered), `Presence` (DHT,
-endpoint, `peer_versions`, `relay_addrs`, the announced version), `Versions` (`version`,
+endpoint, the holders the coordinator named), `Versions` (`version`,
 `master`, `loaded`), `Work` (`accepted`, `latest`, the push in flight) and the `Relay` each
 change only their own state, on the loop. Worker threads (`asyncio.to_thread`) run generation
 (`Rollouts.generate`: reads the backend and the run, writes nothing shared, watches
 `Session.stop_requested`) and weight decoding and loading for `Versions` (`apply_update` builds
 a new dict the loop then commits; a full-mode reload sets `loaded` while the loop awaits it).
 The backend is used by one thread at a time: the work loop awaits
-generation before it moves to the next version. The announcer reads the backend's throughput
-meanwhile, a number. `SwarmDHT.start` runs on the main thread (see its docstring).
+generation before it moves to the next version. `SwarmDHT.start` runs on the main thread (see
+its docstring).
 """

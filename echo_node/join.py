@@ -122,7 +122,7 @@ async def model_file(session: Session, endpoint, trainer: str, manifest: RunMani
 async def base_model(session: Session, endpoint, trainer: str, manifest: RunManifest, listed: ModelFile,
                      holders: Callable[[], Awaitable[list[str]]]) -> Path:
     """`--model`, checked against the run's base; without it the base from the swarm (`holders`:
-    peers that announced it). Ctrl-C stops it; the same command resumes a download."""
+    peers said to hold it). Ctrl-C stops it; the same command resumes a download."""
     path = await session.until_stopped(_base_model(session, endpoint, trainer, manifest, listed, holders))
     if path is None:
         raise Stopped("stopped while fetching the base model; the same command resumes where it stopped")

@@ -72,7 +72,7 @@ async def _take_part(session: Session, presence: Presence, phases: join.Phases) 
     listed = await join.model_file(session, endpoint, trainer, manifest)
     phases.mark("manifest")
     model = await join.base_model(session, endpoint, trainer, manifest, listed,
-                                  lambda: presence.holders(manifest.base_sha256))
+                                  presence.holders)
     phases.mark("base model")
     config = session.config
     # Bursts of one base-download batch (8 chunks of 4 MiB) at most, at the volunteer's rate.
@@ -86,7 +86,6 @@ async def _take_part(session: Session, presence: Presence, phases: join.Phases) 
     phases.mark("model load")
     console.print(f"joined run {manifest.run_id} as {session.name} (node key {session.fingerprint}); "
                   f"task {manifest.task.name}, mode {manifest.mode}; {backend.hardware}")
-    presence.advertise(backend, manifest.base_sha256, manifest.run_id)
     versions = Versions(session, presence, trainer, manifest, backend, master, relay)
     work = Work(session, endpoint, trainer, manifest, backend, versions, Rollouts(session, manifest, backend, task),
                 phases)
@@ -95,16 +94,14 @@ async def _take_part(session: Session, presence: Presence, phases: join.Phases) 
 
 async def _serve(session: Session, presence: Presence, versions: Versions, work: Work) -> None:
     """Work until the run ends, a stop, or a background task's failure (which ends the node with
-    that task's name and cause: `BackgroundFailed`); then withdraw our announcement."""
+    that task's name and cause: `BackgroundFailed`)."""
     supervisor = Supervisor()
-    supervisor.start(presence.announce(), "announce")
     if presence.via_relay:
         supervisor.start(presence.confirm_relay(), "relay")
     try:
         # Ctrl-C cancels whatever call is in flight; bounded: the generation thread stops at its next token.
         await session.until_stopped(supervisor.run(work.run()), grace=STOP_SECONDS)
     finally:
-        await presence.withdraw()
         console.print(f"left the run at version {versions.version}")
 
 

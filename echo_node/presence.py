@@ -1,7 +1,8 @@
 """The node in the swarm: its DHT (joined through the coordinator's address, retried while it
 cannot be reached), whether the coordinator can dial it (behind NAT: a DHT client reached
-through the coordinator's relay), and its announcement, which peers read to learn who holds
-which version; reading theirs tells us the same of them."""
+through the coordinator's relay), and whom to fetch a version from: the coordinator names a few
+holders (`echo.holders`), known from their lease requests. The node announces nothing in the
+DHT: the version it holds travels in its lease requests."""
 
 from __future__ import annotations
 
@@ -14,34 +15,28 @@ from echo_node.config import Stopped
 from echo_node.session import Session, console
 from protocols import rpc
 from protocols.errors import ProtocolError, TransportError
-from protocols.messages import HARDWARE_CHARS, PeerAnnouncement, ReachReply, ReachRequest, verified_announcements
+from protocols.messages import Holders, HoldersRequest, ReachReply, ReachRequest
 from protocols.multiaddr import is_loopback, peer_of, tcp_port
-from protocols.signing import sign_message
 from protocols.supervise import retry
 
 log = logging.getLogger(__name__)
 
-ANNOUNCE_TTL = 60.0  # seconds
-PEER_REFRESH = 5.0  # seconds between re-announcing and re-reading peers' versions
-CALL_TIMEOUT = 60.0
+CALL_TIMEOUT = 30.0
+MAX_ASKED = 16  # versions whose holders are remembered at once (a chain of deltas asks for each)
 RELAY_CHECK = 5.0  # seconds between a node's checks that its relay reservation holds (behind NAT)
 REACH_TRIES, REACH_RETRY = 4, 1.0  # asks of "can you dial us?" while the answer is unknown, and the first wait
 
 
 class Presence:
-    """Owns the DHT and our endpoint, what we announce (`version`, `relay_addrs`) and what peers
-    announced (`peer_versions`). Event-loop side only."""
+    """Owns the DHT and our endpoint, and who the coordinator said holds which version. Event-loop
+    side only."""
 
     def __init__(self, session: Session):
         self.session = session
         self.dht = None  # SwarmDHT, once joined
         self.via_relay: str | None = None  # behind NAT: the coordinator address we hold a relay reservation at
-        self.relay_addrs: tuple[str, ...] = ()  # behind NAT: the relay circuit others reach us through
-        self.peer_versions: dict[str, int] = {}  # libp2p peer id -> version it announced
-        self.version = 0  # the version we announce holding
         self.endpoint = None  # our stream endpoint (see `open_endpoint`), sharing the DHT's daemon
-        self.backend = self.base_sha256 = self.run_id = None  # what we announce: see `advertise`
-        self._now = asyncio.Event()  # announce and re-read peers now, not at the next refresh
+        self._holders: dict[int, list[str]] = {}  # version -> peers the coordinator said hold it
 
     @property
     def host(self) -> str:
@@ -51,10 +46,8 @@ class Presence:
         return "127.0.0.1" if is_loopback(config.address) else "0.0.0.0"
 
     @property
-    def peers_key(self) -> str:
-        from protocols.transport.dht import record_key
-
-        return record_key(self.session.config.run_key, "peers")
+    def coordinator(self) -> str:
+        return peer_of(self.session.config.address)
 
     async def join(self) -> bool:
         """Join the DHT; when the coordinator cannot dial us, again as a DHT client that asks the
@@ -110,7 +103,7 @@ class Presence:
         endpoint = await self.dht.endpoint()
         ports = [tcp_port(a) for a in self.dht.addresses() if "/tcp/" in a]
         try:
-            raw = await endpoint.call_one(peer_of(self.session.config.address), rpc.REACH,
+            raw = await endpoint.call_one(self.coordinator, rpc.REACH,
                                           ReachRequest(ports[0], relayed).to_wire(), timeout=CALL_TIMEOUT)
             return ReachReply.from_wire(raw).reachable
         except (TransportError, ProtocolError, IndexError) as e:
@@ -119,15 +112,13 @@ class Presence:
 
     async def confirm_relay(self) -> None:
         """Behind NAT: until the coordinator can dial us through its relay, ask again now and then;
-        then announce the circuit, so that peers can fetch from us. libp2p reserves at the
+        once it could, it tells peers to reach us through that circuit, so that they can fetch from us. libp2p reserves at the
         coordinator, our one static relay, within seconds; meanwhile the node works as usual
         (everything it does, it dials out for). A periodic probe, not a retry: "not yet" is an
         answer, not a failure."""
         started = time.monotonic()
         while not self.session.stopping.is_set():
-            if await self._reach(relayed=True):
-                self.relay_addrs = (f"{self.via_relay}/p2p-circuit",)
-                self._now.set()
+            if await self._reach(relayed=True):  # from now on the coordinator names us relayed
                 console.print(f"reachable through the relay at {self.via_relay} "
                               f"(after {time.monotonic() - started:.0f} s)")
                 return
@@ -139,69 +130,29 @@ class Presence:
         self.endpoint = await self.dht.endpoint()
         return self.endpoint
 
-    def advertise(self, backend, base_sha256: str, run_id: str) -> None:
-        """What our announcements say from now on: our backend, base model and run."""
-        self.backend, self.base_sha256, self.run_id = backend, base_sha256, run_id
-
-    def holding(self, version: int) -> None:
-        """We hold `version` now: announce it at once, so peers fetch it from us."""
-        self.version = version
-        self._now.set()
+    async def peers_holding(self, version: int) -> list[str]:
+        """Some peers that hold `version` or later (never us), as the coordinator last named them
+        (`echo.holders`): asked once per version, again after `refresh`; [] if it cannot say (the
+        fetch then asks the trainer alone). Relayed ones are dialled through its relay."""
+        if version in self._holders:
+            return self._holders[version]
+        try:
+            raw = await self.endpoint.call_one(self.coordinator, rpc.HOLDERS, HoldersRequest(version).to_wire(),
+                                               idempotent=True, timeout=CALL_TIMEOUT)
+            holders = Holders.from_wire(raw)
+        except (TransportError, ProtocolError) as e:
+            log.info("who holds version %d: %s", version, e)
+            return []
+        if holders.relayed:
+            self.endpoint.learn_relays(holders.relayed, self.session.config.address)
+        peers = [p for p in holders.peers if p != self.endpoint.peer_id]
+        self._holders = {**self._holders, version: peers} if len(self._holders) < MAX_ASKED else {version: peers}
+        return peers
 
     def refresh(self) -> None:
-        """Re-read who holds what now (the trainer sent its copy on: a peer has it)."""
-        self._now.set()
+        """Ask again who holds what (the trainer sent its copy on: a peer has it now)."""
+        self._holders = {}
 
-    async def announce(self) -> None:
-        """Keep our announcement fresh (at once when asked to) and learn which peers hold which
-        version, for the relay. Runs until cancelled."""
-        while not self.session.stopping.is_set():
-            try:
-                await self.dht.put(self.peers_key, self._announcement().to_wire(), ANNOUNCE_TTL,
-                                   subkey=self.session.fingerprint)
-                announced = await self._announced()
-                self.peer_versions = {a.peer_id: a.version for a in announced}
-                self.endpoint.learn_relays(announced, self.session.config.address)
-            except TransportError as e:
-                log.warning("announcing failed, will retry: %s", e)
-            self._now.clear()
-            try:
-                async with asyncio.timeout(PEER_REFRESH):
-                    await self._now.wait()
-            except TimeoutError:
-                pass
-
-    async def withdraw(self) -> None:
-        """A signed "left" announcement, which outlives the live one (the DHT keeps the later expiry)."""
-        try:
-            await self.dht.put(self.peers_key, self._announcement(left=True).to_wire(), ANNOUNCE_TTL * 2,
-                               subkey=self.session.fingerprint, timeout=2.0)
-        except TransportError as e:
-            log.warning("could not withdraw the announcement: %s", e)
-
-    def _announcement(self, left: bool = False) -> PeerAnnouncement:
-        s = self.session
-        return sign_message(PeerAnnouncement(
-            peer_id=self.endpoint.peer_id, name=s.name, role="node", backend=self.backend.name,
-            model_sha256=self.base_sha256, version=self.version, throughput=self.backend.throughput,
-            public_key=s.node_key, time=time.time(), left=left, hardware=self.backend.hardware[:HARDWARE_CHARS],
-            relay_addrs=self.relay_addrs, run_id=self.run_id or "",
-        ), s.key)
-
-    def peers_holding(self, version: int) -> list[str]:
-        """Peers that announced holding `version` or later (not us)."""
-        return [peer for peer, held in self.peer_versions.items() if held >= version and peer != self.endpoint.peer_id]
-
-    async def _announced(self) -> list:
-        """The run's verified announcements; verified off the event loop (a full record of 4,096
-        takes ~0.3 s)."""
-        return await asyncio.to_thread(verified_announcements, await self.dht.get(self.peers_key), self.run_id)
-
-    async def holders(self, sha256: str) -> list[str]:
-        """Peers announcing the base model `sha256` (claims: `updates.fetch_chunks` draws from them)."""
-        try:
-            announced = await self._announced()
-        except TransportError:
-            return []
-        self.endpoint.learn_relays(announced, self.session.config.address)  # the whole set, as `announce` does
-        return [a.peer_id for a in announced if a.model_sha256 == sha256]
+    async def holders(self) -> list[str]:
+        """Peers holding the base model: every node of the run does, once it works."""
+        return await self.peers_holding(0)

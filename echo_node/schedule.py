@@ -1,7 +1,6 @@
 """When a volunteer's machine works for the run: `--hours 22-07` (local time), and `echo-node pause`
 / `resume` on a running node. Outside its hours or while paused, a node takes no new lease: the
-lease in hand is finished and pushed (its work is not thrown away), then the node waits, still
-announced, and takes leases again when the hours begin or it is resumed.
+lease in hand is finished and pushed (its work is not thrown away), then the node waits, and takes leases again when the hours begin or it is resumed.
 
 `pause` and `resume` reach a running node through a file in its data dir, which the node looks
 for before each lease: no socket to open, and it works for a node started in another terminal.

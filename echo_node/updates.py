@@ -64,12 +64,12 @@ async def fetch_manifest(endpoint, provider: str, run: RunManifest, step: catchu
 
 STALL_SECONDS = 10.0  # a provider that sends no chunk for this long is given up on
 SHUN_SECONDS = 600.0  # and not asked again for this long (it lied, or it is gone)
-PEERS_AT_ONCE = 8  # announced holders asked in one fetch: a round of silent ones costs one stall
+PEERS_AT_ONCE = 8  # named holders asked in one fetch: a round of silent ones costs one stall
 
 
 class Shunned:
     """Providers that failed us (withheld, corrupted, stalled, broke the stream), remembered
-    between fetches: an announcement is only a claim, and a peer that claims every version and
+    between fetches: holding a version is only a node's claim, and a peer that claims every version and
     serves nothing must not be asked first every time. "busy" (the trainer's upload budget) is
     not a failure."""
 
@@ -94,7 +94,7 @@ async def fetch_chunks(endpoint, peers: list[str], trainer: str, digests: list[s
                        sources: Counter | None = None, shunned: Shunned | None = None,
                        stall: float | None = None) -> dict[str, bytes]:
     """Verified chunk bytes by digest, fetched in parallel from the trainer and up to
-    PEERS_AT_ONCE of `peers` (announced holders, less those `shunned`), drawn at random: a
+    PEERS_AT_ONCE of `peers` (claimed holders, less those `shunned`), drawn at random: a
     holder's claim is free to make, so no claim puts a peer first. Digests a provider withholds,
     corrupts, refuses ("busy"), loses mid-stream or sits on for `stall` seconds are asked of the
     others; chunks received before a failure are kept. Raises UpdateError only when every
@@ -153,12 +153,12 @@ async def _fetch_from(endpoint, provider: str, digests: list[str], timeout: floa
             raise TransportError(f"provider {provider[-8:]} sent nothing for {stall:.0f} s") from None
 
 
-async def catch_up(endpoint, trainer: str, peers: Callable[[int], list[str]], run: RunManifest, held: int, target: int,
+async def catch_up(endpoint, trainer: str, peers: Callable[[int], Awaitable[list[str]]], run: RunManifest, held: int, target: int,
                    apply: Applier, timeout: float, shunned: Shunned | None = None,
                    check: Checker | None = None) -> list[catchup.Step]:
     """Bring the node from `held` to `target`, one verified update at a time, and return the chain
-    taken. Manifests come from the trainer; chunks from `peers(version)` (nodes that announced
-    holding it, less those `shunned`) and the trainer, once `check` has passed the manifest."""
+    taken. Manifests come from the trainer; chunks from `await peers(version)` (nodes said
+    to hold it, less those `shunned`) and the trainer, once `check` has passed the manifest."""
     try:
         index = await fetch_index(endpoint, trainer, timeout)
         offered = [catchup.Step(u.from_version, u.to_version, u.nbytes, u.replaces) for u in index.updates]
@@ -168,7 +168,7 @@ async def catch_up(endpoint, trainer: str, peers: Callable[[int], list[str]], ru
             if check is not None:
                 check(update)
             digests = list(dict.fromkeys(d for t in update.tensors for d in t.chunks))
-            store = await fetch_chunks(endpoint, peers(step.to_version), trainer, digests, timeout, shunned=shunned)
+            store = await fetch_chunks(endpoint, await peers(step.to_version), trainer, digests, timeout, shunned=shunned)
             await apply(update, store, Payloads(update, store))  # the applier records the new version
             held = update.to_version
     except UpdateError as e:

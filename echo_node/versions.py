@@ -86,7 +86,6 @@ class Versions:
         self.master = new
         self.version = update.to_version
         self.relay.remember(update, store)
-        self.presence.holding(self.version)
 
     def _load_full_weights(self) -> None:
         """Full mode: bring the backend to the master weights (after a whole chain, once). They

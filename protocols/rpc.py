@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from protocols.messages.updates import MAX_CHUNKS_PER_REQUEST
 from protocols.messages import (
-    Chunk, ChunkRequest, LeaseRequest, ModelFile, NoWork, PushReceipt, ReachReply, ReachRequest, RolloutBatch, RunManifest,
+    Chunk, ChunkRequest, Holders, HoldersRequest, LeaseRequest, ModelFile, NoWork, PushReceipt, ReachReply, ReachRequest, RolloutBatch, RunManifest,
     TaskLease, UpdateIndex, UpdateRequest, WeightUpdate,
 )
 
@@ -41,6 +41,8 @@ UPDATE = Rpc("echo.update", UpdateRequest, (WeightUpdate,), UpdateRequest.MAX_BY
 BASE = Rpc("echo.base", None, (ModelFile,), 1024, 60.0, per_peer=4)
 CHUNKS = Rpc("echo.chunks", ChunkRequest, (Chunk,), ChunkRequest.MAX_BYTES, 120.0, per_peer=4,
              max_replies=MAX_CHUNKS_PER_REQUEST)  # a chunk a digest asked for, at most
+# Who holds a version: asked of the coordinator, once per version a node fetches (not polled).
+HOLDERS = Rpc("echo.holders", HoldersRequest, (Holders,), HoldersRequest.MAX_BYTES, 30.0, per_peer=2)
 REACH = Rpc("echo.reach", ReachRequest, (ReachReply,), ReachRequest.MAX_BYTES, 20.0, per_peer=1)
 
-ALL = (MANIFEST, LEASE, PUSH, UPDATES, UPDATE, BASE, CHUNKS, REACH)
+ALL = (MANIFEST, LEASE, PUSH, UPDATES, UPDATE, BASE, CHUNKS, HOLDERS, REACH)

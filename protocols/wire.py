@@ -151,6 +151,13 @@ class Fields:
             raise InvalidValue(f"{self.where}.{name}: {value[:MAX_PEER_ID_CHARS]!r} is not a libp2p peer id")
         return value
 
+    def peer_ids(self, name: str, max_items: int) -> list[str]:
+        values = self.texts(name, max_items, MAX_PEER_ID_CHARS)
+        for i, v in enumerate(values):
+            if not is_peer_id(v):
+                raise InvalidValue(f"{self.where}.{name}[{i}]: {v!r} is not a libp2p peer id")
+        return values
+
     def texts(self, name: str, max_items: int, max_chars: int = MAX_NAME_CHARS) -> list[str]:
         values = self.items(name, max_items)
         for i, v in enumerate(values):

@@ -72,13 +72,14 @@ class Registry:
         """Has the key had a batch accepted lately? (A claim alone earns a key nothing.)"""
         return self.throughput.rate(node_id, now) is not None
 
-    def relay_holders(self, now: float, latest: int) -> dict[str, int]:
-        """libp2p peer -> version it holds, of the keys that asked for work lately (`relay_holders`).
-        Not only keys with work accepted: at a run's start nodes fetch the base from each other
-        before any has worked."""
-        asking = [n for n, at in self.last_seen.items() if now - at < LIVE_SECONDS]
-        return relay_holders({n: self.talked[n] for n in asking if n in self.talked},
-                             {n: self.throughput.held[n] for n in asking if n in self.throughput.held}, latest)
+    def relay_holders(self, now: float, latest: int) -> tuple[dict[str, int], frozenset[str]]:
+        """libp2p peer -> version it holds, of the keys that asked for work lately (`relay_holders`),
+        and which of those peers spoke for a `proven` key. Not only keys with work accepted: at a
+        run's start nodes fetch the base from each other before any has worked."""
+        asking = [n for n, at in self.last_seen.items() if now - at < LIVE_SECONDS and n in self.talked]
+        holders = relay_holders({n: self.talked[n] for n in asking},
+                                {n: self.throughput.held[n] for n in asking if n in self.throughput.held}, latest)
+        return holders, frozenset(self.talked[n] for n in asking if self.proven(n, now))
 
     def working(self, now: float) -> list[str]:
         """Keys that asked lately and are `proven`: those a restart should wait for. (Only keys

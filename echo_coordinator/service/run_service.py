@@ -118,8 +118,9 @@ class RunService:
         with self.lock:
             return dict(self.nodes.talked)
 
-    def relay_holders(self, now: float) -> dict[str, int]:
-        """libp2p peer -> version it holds, of the keys working lately (`Registry.relay_holders`)."""
+    def relay_holders(self, now: float) -> tuple[dict[str, int], frozenset[str]]:
+        """libp2p peer -> version it holds, of the keys working lately, and the proven ones among
+        them (`Registry.relay_holders`)."""
         with self.lock:
             return self.nodes.relay_holders(now, self.version)
 

@@ -1,20 +1,19 @@
-"""What a run is and who takes part: the manifest, peer announcements, error replies."""
+"""What a run is and who takes part: the manifest, who holds a version, who can be dialled, error replies."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from protocols.errors import ProtocolError
-from protocols.signing import PUBLIC_KEY_BYTES, fingerprint, verify_message
+from protocols.errors import InvalidValue
+from protocols.signing import PUBLIC_KEY_BYTES
 from protocols.wire import Fields, WireMessage
 
 MODES = ("sequential", "async")
 UPDATE_MODES = ("lora", "full")
-ROLES = ("node", "trainer")
 MAX_ADDRS = 16
 HARDWARE_CHARS = 128  # a peer's hardware line (its backend, devices and KV cache)
-MAX_RELAY_ADDRS = 4
+MAX_HOLDERS = 32  # peers one `Holders` reply lists: enough to spread a fetch, few enough to be cheap
 MAX_SAMPLE_TOKENS = 32768  # prompt + completion, per sample (also bounds max_new_tokens)
 MAX_TURNS = 100  # model turns per multi-turn episode
 
@@ -120,72 +119,45 @@ class RunManifest(WireMessage):
 
 
 @dataclass(frozen=True)
-class PeerAnnouncement(WireMessage):
-    """A peer's self-description in the DHT, refreshed before its TTL runs out; signed by the peer."""
+class HoldersRequest(WireMessage):
+    """Which peers hold `version` or a later one (0: the base model)? Asked of the coordinator,
+    which knows from the nodes' own lease requests, over streams the transport authenticated."""
 
-    KIND = "peer_announcement"
-    MAX_BYTES = 8 * 1024
+    KIND = "holders_request"
+    MAX_BYTES = 256
 
-    peer_id: str  # hivemind/libp2p peer id (base58), where to open streams
-    name: str  # public display name chosen by the volunteer
-    role: str  # one of ROLES
-    backend: str  # "llama_cpp", "transformers", "torch" (trainer)
-    model_sha256: str
-    version: int  # policy version the peer holds
-    throughput: float  # generated tokens per second, recent average
-    public_key: bytes
-    time: float
-    left: bool = False  # a signed withdrawal: the peer has left (only its own key can hide it)
-    hardware: str = ""  # e.g. "x86_64, 8 cores, 31 GiB RAM, CPU only" (shown on the dashboard)
-    # Where a peer that cannot be dialled directly (behind NAT) is reached: relay circuit
-    # multiaddrs (".../p2p/RELAY/p2p-circuit"); empty for a directly reachable peer.
-    relay_addrs: tuple[str, ...] = ()
-    run_id: str = ""  # the run it is part of: an announcement replayed into another run's record is not
-    signature: bytes = b""
-
-    @property
-    def node_id(self) -> str:
-        return fingerprint(self.public_key)
+    version: int
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "peer_id": self.peer_id, "name": self.name, "role": self.role, "backend": self.backend,
-            "model_sha256": self.model_sha256, "version": self.version, "throughput": self.throughput,
-            "public_key": self.public_key, "time": self.time, "left": self.left, "hardware": self.hardware,
-            "relay_addrs": list(self.relay_addrs), "run_id": self.run_id, "signature": self.signature,
-        }
+        return {"version": self.version}
 
     @classmethod
-    def from_dict(cls, body: dict[str, Any]) -> PeerAnnouncement:
+    def from_dict(cls, body: dict[str, Any]) -> HoldersRequest:
+        return cls(version=Fields(body, cls.KIND).integer("version"))
+
+
+@dataclass(frozen=True)
+class Holders(WireMessage):
+    """Some peers that hold the asked version (at most MAX_HOLDERS, drawn by the coordinator),
+    and which of them are reached only through the coordinator's relay (behind NAT)."""
+
+    KIND = "holders"
+    MAX_BYTES = 8 * 1024
+
+    peers: tuple[str, ...]  # libp2p peer ids
+    relayed: tuple[str, ...] = ()  # those of `peers` dialled through the coordinator's relay circuit
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"peers": list(self.peers), "relayed": list(self.relayed)}
+
+    @classmethod
+    def from_dict(cls, body: dict[str, Any]) -> Holders:
         f = Fields(body, cls.KIND)
-        return cls(
-            peer_id=f.peer_id("peer_id"), name=f.text("name", 64), role=f.text("role", choices=ROLES),
-            backend=f.text("backend", 32), model_sha256=f.sha256("model_sha256"),
-            version=f.integer("version"), throughput=f.number("throughput", 0.0),
-            public_key=f.blob("public_key", PUBLIC_KEY_BYTES, exact=PUBLIC_KEY_BYTES),
-            time=f.number("time", 0.0), left=f.flag("left") if f.has("left") else False,
-            hardware=f.text("hardware", HARDWARE_CHARS) if f.has("hardware") else "",
-            relay_addrs=tuple(f.texts("relay_addrs", MAX_RELAY_ADDRS, 256)) if f.has("relay_addrs") else (),
-            run_id=f.text("run_id", 128), signature=f.signature(),
-        )
-
-
-def verified_announcements(records: Any, run_id: str | None = None) -> list[PeerAnnouncement]:
-    """The current announcements among DHT records ({subkey: bytes}): each parses, verifies against
-    its own key and sits under that key's fingerprint, and (given `run_id`) is for that run: a
-    node's key may serve several runs, and its signed announcement from one could be replayed into
-    another's record. The run's record validator already refuses anything else; this is the
-    reader's own check. Withdrawals and junk are skipped."""
-    found = []
-    for subkey, value in records.items() if isinstance(records, dict) else ():
-        try:
-            announcement = PeerAnnouncement.from_wire(value)
-            verify_message(announcement, announcement.public_key)
-        except ProtocolError:
-            continue
-        if announcement.node_id == subkey and not announcement.left and run_id in (None, announcement.run_id):
-            found.append(announcement)
-    return found
+        peers = tuple(f.peer_ids("peers", MAX_HOLDERS))
+        relayed = tuple(f.peer_ids("relayed", MAX_HOLDERS))
+        if not set(relayed) <= set(peers):
+            raise InvalidValue(f"{cls.KIND}.relayed: names peers it does not list")
+        return cls(peers=peers, relayed=relayed)
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,13 @@
-"""The swarm's DHT: small signed records that let peers find the run and each other.
+"""The swarm's DHT: the signed record that lets nodes find the run, and the transport beneath.
 
-Keys are namespaced by the run key's fingerprint (what a volunteer pins in its join command):
-- `echo/<fp>/manifest`  the RunManifest, signed by the run key
-- `echo/<fp>/peers`     one subkey per node (its key's fingerprint) holding its signed PeerAnnouncement
+One record per run, under a key namespaced by the run key's fingerprint (what a volunteer pins in
+its join command): `echo/<fp>/manifest`, the RunManifest, signed by the run key. Nodes announce
+nothing here: the coordinator tells them who holds a version (`echo.holders`), and a record with
+an entry per node cost every reader megabytes a read at a thousand nodes (docs/scaling.md).
 
 A DHT without a validator stores whatever anyone sends. Every peer of a run installs
-`RunRecords`, so its DHT stores and returns only these two kinds of record, each signed by the
-key allowed to write it: a forged manifest, an announcement under another node's subkey, an
-unsigned tombstone or anything under another key is refused by every honest replica. Readers
+`RunRecords`, so its DHT stores and returns only that record: a forged manifest, a subkeyed
+record, an unsigned tombstone or anything under another key is refused by every honest replica. Readers
 still verify what they get (a reply may come from a replica that is not honest). Values stay
 small (a DHT value of 256 KiB killed the DHT process in our measurements); tensors and batches
 travel over streams.
@@ -30,13 +30,12 @@ os.environ.setdefault("GOLOG_LOG_LEVEL", "error")
 import hivemind  # noqa: E402
 from hivemind.dht.protocol import DHTProtocol  # noqa: E402
 from hivemind.dht.routing import DHTID  # noqa: E402
-from hivemind.dht.storage import DictionaryDHTValue  # noqa: E402
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase  # noqa: E402
 from hivemind.p2p import P2P  # noqa: E402
 from hivemind.utils import MSGPackSerializer, get_dht_time  # noqa: E402
 
 from protocols.errors import ProtocolError, TransportError  # noqa: E402
-from protocols.messages import PeerAnnouncement, RunManifest  # noqa: E402
+from protocols.messages import RunManifest  # noqa: E402
 from protocols.signing import fingerprint, verify_message  # noqa: E402
 from protocols.transport.streams import Endpoint  # noqa: E402
 
@@ -44,7 +43,6 @@ from protocols.transport.streams import Endpoint  # noqa: E402
 # can die and a caller waits forever (measured). Our records are a few hundred bytes.
 MAX_RECORD_BYTES = 8 * 1024
 MAX_RECORD_TTL = 300.0  # seconds; our records are put for 60-120 s and refreshed well before
-MAX_SUBKEYS = 4096  # entries a dictionary record (the peers record) holds; see `_capped`
 PR_SET_PDEATHSIG = 1
 log = logging.getLogger(__name__)
 
@@ -65,7 +63,7 @@ def _static_relays_only(make_process_args):
     With discovery on, libp2p's autorelay takes candidates from the DHT as well, waits 3 minutes
     (its boot delay) until it knows 4 of them, then reserves at 2 picked at random: a node behind
     NAT may never hold a reservation at the coordinator, whose relay the reachability probe and the
-    announced circuit go through. With static relays only, libp2p makes the trusted relay its one
+    peers dialling it go through. With static relays only, libp2p makes the trusted relay its one
     candidate and reserves there at once (go-libp2p 0.32 `autorelay.WithStaticRelays`). hivemind
     1.1.12 has no parameter for it, so the flag is added to the daemon's command line."""
 
@@ -80,24 +78,6 @@ def _static_relays_only(make_process_args):
 P2P._make_process_args = staticmethod(_static_relays_only(P2P._make_process_args))
 
 
-def _capped(init):
-    """hivemind's dictionary values (our peers record) take any number of subkeys, and keys are
-    free: a flood of fresh-key announcements, each valid, would grow every replica's memory and
-    what every reader fetches and verifies without end. Capped at MAX_SUBKEYS, whatever size a
-    replica's reply claims; past it hivemind drops the entries soonest to expire. A flood can so
-    push honest announcements out, and what nodes then lose is peers to fetch updates from: they
-    fetch from the trainer. hivemind 1.1.12 has no parameter for it; its DHT process is a fork,
-    so this patch holds there too."""
-
-    def capped(self, maxsize=None):
-        init(self, min(maxsize or MAX_SUBKEYS, MAX_SUBKEYS))
-
-    return capped
-
-
-DictionaryDHTValue.__init__ = _capped(DictionaryDHTValue.__init__)
-
-
 def record_key(run_fingerprint: str, name: str) -> str:
     return f"echo/{run_fingerprint}/{name}"
 
@@ -109,14 +89,12 @@ class RunRecords(RecordValidatorBase):
     def __init__(self, run_fingerprint: str):
         self.fp = run_fingerprint
         self.manifest_key = DHTID.generate(source=record_key(run_fingerprint, "manifest")).to_bytes()
-        self.peers_key = DHTID.generate(source=record_key(run_fingerprint, "peers")).to_bytes()
 
     def validate(self, record: DHTRecord) -> bool:
         if len(record.value) > MAX_RECORD_BYTES + 64:  # msgpack's bin header on our bytes
             return False
-        # Expirations are the storer's word: a replica could pin an old manifest, or a node's own
-        # signed `left`, for ever. No record lives past MAX_RECORD_TTL from now, and an
-        # announcement not past that from the time it was signed: a replay cannot outlive it.
+        # Expirations are the storer's word: a replica could pin an old manifest for ever. No
+        # record lives past MAX_RECORD_TTL from now.
         if record.expiration_time > get_dht_time() + MAX_RECORD_TTL:
             return False
         try:
@@ -127,11 +105,6 @@ class RunRecords(RecordValidatorBase):
                 manifest = RunManifest.from_wire(value)
                 verify_message(manifest, manifest.run_key)
                 return fingerprint(manifest.run_key) == self.fp
-            if record.key == self.peers_key and record.subkey != DHTProtocol.IS_REGULAR_VALUE:
-                announcement = PeerAnnouncement.from_wire(value)
-                verify_message(announcement, announcement.public_key)
-                return (MSGPackSerializer.loads(record.subkey) == announcement.node_id
-                        and record.expiration_time <= announcement.time + MAX_RECORD_TTL)
         except (ProtocolError, ValueError, TypeError) as e:
             log.debug("DHT record refused: %s", e)
         return False

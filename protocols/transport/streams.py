@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -27,6 +28,8 @@ log = logging.getLogger(__name__)
 
 HEADER_BYTES = 8
 REFUSE_LINGER = 2.0  # seconds a refused caller gets to read the reason and hang up
+MAX_RELAYED_PEERS = 1024  # relayed peers remembered (`learn_relays`), and callers dialled back
+DIAL_BACK_SECONDS = 600.0  # a caller that reached us through a relay is dialled back at most this often
 OK, ERROR, END = b"\x00", b"\x01", b"\x02"
 
 # A handler gets the request payload and the caller's peer id (and, served `with_address`, the
@@ -55,9 +58,12 @@ class Endpoint:
         self.p2p = p2p
         self.peer_id = p2p.peer_id.to_base58()
         self.errors: Counter[tuple[str, str]] = Counter()  # (handler, code) -> count, for metrics
-        # Peers that cannot be dialled directly and the relay circuits they announced: dialled
-        # through one of those before a stream is opened (`learn_relays`).
+        # Peers that cannot be dialled directly, and the relay circuit they are dialled through
+        # before a stream is opened (`learn_relays`).
         self.relays: dict[str, tuple[str, ...]] = {}
+        # Callers that reached us through a relay circuit, and when we dialled them back (`_dial_back`).
+        self.dialled_back: dict[str, float] = {}
+        self._background: set[asyncio.Task] = set()  # dial-backs in flight (kept referenced)
 
     async def serve(self, rpc: Rpc, handler: Handler, with_address: bool = False) -> None:
         """Serve `rpc` with `handler`, within the declaration's request size, timeout and per-peer limit.
@@ -67,6 +73,8 @@ class Endpoint:
 
         async def on_stream(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             peer = info.peer_id.to_base58()
+            if "/p2p-circuit" in str(info.addr):
+                self._dial_back(info.peer_id)
             if active[peer] >= rpc.per_peer:
                 self.errors[name, "busy"] += 1
                 await self._refuse(reader, writer, ErrorReply("busy", f"{rpc.per_peer} {name} calls already in flight"),
@@ -174,18 +182,50 @@ class Endpoint:
             if writer is not None:
                 writer.close()
 
-    def learn_relays(self, announcements, relay: str) -> None:
-        """Remember how to reach announced peers that are only reachable through a relay: through
-        the run's one relay (the coordinator at `relay`), never an address a peer picks (it would
-        make every node dial wherever a signed announcement says)."""
-        ours = f"{relay}/p2p-circuit"
-        self.relays = {a.peer_id: (ours,) for a in announcements if ours in a.relay_addrs and a.peer_id != self.peer_id}
+    def learn_relays(self, peers, relay: str) -> None:
+        """Reach `peers` (behind NAT, as the coordinator at `relay` found) through its relay
+        circuit: the run's one relay, never an address a peer picks. Bounded: a long run meets
+        new peers for ever."""
+        if len(self.relays) > MAX_RELAYED_PEERS:
+            self.relays = {}
+        self.relays.update({peer: (f"{relay}/p2p-circuit",) for peer in peers if peer != self.peer_id})
+
+    def _dial_back(self, peer: PeerID) -> None:
+        """A caller reached us through a relay circuit: we are behind NAT. Dial it back directly
+        (connection reversal: it cannot dial us, we can dial it), so that its next streams run
+        over a direct connection. Bulk data through the coordinator's relay is reset after a
+        few MB (measured: tests/integration/test_nat.py), and it would cost the coordinator's
+        bandwidth. libp2p dials the addresses the caller's own peer announced, and the handshake
+        checks the peer id: at most one dial a second, and one per caller per DIAL_BACK_SECONDS."""
+        now, caller = time.monotonic(), peer.to_base58()
+        if now - self.dialled_back.get(caller, -DIAL_BACK_SECONDS) < DIAL_BACK_SECONDS:
+            return
+        if self.dialled_back and now - max(self.dialled_back.values()) < 1.0:
+            return
+        if len(self.dialled_back) >= MAX_RELAYED_PEERS:
+            self.dialled_back = {}
+        self.dialled_back[caller] = now
+
+        async def dial() -> None:
+            # libp2p's connect is a no-op while the relayed connection stands, so it goes first
+            # (with the stream that came over it: the caller asks again, over the direct one).
+            try:
+                await self.p2p._client.disconnect(peer)
+                await self.p2p._client.connect(peer, [])
+            except P2PDaemonError as e:
+                log.info("dialling %s back failed: %s", caller[-8:], e)
+
+        task = asyncio.ensure_future(dial())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _dial_relayed(self, peer: str) -> None:
-        """Connect to a relayed peer through a circuit it announced (a no-op once connected);
+        """Connect to a relayed peer through its relay circuit, unless connected already;
         if none works, the stream open that follows reports the failure."""
         from protocols.transport.reach import circuit
 
+        if any(p.peer_id.to_base58() == peer for p in await self.p2p._client.list_peers()):
+            return  # it dialled us back (`_dial_back`), or the circuit is up: libp2p picks the direct one
         for address in self.relays.get(peer, ()):
             try:
                 await self.p2p._client.connect(PeerID.from_base58(peer), [circuit(address)])

@@ -145,26 +145,25 @@ def test_dht_record_validator():
     from hivemind.utils import MSGPackSerializer, get_dht_time
 
     from protocols.signing import fingerprint
-    from protocols.transport.dht import RunRecords
+    from hivemind.dht.routing import DHTID
+
+    from protocols.transport.dht import RunRecords, record_key
 
     run_key = generate_key()
     validator = RunRecords(fingerprint(public_bytes(run_key)))
     manifest = sign_message(factories.manifest(run_key=public_bytes(run_key)), run_key)
     assert validator.validate(DHTRecord(validator.manifest_key, DHTProtocol.IS_REGULAR_VALUE,
                                         MSGPackSerializer.dumps(manifest.to_wire()), 0.0))
-    # Pinned for a year: refused. A node's signed `left`, replayed long after it was signed: refused.
+    # Pinned for a year: refused. The manifest under a subkey (a node's record): refused.
     assert not validator.validate(DHTRecord(validator.manifest_key, DHTProtocol.IS_REGULAR_VALUE,
                                             MSGPackSerializer.dumps(manifest.to_wire()), get_dht_time() + 3e7))
-    node_key = generate_key()
-    left = sign_message(factories.announcement(public_key=public_bytes(node_key), left=True, time=get_dht_time() - 3600),
-                        node_key)
-    record = lambda expires: DHTRecord(validator.peers_key, MSGPackSerializer.dumps(left.node_id),  # noqa: E731
-                                       MSGPackSerializer.dumps(left.to_wire()), expires)
-    assert validator.validate(record(left.time + 120)) and not validator.validate(record(get_dht_time() + 120))
+    assert not validator.validate(DHTRecord(validator.manifest_key, MSGPackSerializer.dumps("node"),
+                                            MSGPackSerializer.dumps(manifest.to_wire()), 0.0))
+    other_key = DHTID.generate(source=record_key(validator.fp, "peers")).to_bytes()
     rng = random.Random(3)
     accepted = 0
     for i, (_, data) in enumerate(inputs(manifest, seed=3)):
-        key = validator.manifest_key if i % 2 else validator.peers_key
+        key = validator.manifest_key if i % 2 else other_key
         subkey = DHTProtocol.IS_REGULAR_VALUE if i % 4 < 2 else MSGPackSerializer.dumps(rng.randbytes(4))
         value = MSGPackSerializer.dumps(data) if i % 5 else rng.randbytes(rng.randrange(40))
         accepted += validator.validate(DHTRecord(key, subkey, value, 0.0))

@@ -1,6 +1,6 @@
 """Issue 23 item 16, each over the real transport against a coordinator's service on 127.0.0.1
-(tests/support/live_service.py): signatures good for their own kind of message only, a node's
-announcement replayed from another run, and the dashboard and `status` with what peers and other
+(tests/support/live_service.py): signatures good for their own kind of message only, holders
+named only as the transport saw them, and the dashboard and `status` with what peers and other
 processes can put in front of them (a foreign Host header, another run's API, markup in names)."""
 
 from __future__ import annotations
@@ -22,9 +22,8 @@ from echo_coordinator.presence import PEER_REFRESH
 from echo_coordinator.report import read_report
 from protocols import rpc
 from protocols.errors import RemoteError
-from protocols.messages import PeerAnnouncement, RolloutBatch, TaskLease, verified_announcements
-from protocols.signing import canonical, fingerprint, generate_key, public_bytes, sign_message
-from protocols.transport.dht import SwarmDHT, record_key
+from protocols.messages import Holders, HoldersRequest, LeaseRequest, NoWork, RolloutBatch, TaskLease
+from protocols.signing import canonical, generate_key, public_bytes, sign_message
 from protocols.wire import decode_one_of
 from tests.support.live_service import LiveService, Peer
 from tests.support.runs import stopped_run
@@ -48,7 +47,7 @@ def test_a_signature_made_for_other_bytes_than_this_kind_of_message_is_refused(t
                 bare = msgpack.packb(dict(sorted(body.items())), use_bin_type=True)  # protocol 1's canonical bytes
                 for name, signed, expected in (
                         ("the bare fields", lambda: key.sign(bare), "bad_signature"),
-                        ("another kind", lambda: key.sign(canonical(body, PeerAnnouncement.KIND)), "bad_signature"),
+                        ("another kind", lambda: key.sign(canonical(body, NoWork.KIND)), "bad_signature"),
                         ("this kind", lambda: request.signature, "TaskLease")):
                     try:
                         raw = await peer.endpoint.call_one(
@@ -63,35 +62,33 @@ def test_a_signature_made_for_other_bytes_than_this_kind_of_message_is_refused(t
     asyncio.run(go())
 
 
-def test_a_nodes_announcement_replayed_from_another_run_is_not_counted(tmp_path):
-    """A volunteer's key takes part in two runs. Its signed announcement from the other run,
-    copied into this run's record (a valid entry under its key), must not make a node of this
-    run take it for a peer holding the base; a node's own announcement for this run is. The
-    coordinator counts neither: it learns who holds what from lease requests."""
+def test_the_coordinator_names_as_holders_the_peers_that_spoke_for_their_keys_never_a_claimed_id(tmp_path):
+    """Who holds a version (`echo.holders`) is learnt from lease requests, under the libp2p peer
+    the transport saw them come from: a lease request naming another peer id (a victim to aim
+    every node at, or no libp2p id at all: issue 36 point 1) names nobody but its sender. A
+    version beyond the newest published is nobody's, and an asker is never named to itself."""
     async def go():
         async with LiveService(tmp_path) as coordinator:
-            attacker = SwarmDHT.start("127.0.0.1", 0, [coordinator.address])  # stores whatever it is given
-            reader = SwarmDHT.start("127.0.0.1", 0, [coordinator.address])  # a node of this run
+            sender, asker = await Peer.many(coordinator.address, 2)
             try:
-                replayed, own = generate_key(), generate_key()
-                for key, run_id in ((replayed, "run-0"), (own, coordinator.manifest.run_id)):
-                    announcement = sign_message(PeerAnnouncement(
-                        peer_id("Somewhere"), "volunteer", "node", "llama_cpp", coordinator.manifest.base_sha256, 0, 0.0,
-                        public_bytes(key), time.time(), run_id=run_id), key)
-                    await attacker.put(record_key(coordinator.fp, "peers"), announcement.to_wire(), 60,
-                                       subkey=announcement.node_id)
-                record = await reader.get(record_key(coordinator.fp, "peers"))
+                key = generate_key()
+                claim = sign_message(LeaseRequest(coordinator.manifest.run_id, public_bytes(key), peer_id("Victim"),
+                                                  "claimant", 0, 64, time.time()), key)
+                await sender.endpoint.call_one(coordinator.peer, rpc.LEASE, claim.to_wire())
                 await asyncio.sleep(2 * PEER_REFRESH)
-                return ([fingerprint(public_bytes(k)) for k in (replayed, own)], set(record),
-                        {a.node_id for a in verified_announcements(record, coordinator.manifest.run_id)},
-                        coordinator.presence.holding(0))
-            finally:
-                attacker.shutdown()
-                reader.shutdown()
 
-    (replayed, own), stored, counted, coordinator_counts = asyncio.run(go())
-    assert stored == {replayed, own}  # both are valid entries of the record ...
-    assert counted == {own} and coordinator_counts == 0  # ... but only this run's counts, and only for nodes
+                async def named(peer, version):
+                    raw = await peer.endpoint.call_one(coordinator.peer, rpc.HOLDERS, HoldersRequest(version).to_wire())
+                    return Holders.from_wire(raw).peers
+
+                return (sender.peer_id, asker.peer_id, await named(asker, 0), await named(asker, 1),
+                        await named(sender, 0), coordinator.presence.holding(0))
+            finally:
+                await sender.shutdown()
+                await asker.shutdown()
+
+    sender, asker, base, ahead, to_itself, counted = asyncio.run(go())
+    assert base == (sender,) and ahead == () and to_itself == () and counted == 1
 
 
 def get(url: str, host: str | None = None) -> tuple[int, bytes]:

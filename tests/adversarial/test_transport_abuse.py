@@ -20,6 +20,7 @@ from protocols.signing import generate_key, public_bytes, sign_message
 from protocols.transport.relay import Relay
 from protocols.transport.streams import Endpoint
 from tests.support.live_service import Peer
+from tests.support.runs import named
 from tests.unit.protocols import factories
 
 
@@ -81,7 +82,7 @@ def test_a_silent_provider_holds_a_catch_up_for_the_stall_watchdog_not_the_call_
             began = time.monotonic()
             try:
                 async with asyncio.timeout(25):  # the call timeout is 60 s: its share must not wait for it
-                    await updates.catch_up(node.endpoint, trainer, lambda version: [liar.peer_id], manifest, 0, 1,
+                    await updates.catch_up(node.endpoint, trainer, named(liar.peer_id), manifest, 0, 1,
                                            apply, CALL_TIMEOUT)
             except TimeoutError:
                 raise AssertionError("the catch-up waited on the silent provider for 25 s") from None

@@ -1,7 +1,7 @@
 """Who may make whom upload what, over the real transport (issue 23 items 2 and 13).
 
 The trainer's upload budget (`protocols.uploads.UploadBudget`) sends each update whole to the
-first askers and turns later ones away while peers announce holding it: fresh keys that fetch
+first askers and turns later ones away while peers say they hold it: fresh keys that fetch
 first and then claim the version (or any version) and never serve it must not keep honest nodes
 waiting. A volunteer's node serves whoever asks, under any number of fresh peer ids: what it
 uploads in all is the volunteer's budget (`ByteQuota`), not each asker's."""
@@ -15,24 +15,22 @@ from echo_coordinator.presence import PEER_REFRESH
 from echo_node.updates import UpdateError, catch_up
 from protocols import rpc
 from protocols.errors import RemoteError, TransportError
-from protocols.messages import ChunkRequest, NoWork, PeerAnnouncement, verified_announcements
-from protocols.signing import fingerprint, generate_key, public_bytes, sign_message
+from protocols.messages import ChunkRequest, NoWork
+from protocols.signing import generate_key
 from protocols.supervise import retry
-from protocols.transport.dht import SwarmDHT, record_key
 from protocols.uploads import UploadBudget
 from tests.support.hostile_coordinator import HostileCoordinator
 from tests.support.live_service import LiveService, Peer
+from tests.support.runs import named
 
 MIB = 2**20
 
 
-async def sybils_fetch_then_claim(coordinator: LiveService, claim: int) -> tuple[list[Peer], SwarmDHT]:
+async def sybils_fetch_then_claim(coordinator: LiveService, claim: int) -> list[Peer]:
     """Two fresh keys, each on its own peer, fetch version 1 from the trainer (taking its
-    copies), then say they hold version `claim` (in their lease requests, and announced in the
-    DHT) and serve nothing. Returns their peers (and the DHT peer they wrote through) once the
-    coordinator's presence has refreshed."""
+    copies), then say they hold version `claim` in their lease requests and serve nothing.
+    Returns their peers once the coordinator's presence has refreshed."""
     chunks = coordinator.publish(1)
-    dht = SwarmDHT.start("127.0.0.1", 0, [coordinator.address])  # theirs: it stores what they like
     sybils: list[Peer] = []
     try:
         sybils += await Peer.many(coordinator.address, 2)
@@ -43,22 +41,17 @@ async def sybils_fetch_then_claim(coordinator: LiveService, claim: int) -> tuple
             got = await retry(lambda: sybil.endpoint.call(coordinator.peer, rpc.CHUNKS, ChunkRequest(tuple(chunks)).to_wire()),
                               TransportError, give_up=lambda e, delay: delay > 2)
             assert len(got) == len(chunks)  # the trainer's copies went to them
-            claimed = sign_message(PeerAnnouncement(
-                sybil.peer_id, "sybil", "node", "llama_cpp", coordinator.manifest.base_sha256, claim, 0.0,
-                public_bytes(key), time.time(), run_id=coordinator.manifest.run_id), key)
-            await dht.put(record_key(coordinator.fp, "peers"), claimed.to_wire(), 60, subkey=claimed.node_id)
             await sybil.ask(coordinator, key, version=claim)
         await asyncio.sleep(2 * PEER_REFRESH)  # the coordinator's presence has looked again
-        return sybils, dht
+        return sybils
     except BaseException:
         await asyncio.gather(*(s.shutdown() for s in sybils))
-        dht.shutdown()
         raise
 
 
 async def honest_catch_up(coordinator: LiveService, holders: list[str], within: float) -> tuple[float, int]:
     """A node's catch-up to version 1, retried while the trainer says busy as a node does (every
-    0.3 s): how long it took, and how often it was turned away. Announced holders are asked first."""
+    0.3 s): how long it took, and how often it was turned away. The claimed holders are asked too."""
     node = await Peer.start(coordinator.address)
     applied, busy, started = [], 0, time.monotonic()
 
@@ -69,7 +62,7 @@ async def honest_catch_up(coordinator: LiveService, holders: list[str], within: 
         async with asyncio.timeout(within):
             while not applied:
                 try:
-                    await catch_up(node.endpoint, coordinator.peer, lambda version: list(holders),
+                    await catch_up(node.endpoint, coordinator.peer, named(*holders),
                                    coordinator.manifest, 0, 1, apply, 10.0)
                 except UpdateError as e:
                     assert e.busy, e
@@ -87,13 +80,12 @@ def test_claims_of_a_version_not_yet_published_hold_no_one_back(tmp_path):
     counts as holding version 1, so the trainer lets the honest node in within its grace (3 s)."""
     async def go():
         async with LiveService(tmp_path) as coordinator:  # the budget as the coordinator builds it
-            sybils, dht = await sybils_fetch_then_claim(coordinator, claim=10**9)
+            sybils = await sybils_fetch_then_claim(coordinator, claim=10**9)
             assert coordinator.presence.holding(1) == 0
             try:
                 return await honest_catch_up(coordinator, [s.peer_id for s in sybils], within=10)
             finally:
                 await asyncio.gather(*(s.shutdown() for s in sybils))
-                dht.shutdown()
 
     seconds, busy = asyncio.run(go())
     assert seconds < 10
@@ -105,13 +97,12 @@ def test_peers_that_claim_the_version_and_never_serve_it_delay_a_node_only_for_t
     in by the trainer after `patience` seconds whatever they claim."""
     async def go():
         async with LiveService(tmp_path, budget=UploadBudget(2, patience=3.0)) as coordinator:
-            sybils, dht = await sybils_fetch_then_claim(coordinator, claim=1)
+            sybils = await sybils_fetch_then_claim(coordinator, claim=1)
             assert coordinator.presence.holding(1) == 2
             try:
                 return await honest_catch_up(coordinator, [s.peer_id for s in sybils], within=12)
             finally:
                 await asyncio.gather(*(s.shutdown() for s in sybils))
-                dht.shutdown()
 
     seconds, busy = asyncio.run(go())
     assert busy > 0 and seconds >= 2.5, (seconds, busy)  # turned away while the claims stood, then let in
@@ -132,12 +123,11 @@ def test_a_volunteers_node_uploads_within_its_budget_whoever_asks(tmp_path, tiny
         async with coordinator:
             joining = asyncio.ensure_future(coordinator.join(tmp_path / "node", "--model", str(tiny_model),
                                                              timeout=120))
-            key = record_key(fingerprint(public_bytes(coordinator.key)), "peers")
             async with asyncio.timeout(90):
-                while not (announced := verified_announcements(await coordinator.dht.get(key))):
+                while not coordinator.requests:  # the node asks for work once it serves its base
                     assert not joining.done(), joining.result()
                     await asyncio.sleep(0.2)
-            node = announced[0].peer_id  # it announces once it serves
+            node = coordinator.requests[0].peer_id
             askers = await Peer.many(coordinator.address, 3)
             served, refused = [0] * len(askers), [0] * len(askers)
             request = ChunkRequest(coordinator.listed.chunks).to_wire()

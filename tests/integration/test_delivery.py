@@ -14,6 +14,7 @@ from protocols.transport.relay import Relay
 from protocols.signing import generate_key, public_bytes, sign_message
 from protocols.transport.dht import SwarmDHT
 from protocols.transport.streams import OK, write_frame
+from tests.support.runs import named
 from tests.unit.protocols import factories
 
 
@@ -99,7 +100,7 @@ def test_relay_peer_first_then_trainer_for_what_the_peer_lacks(swarm):
         trainer = await serve(swarm[0], updates)
         peer = await serve(swarm[1], updates[:1])  # has version 1 only
         node, endpoint = Node(base), await swarm[3].endpoint()
-        await catch_up(endpoint, trainer, lambda v: [peer], manifest, 0, 2, node.apply, 30)
+        await catch_up(endpoint, trainer, named(peer), manifest, 0, 2, node.apply, 30)
         assert node.applied == [1, 2]
 
     asyncio.run(go())
@@ -112,7 +113,7 @@ def test_broken_peer_mid_transfer_falls_back_to_the_trainer(swarm):
         trainer = await serve(swarm[0], updates)
         bad = await broken_chunk_server(swarm[1], vanish=False)
         node, endpoint = Node(base), await swarm[3].endpoint()
-        await catch_up(endpoint, trainer, lambda v: [bad], manifest, 0, 2, node.apply, 30)
+        await catch_up(endpoint, trainer, named(bad), manifest, 0, 2, node.apply, 30)
         assert node.applied == [1, 2]
 
     asyncio.run(go())
@@ -130,7 +131,7 @@ def test_faulty_provider_leaves_node_on_good_version(swarm, fault, reason):
     async def go():
         node, endpoint = Node(base), await swarm[3].endpoint()
         # Version 1 arrives honestly first, so "a good version" is a real one, not the base.
-        await catch_up(endpoint, await serve(swarm[0], updates[:1]), lambda v: [], manifest, 0, 1, node.apply, 30)
+        await catch_up(endpoint, await serve(swarm[0], updates[:1]), named(), manifest, 0, 1, node.apply, 30)
         good = node.master["w"].copy()
 
         peers, relay = [], None
@@ -150,7 +151,7 @@ def test_faulty_provider_leaves_node_on_good_version(swarm, fault, reason):
         trainer = await serve(swarm[1], served, relay)
 
         with pytest.raises(UpdateError, match=reason):
-            await catch_up(endpoint, trainer, lambda v: peers, manifest, 1, 2, node.apply, 5)
+            await catch_up(endpoint, trainer, named(*peers), manifest, 1, 2, node.apply, 5)
         assert node.version == 1 and node.applied == [1] and node.master["w"].tobytes() == good.tobytes()
         if fault == "stalling provider":
             staller.shutdown()
@@ -158,7 +159,7 @@ def test_faulty_provider_leaves_node_on_good_version(swarm, fault, reason):
         # Still serving: an honest provider completes the update.
         honest = SwarmDHT.start("127.0.0.1", 0, swarm[0].addresses())
         try:
-            await catch_up(endpoint, await serve(honest, updates), lambda v: [], manifest, 1, 2, node.apply, 30)
+            await catch_up(endpoint, await serve(honest, updates), named(), manifest, 1, 2, node.apply, 30)
         finally:
             honest.shutdown()
         assert node.applied == [1, 2]
@@ -187,7 +188,7 @@ def test_a_manifest_declaring_more_bytes_than_its_shape_takes_is_refused_before_
         trainer = await serve(swarm[0], [(bomb, store)], relay)
         node, endpoint = Node(base), await swarm[3].endpoint()
         with pytest.raises(UpdateError, match="takes at most 20,488"):
-            await catch_up(endpoint, trainer, lambda v: [], manifest, 0, 1, node.apply, 5,
+            await catch_up(endpoint, trainer, named(), manifest, 0, 1, node.apply, 5,
                            check=lambda u: check_manifest(shapes(node.master), u, None))
         assert relay.bytes_served == 0 and node.applied == []
 

@@ -18,7 +18,9 @@ import pytest
 from safetensors.numpy import load_file
 
 from engines.gguf_io import lora_pairs, permute_qk
-from protocols.messages import verified_announcements
+from protocols import rpc
+from protocols.messages import Holders, HoldersRequest
+from protocols.multiaddr import peer_of
 from protocols.transport.dht import SwarmDHT
 from tests.support.runs import STEPS, VENV_BIN, join_argv, spawn, wait_for, write_config
 from tests.support.tiny_model import build_tiny_gguf
@@ -131,26 +133,28 @@ def test_wrong_run_key_or_base_model_is_refused(tmp_path, tiny_model, processes)
     out = subprocess.run([*node, "--run-key", key, "--model", str(other_model)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 3
     assert "is not this run's base model" in " ".join(out.stdout.split())
-    # A correct node joins, announces itself, and withdraws the announcement on Ctrl-C.
+    # A correct node joins and asks for work; the coordinator then names it to others as holding
+    # the base (its peer id as the transport saw it); Ctrl-C ends it cleanly.
     proc = subprocess.Popen([*node, "--run-key", key, "--model", str(tiny_model), "--name", "carol"],
                             stdout=open(tmp_path / "carol.log", "w"), stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     processes.append(proc)
     wait_for(lambda: "joined run" in (tmp_path / "carol.log").read_text(), 120, "carol to join", [proc])
-    peers_key = f"echo/{key}/peers"
-    watcher = SwarmDHT.start("127.0.0.1", 0, initial_peers=[address])
+    asker = SwarmDHT.start("127.0.0.1", 0, initial_peers=[address])
     try:
-        wait_for(lambda: announcements(watcher, peers_key), 60, "carol's announcement", [proc])
-        (announced,) = announcements(watcher, peers_key).values()
-        assert announced.name == "carol" and announced.role == "node" and announced.version == 0
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=30) == 0
-        assert "left the run" in (tmp_path / "carol.log").read_text()
-        assert announcements(watcher, peers_key) == {}
+        assert len(asyncio.run(named_holders(asker, address, within=60))) == 1
     finally:
-        watcher.shutdown()
+        asker.shutdown()
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=30) == 0
+    assert "left the run" in (tmp_path / "carol.log").read_text()
 
 
-def announcements(dht: SwarmDHT, key: str) -> dict:
-    """Live (non-withdrawn) announcements under `key`, verified, by node id."""
-    return {a.node_id: a for a in verified_announcements(asyncio.run(dht.get(key)))}
+async def named_holders(dht: SwarmDHT, address: str, within: float) -> tuple[str, ...]:
+    """The peers the coordinator at `address` names as holding the base, once it names any."""
+    endpoint = await dht.endpoint()
+    async with asyncio.timeout(within):
+        while not (named := Holders.from_wire(await endpoint.call_one(
+                peer_of(address), rpc.HOLDERS, HoldersRequest(0).to_wire())).peers):
+            await asyncio.sleep(0.5)
+    return named

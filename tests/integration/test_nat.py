@@ -1,8 +1,10 @@
 """A volunteer behind NAT (tests/support/netns.py): it can dial the coordinator but cannot be
 dialled. It finds that out from the coordinator's probe, joins as a DHT client holding a relay
 reservation at the coordinator, trains like any node (leases, pushes and updates all go out
-from it), and still serves peers: a later public node fetches the base model from it, through
-the relay. Skips, saying why, where network namespaces cannot be made."""
+from it), and still serves peers: a later public node, told by the coordinator to reach it
+through the relay, fetches the base model from it over the direct connection it dials back
+(`Endpoint._dial_back`; bulk data through the relay is reset after a few MB). Skips, saying why,
+where network namespaces cannot be made."""
 
 import re
 import shlex
@@ -105,5 +107,5 @@ threads = 1
         assert f"finished at version {STEPS}" in log(name), log(name)  # updates reached both
     fetched = {name: FETCHED.search(log(name)) for name in ("behind", "public")}
     assert fetched["behind"] and float(fetched["behind"][3]) > 6  # from the coordinator, dialled out
-    # The public node got the whole base from the node behind NAT, through the relay.
+    # The public node got the whole base from the node behind NAT.
     assert fetched["public"] and float(fetched["public"][1]) > 6 and float(fetched["public"][3]) == 0.0, log("public")

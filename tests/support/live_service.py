@@ -114,7 +114,7 @@ class LiveService:
         self.service.begin()
         endpoint = await self.dht.endpoint()
         self.peer = endpoint.peer_id
-        await register_handlers(endpoint, self.service, prober=None)
+        await register_handlers(endpoint, self.service, self.presence, prober=None)
         self.refresh = asyncio.create_task(self.presence.refresh(self.manifest, self.service), name="dht-refresh")
         return self
 

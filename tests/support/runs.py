@@ -162,3 +162,11 @@ def check_books(run_dir: Path, group: int = 4) -> dict:
                  expired=sum(r["leases_expired"] for r in steps), staleness_max=max(r["staleness_max"] for r in steps))
     print(run_dir.parent.name, books)  # pytest -s: the figures for the notes
     return books
+
+
+def named(*peers: str):
+    """A `catch_up`'s `peers`: the coordinator names these holders whatever the version."""
+    async def holders(version: int) -> list[str]:
+        return list(peers)
+
+    return holders

@@ -42,7 +42,7 @@ class Service:
 def test_a_lease_is_answered_while_every_push_thread_waits_for_verification():
     async def go():
         endpoint, service = Served(), Service()
-        await register_handlers(endpoint, service, prober=None)
+        await register_handlers(endpoint, service, presence=None, prober=None)
 
         async def one(name, request):
             return [reply async for reply in endpoint.handlers[name](request, peer_id("Peer"))]

@@ -14,7 +14,7 @@ from echo_node.config import NodeConfig
 from echo_node.session import Session
 from protocols import rpc
 from protocols.errors import TransportError
-from protocols.messages import Chunk, ChunkRequest, UpdateRequest
+from protocols.messages import Chunk, ChunkRequest, Holders, UpdateRequest
 from protocols.signing import generate_key, public_bytes
 from protocols.transport.relay import Relay
 from tests.unit.protocols import factories
@@ -44,6 +44,8 @@ class RelayTrainer:
 
     async def call_one(self, peer, handler, payload, idempotent=False, timeout=None):
         self.calls.append(handler.name)
+        if handler == rpc.HOLDERS:
+            return Holders(()).to_wire()  # nobody else holds it: the trainer serves
         if handler == rpc.UPDATES:
             return self.relay.index().to_wire()
         if handler == rpc.UPDATE:

@@ -1,5 +1,5 @@
 """The process around the parts: exit codes, and `_serve`: a background task's failure ends the
-node with its name, Ctrl-C ends it within STOP_SECONDS, and either way it withdraws."""
+node with its name, Ctrl-C ends it within STOP_SECONDS, and either way it says where it left."""
 
 import asyncio
 import time
@@ -19,7 +19,7 @@ from tests.unit.protocols.factories import peer_id
     (None, 0, ""),
     (JoinRefused("wrong key"), 3, "refused to join: wrong key"),
     (Stopped("stopped while fetching the base model"), 0, "stopped while fetching the base model"),
-    (EchoError("announce stopped: ValueError: too big"), 1, "error: announce stopped"),
+    (EchoError("relay stopped: RuntimeError: no relay"), 1, "error: relay stopped"),
     (OSError("disk full"), 1, "error: disk full"),
 ])
 def test_exit_codes(tmp_path, monkeypatch, capsys, raised, code, said):
@@ -33,24 +33,15 @@ def test_exit_codes(tmp_path, monkeypatch, capsys, raised, code, said):
 
 
 class Presence:
-    """Announces (or fails to, with `announce_fails`) and records the withdrawal."""
+    """Behind NAT (`relay_fails`): confirming the relay fails."""
 
-    def __init__(self, announce_fails=None, relay_fails=None):
-        self.announce_fails, self.relay_fails, self.withdrawn = announce_fails, relay_fails, False
+    def __init__(self, relay_fails=None):
+        self.relay_fails = relay_fails
         self.via_relay = f"/ip4/1.2.3.4/tcp/1/p2p/{peer_id('C')}" if relay_fails else None
-
-    async def announce(self):
-        await asyncio.sleep(0.05)
-        if self.announce_fails:
-            raise self.announce_fails
-        await asyncio.sleep(60)
 
     async def confirm_relay(self):
         await asyncio.sleep(0.05)
         raise self.relay_fails
-
-    async def withdraw(self):
-        self.withdrawn = True
 
 
 class Work:
@@ -69,19 +60,15 @@ class Work:
             raise
 
 
-@pytest.mark.parametrize("presence, name", [
-    (Presence(announce_fails=ValueError("DHT record too big")), "announce"),
-    (Presence(relay_fails=RuntimeError("no relay")), "relay"),
-])
-def test_a_background_failure_ends_the_node_with_its_name(session, capsys, presence, name):
+def test_a_background_failure_ends_the_node_with_its_name(session, capsys):
     work = Work()
-    with pytest.raises(BackgroundFailed, match=f"{name} stopped"):
-        asyncio.run(main._serve(session, presence, SimpleNamespace(version=4), work))
-    assert work.cancelled and presence.withdrawn
+    with pytest.raises(BackgroundFailed, match="relay stopped: RuntimeError: no relay"):
+        asyncio.run(main._serve(session, Presence(relay_fails=RuntimeError("no relay")), SimpleNamespace(version=4), work))
+    assert work.cancelled
     assert "left the run at version 4" in capsys.readouterr().out
 
 
-def test_ctrl_c_ends_the_node_within_stop_seconds_and_withdraws(session, monkeypatch, capsys):
+def test_ctrl_c_ends_the_node_within_stop_seconds(session, monkeypatch, capsys):
     monkeypatch.setattr(main, "STOP_SECONDS", 0.2)
     presence, work = Presence(), Work(slow=True)
 
@@ -92,11 +79,10 @@ def test_ctrl_c_ends_the_node_within_stop_seconds_and_withdraws(session, monkeyp
         return time.monotonic() - started  # the node leaves without the slow call
 
     assert asyncio.run(go()) < 5
-    assert work.cancelled and presence.withdrawn
+    assert work.cancelled
     assert "left the run at version 2" in capsys.readouterr().out
 
 
-def test_the_end_of_the_run_ends_the_node(session):
-    presence = Presence()
-    asyncio.run(main._serve(session, presence, SimpleNamespace(version=9), Work(forever=False)))
-    assert presence.withdrawn
+def test_the_end_of_the_run_ends_the_node(session, capsys):
+    asyncio.run(main._serve(session, Presence(), SimpleNamespace(version=9), Work(forever=False)))
+    assert "left the run at version 9" in capsys.readouterr().out

@@ -1,7 +1,7 @@
 """Valid example messages for tests to mutate."""
 
 from protocols.messages import (
-    Chunk, LeaseRequest, ModelFile, PeerAnnouncement, RolloutBatch, RolloutSample, RunManifest, Segment, TaskLease, TaskSpec,
+    Chunk, Holders, LeaseRequest, ModelFile, RolloutBatch, RolloutSample, RunManifest, Segment, TaskLease, TaskSpec,
     TensorEntry, TurnFormat, WeightUpdate,
 )
 from protocols.multiaddr import _BASE58
@@ -55,11 +55,9 @@ def update(**kw) -> WeightUpdate:
     return WeightUpdate(**{**fields, **kw})
 
 
-def announcement(**kw) -> PeerAnnouncement:
-    fields = dict(peer_id=PEER, name="alice", role="node", backend="llama_cpp", model_sha256=SHA, version=2,
-                  throughput=91.5, public_key=KEY, time=4.0, hardware="x86_64, 2 cores, 23 GiB RAM, CPU only",
-                  run_id="run-1")
-    return PeerAnnouncement(**{**fields, **kw})
+def holders(**kw) -> Holders:
+    fields = dict(peers=(PEER, peer_id("Other")), relayed=(peer_id("Other"),))
+    return Holders(**{**fields, **kw})
 
 
 def model_file(**kw) -> ModelFile:

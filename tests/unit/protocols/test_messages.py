@@ -8,21 +8,21 @@ from hypothesis import strategies as st
 from protocols import wire
 from protocols.errors import InvalidValue, MalformedMessage, MessageTooLarge, ProtocolError, UnsupportedVersion
 from protocols.messages import (
-    MAX_SAMPLE_TOKENS, Chunk, ErrorReply, LeaseRequest, ModelFile, NoWork, PeerAnnouncement, PushReceipt, ReachReply,
-    ReachRequest,
+    MAX_HOLDERS, MAX_SAMPLE_TOKENS, Chunk, ErrorReply, Holders, HoldersRequest, LeaseRequest, ModelFile, NoWork, PushReceipt,
+    ReachReply, ReachRequest,
     ChunkRequest, UpdateIndex, UpdateInfo, UpdateRequest, RolloutBatch, RolloutSample, RunManifest, TaskLease,
     WeightUpdate,
 )
 from tests.unit.protocols import factories
 
 EXAMPLES = [
-    factories.manifest(), factories.batch(), factories.update(), factories.announcement(), factories.lease(),
+    factories.manifest(), factories.batch(), factories.update(), factories.holders(), factories.lease(),
     factories.chunk(), factories.model_file(), ErrorReply("bad_lease", "lease L1 expired"), factories.lease_request(),
     factories.lease_request(parallel=32, backend="llama_cpp"),
     NoWork(latest_version=4, retry_after=1.5, finished=False), PushReceipt(3, 1, {"stale": 1}, 5),
     UpdateRequest(6, 7), ChunkRequest((factories.SHA,)),
     UpdateIndex(9, (UpdateInfo(8, 9, 1000, False), UpdateInfo(0, 8, 50_000, True))),
-    factories.announcement(relay_addrs=("/ip4/203.0.113.7/tcp/31337/p2p/QmRelay/p2p-circuit",)),
+    HoldersRequest(3), Holders(()),
     ReachRequest(40123, relayed=True), ReachReply(False, "/ip4/203.0.113.9/tcp/51234"),
 ]
 
@@ -51,9 +51,8 @@ def test_unknown_fields_are_ignored(message):
 
 @pytest.mark.parametrize("message", EXAMPLES, ids=lambda m: m.KIND)
 def test_every_required_field_is_required(message):
-    # "left", "hardware", "relay_addrs": announcements of peers from before these fields existed;
     # "relayed": a plain reachability check; "backend", "parallel": lease requests of older nodes
-    optional = {"signature", "left", "hardware", "relay_addrs", "relayed", "backend", "parallel"}
+    optional = {"signature", "relayed", "backend", "parallel"}
     for name in message.to_dict():
         if name in optional:
             continue
@@ -97,7 +96,9 @@ def test_element_limits():
     with pytest.raises(MessageTooLarge, match="tokens exceeds"):
         RolloutBatch.from_wire(factories.batch(samples=(too_long,)).to_wire())
     with pytest.raises(MessageTooLarge, match="name"):
-        PeerAnnouncement.from_wire(factories.announcement(name="n" * 65).to_wire())
+        LeaseRequest.from_wire(factories.lease_request(name="n" * 65).to_wire())
+    with pytest.raises(MessageTooLarge, match="peers"):
+        Holders.from_wire(envelope(factories.holders(), peers=[factories.PEER] * (MAX_HOLDERS + 1)))
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
@@ -226,7 +227,7 @@ def test_rollout_batch_round_trip_property(drawn, version, lease_id):
 
 @given(st.binary(max_size=512))
 def test_random_bytes_only_ever_raise_protocol_errors(data):
-    for cls in (RunManifest, RolloutBatch, WeightUpdate, TaskLease, Chunk, PeerAnnouncement, ErrorReply, LeaseRequest):
+    for cls in (RunManifest, RolloutBatch, WeightUpdate, TaskLease, Chunk, Holders, ErrorReply, LeaseRequest):
         try:
             cls.from_wire(data)
         except ProtocolError:
@@ -250,48 +251,25 @@ def test_mutated_fields_only_ever_raise_protocol_errors(message, data):
         pass
 
 
-def test_withdrawals_and_misfiled_announcements_are_not_live():
-    from protocols.messages import verified_announcements
-    from protocols.signing import SignatureError, generate_key, public_bytes, sign_message, verify_message
-
-    key = generate_key()
-    live = sign_message(factories.announcement(public_key=public_bytes(key)), key)
-    gone = sign_message(factories.announcement(public_key=public_bytes(key), left=True), key)
-    assert verified_announcements({live.node_id: live.to_wire()}) == [live]
-    assert verified_announcements({"someone-else": live.to_wire()}) == []  # under another node's subkey
-    assert verified_announcements({gone.node_id: gone.to_wire()}) == []
-    ours = sign_message(factories.announcement(public_key=public_bytes(key), run_id="run-1"), key)
-    assert verified_announcements({ours.node_id: ours.to_wire()}, "run-1") == [ours]
-    assert verified_announcements({ours.node_id: ours.to_wire()}, "run-2") == []  # replayed from another run
-    # Dropping the flag from a signed withdrawal does not bring the peer back: the signature covers it.
-    body = gone.to_dict()
-    del body["left"]
-    stripped = PeerAnnouncement.from_wire(wire.pack(gone.KIND, body))
-    assert not stripped.left
-    with pytest.raises(SignatureError):
-        verify_message(stripped, stripped.public_key)
-
-
 def test_reachability_and_relay_values_are_checked():
     with pytest.raises(InvalidValue, match="port"):
         ReachRequest.from_wire(envelope(ReachRequest(1), port=0))
     with pytest.raises(InvalidValue, match="port"):
         ReachRequest.from_wire(envelope(ReachRequest(1), port=65536))
-    announcement = factories.announcement()
-    with pytest.raises(MessageTooLarge, match="relay_addrs"):
-        PeerAnnouncement.from_wire(envelope(announcement, relay_addrs=["/p2p-circuit"] * 5))
-    with pytest.raises(MalformedMessage, match="relay_addrs"):
-        PeerAnnouncement.from_wire(envelope(announcement, relay_addrs=["x" * 257]))
+    # Relayed peers must be listed ones: a reply cannot make a node dial the relay for anyone else.
+    with pytest.raises(InvalidValue, match="relayed"):
+        Holders.from_wire(envelope(factories.holders(), relayed=[factories.peer_id("Elsewhere")]))
 
 
 @pytest.mark.parametrize("bad", ["Qm-not-base58", "QmPeer", "1" * 46, factories.peer_id("x")[:-1], "Qm" + "z" * 62,
                                  "12D3KooW" + "A" * 40, ""])
 def test_a_peer_id_that_is_no_libp2p_id_is_refused(bad):
-    """Peers dial announced ids: one that is not base58, or not a sha256 or identity multihash,
+    """Peers dial named ids: one that is not base58, or not a sha256 or identity multihash,
     would raise out of hivemind's PeerID in every joining node (issue 36 point 1)."""
-    for message in (factories.announcement(), factories.lease_request()):
-        with pytest.raises(InvalidValue, match="peer_id"):
-            type(message).from_wire(envelope(message, peer_id=bad))
+    with pytest.raises(InvalidValue, match="peer_id"):
+        LeaseRequest.from_wire(envelope(factories.lease_request(), peer_id=bad))
+    with pytest.raises(InvalidValue, match="peers"):
+        Holders.from_wire(envelope(factories.holders(), peers=[factories.PEER, bad], relayed=[]))
 
 
 def test_real_peer_ids_pass():
