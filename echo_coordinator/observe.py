@@ -67,16 +67,20 @@ class RunView:
         rejections.update((live or {}).get("unsigned", {}))
         last = steps[-1] if steps else {}
         evals = [e for e in self.evals() if e["eval_complete"]]
+        run_state = state(info, live, version, target)
+        running = run_state in ("running", "waiting for nodes")  # a stopped run has no ETA and nobody active
         return dict(
             run_id=info.get("run_id"), model=info.get("model"), task=info.get("task"), mode=info.get("mode"),
             staleness=info.get("staleness"), samples_per_step=per_step, steps=target, version=version,
-            state=state(info, live, version, target), resumed_at=info.get("resumed_at"),
-            steps_left=max(0, target - version), eta_seconds=cycle * max(0, target - version) if cycle else None,
+            state=run_state, live=live is not None, resumed_at=info.get("resumed_at"),
+            steps_left=max(0, target - version),
+            eta_seconds=cycle * max(0, target - version) if cycle and running else None,
             samples_per_second=statistics.median(s["samples"] / s["step_seconds"] for s in recent) if recent else None,
             trainer_busy=busy(last) if last else None, reward_mean=last.get("reward_mean"),
             mismatch_kl=last.get("mismatch_kl"), tis_clipped_fraction=last.get("tis_clipped_fraction"),
             staleness_histogram=last.get("staleness_histogram", {}), rejections_by_reason=dict(rejections),
-            capacity=asdict(capacity), peers_active=sum(now - p["last_seen"] < ACTIVE_SECONDS for p in self.peers(now, live)),
+            capacity=asdict(capacity),
+            peers_active=sum(now - p["last_seen"] < ACTIVE_SECONDS for p in self.peers(now, live)) if running else 0,
             history=[dict(version=s["version"], reward_mean=s["reward_mean"], samples=s["samples"], time=s["time"],
                           samples_per_second=s["samples"] / max(s["step_seconds"], 1e-9), trainer_busy=busy(s),
                           mismatch_kl=s.get("mismatch_kl"), tis_clipped_fraction=s.get("tis_clipped_fraction"),
@@ -95,6 +99,11 @@ class RunView:
         nodes = live.get("nodes", {})
         version = live["version"] if live else self.ledger.run().get("version", 0)
         rows = self.ledger.peers()
+        known = {p["node_id"] for p in rows}
+        # A node's ledger row appears with its first credit, when a step that trained on its work
+        # ends: until then (a first step takes minutes) a producing node is listed from the live state.
+        rows += [producing(n, node) for n, node in nodes.items()
+                 if n not in known and node["samples_per_second"] is not None]
         total = sum(p["accepted"] for p in rows) or 1
         out = []
         for p in rows:
@@ -129,6 +138,13 @@ def busy(step: dict) -> float:
 def mean_staleness(histogram: dict[str, int]) -> float | None:
     n = sum(histogram.values())
     return sum(int(k) * v for k, v in histogram.items()) / n if n else None
+
+
+def producing(node_id: str, node: dict) -> dict[str, Any]:
+    """A ledger-shaped row for a node with work accepted but not yet credited."""
+    return dict(node_id=node_id, peer_id="", name=node["name"], accepted=0, rejected=0, tokens=0,
+                first_seen=node["last_request"], last_seen=node["last_request"], verified_batches=0,
+                failed_batches=0, banned_until=0, eval_samples=0, rejected_by_reason={})
 
 
 def state(info: dict, live: dict | None, version: int, target: int) -> str:

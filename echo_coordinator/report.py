@@ -30,7 +30,7 @@ def read_report(data_dir: Path) -> dict[str, Any]:
     try:
         record = ledger.run()
         run, peers = _ask_live(RunDir(data_dir).dashboard_file, record.get("run_id"))
-        live = run is not None
+        live = run is not None and run.get("live") is True  # `echo-coordinator dashboard` serves stopped runs too
         if not live:
             view = RunView(Path(data_dir), ledger)
             run, peers = view.run(), view.peers()
@@ -59,7 +59,6 @@ def _ask_live(url_file: Path, run_id: str | None) -> tuple[dict | None, list | N
 
 def render(report: dict[str, Any]) -> None:
     from rich.console import Console
-    from rich.markup import escape
     from rich.table import Table
 
     console, run, now = Console(), report["progress"], time.time()
@@ -82,17 +81,42 @@ def render(report: dict[str, Any]) -> None:
                       f"predicted busy {_pct(cap['predicted_busy'])}")
     if run["rejections_by_reason"]:
         console.print("refused: " + ", ".join(f"{r} {n}" for r, n in sorted(run["rejections_by_reason"].items())))
+    # A narrow terminal gets the columns that say who contributes what, whole, not every column
+    # squeezed to two letters.
+    wide = console.width >= WIDE
+    columns = [c for c in _peer_columns(now) if wide or c[2]]
     table = Table()
-    for column in ("name", "node_id", "backend", "batch", "share", "accepted", "eval", "rejected", "tokens", "tokens/s", "lag",
-                   "verified", "trust", "last_seen"):
-        table.add_column(column)
-    for p in report["peers"]:  # names and backends are what peers said: text, never markup
-        table.add_row(escape(p["name"]), p["node_id"][:12], escape(p["backend"] or "-"), str(p.get("parallel") or "-"), _pct(p["share"]), str(p["accepted"]),
-                      str(p["eval_samples"]), str(p["rejected"]), str(p["tokens"]), _num(p["tokens_per_second"], 1),
-                      "-" if p["version_lag"] is None else str(p["version_lag"]),
-                      f"{p['verified_batches']} ok / {p['failed_batches']} failed", p["trust"],
-                      f"{now - p['last_seen']:.0f} s ago")
+    for header, _, _ in columns:
+        table.add_column(header, no_wrap=True, max_width=None if wide or header != "name" else 16)
+    for p in report["peers"]:
+        table.add_row(*(cell(p) for _, cell, _ in columns))
     console.print(table if report["peers"] else "no peers yet")
+
+
+WIDE = 140  # terminal columns from which `status` shows every peer column
+
+
+def _peer_columns(now: float) -> list[tuple[str, Any, bool]]:
+    """(header, cell of a peer, shown on a narrow terminal). Names and backends are what peers
+    said: text, never markup."""
+    from rich.markup import escape
+
+    return [
+        ("name", lambda p: escape(p["name"]), True),
+        ("node_id", lambda p: p["node_id"][:12], False),
+        ("backend", lambda p: escape(p["backend"] or "-"), False),
+        ("batch", lambda p: str(p.get("parallel") or "-"), False),
+        ("share", lambda p: _pct(p["share"]), True),
+        ("accepted", lambda p: str(p["accepted"]), True),
+        ("eval", lambda p: str(p["eval_samples"]), False),
+        ("rejected", lambda p: str(p["rejected"]), True),
+        ("tokens", lambda p: str(p["tokens"]), False),
+        ("tokens/s", lambda p: _num(p["tokens_per_second"], 1), True),
+        ("lag", lambda p: "-" if p["version_lag"] is None else str(p["version_lag"]), False),
+        ("verified", lambda p: f"{p['verified_batches']} ok / {p['failed_batches']} failed", False),
+        ("trust", lambda p: p["trust"], False),
+        ("last seen", lambda p: f"{now - p['last_seen']:.0f} s ago", True),
+    ]
 
 
 def _num(x: float | None, digits: int = 2) -> str:

@@ -49,6 +49,7 @@ def test_run_and_peers_from_ledger_metrics_and_live_state(run_dir, service):  # 
     view = RunView(path, service.ledger, live=service.live)
     run = view.run(now=NOW + 5)
     assert (run["version"], run["steps"], run["steps_left"], run["state"]) == (1, 10, 9, "running")
+    assert run["live"]
     assert run["eta_seconds"] == 9 * 20.0 and run["samples_per_second"] == 4 / 20.0
     assert run["trainer_busy"] == pytest.approx(0.25) and run["reward_mean"] == 0.75
     assert run["rejections_by_reason"] == {"bad_sampling": 4}
@@ -66,6 +67,22 @@ def test_run_and_peers_from_ledger_metrics_and_live_state(run_dir, service):  # 
     assert view.peer("nobody") is None
 
 
+def test_a_node_with_work_accepted_is_listed_before_its_first_credit(tmp_path, service):  # noqa: F811
+    """Credit (the ledger row) comes when a step that trained on the work ends, minutes into a run:
+    until then the peers table listed nobody while capacity counted the producing node."""
+    service.ledger.set_run(run_id="run-1", mode="sequential", version=0, steps=10, samples_per_step=4, staleness=4,
+                           model="tiny.gguf", task="arithmetic")
+    node, idle = generate_key(), generate_key()
+    service.open_step([10, 11])
+    lease = service.handle_lease(lease_request(node, name="bob"), peer_id("B"), now=NOW)
+    push(service, answer_batch(service, node, lease), peer_id("B"), now=NOW + 4)
+    service.handle_lease(lease_request(idle, name="idle"), peer_id("I"), now=NOW + 5)  # asked, produced nothing
+    view = RunView(tmp_path, service.ledger, live=service.live)
+    (bob,) = view.peers(now=NOW + 5)
+    assert (bob["name"], bob["node_id"], bob["accepted"], bob["trust"]) == ("bob", fingerprint(public_bytes(node)), 0, "new")
+    assert bob["samples_per_second"] > 0 and view.run(now=NOW + 5)["peers_active"] == 1
+
+
 def test_metrics_file_is_read_on_and_half_lines_wait(run_dir, service):  # noqa: F811
     path, _ = run_dir
     view = RunView(path, service.ledger)
@@ -78,14 +95,16 @@ def test_metrics_file_is_read_on_and_half_lines_wait(run_dir, service):  # noqa:
     assert [s["version"] for s in view.steps()] == [0, 1]
     run = view.run(now=NOW)
     assert run["state"] == "stopped" and run["capacity"]["bottleneck"] == "unknown"  # no live process
+    # A stopped run has no ETA, and nobody is active in it, however recently they were seen.
+    assert not run["live"] and run["eta_seconds"] is None and run["peers_active"] == 0
 
 
-@pytest.fixture
-def server(run_dir, service):  # noqa: F811
-    path, alice = run_dir
+@contextlib.contextmanager
+def serving(view: RunView):
+    """The real dashboard server for `view` on 127.0.0.1, in a thread; yields its URL."""
     sock = web.bind("127.0.0.1", 0)
     loop = asyncio.new_event_loop()
-    task = loop.create_task(web.serve(RunView(path, service.ledger, live=service.live), sock))
+    task = loop.create_task(web.serve(view, sock))
 
     def run():
         with contextlib.suppress(asyncio.CancelledError):
@@ -93,9 +112,16 @@ def server(run_dir, service):  # noqa: F811
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}/", alice, path
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}/"
     loop.call_soon_threadsafe(task.cancel)
     thread.join(5)
+
+
+@pytest.fixture
+def server(run_dir, service):  # noqa: F811
+    path, alice = run_dir
+    with serving(RunView(path, service.ledger, live=service.live)) as url:
+        yield url, alice, path
 
 
 def get(url: str, method: str = "GET") -> tuple[int, bytes, str]:
@@ -157,6 +183,17 @@ def test_status_reads_the_live_dashboard(server):
     assert not report["live"] and report["run_id"] == "run-2" and report["progress"]["steps"] == 3
 
 
+def test_status_of_a_stopped_run_that_the_dashboard_command_serves_says_not_running(run_dir, service):  # noqa: F811
+    """`echo-coordinator dashboard DIR` serves a stopped run at the URL `status` asks: what it
+    serves is that run, but nothing of it is live."""
+    path, _ = run_dir
+    with serving(RunView(path, service.ledger)) as url:
+        (path / "dashboard.txt").write_text(url + "\n")
+        report = read_report(path)
+    assert not report["live"] and report["progress"]["state"] == "stopped"
+    assert report["progress"]["eta_seconds"] is None and report["progress"]["peers_active"] == 0
+
+
 def test_the_api_answers_only_requests_for_its_own_address(server):
     """DNS rebinding: a page on evil.example points its name at 127.0.0.1; the browser then sends
     `Host: evil.example`, and the dashboard must not answer it."""
@@ -197,5 +234,11 @@ def test_status_command_renders_the_directory(run_dir, service):  # noqa: F811
     report = json.loads(CliRunner().invoke(app, ["status", "--data-dir", str(path), "--json"]).output)
     assert {"run_id", "mode", "version", "steps", "peers"} <= set(report)  # the keys it always had, and more
     assert report["progress"]["capacity"]["bottleneck"] == "unknown" and not report["live"]
+    # At 80 columns: fewer columns, each whole (every column squeezed to two letters was unreadable).
+    narrow = CliRunner().invoke(app, ["status", "--data-dir", str(path)], env={"COLUMNS": "80"}).output
+    header = next(line for line in narrow.splitlines() if "accepted" in line)
+    assert all(word in header for word in ("name", "share", "accepted", "rejected", "tokens/s", "last seen"))
+    assert "node_id" not in narrow and "alice" in narrow
+    assert max(len(line) for line in narrow.splitlines() if "│" in line or "┃" in line) <= 80
     missing = CliRunner().invoke(app, ["status", "--data-dir", str(path / "nothing")])
     assert missing.exit_code == 1 and "no run found" in missing.output
