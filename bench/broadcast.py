@@ -78,7 +78,6 @@ def build_updates(density: float, lora_encoding: str):
 async def trainer_round(n: int, relay_on: bool, update, manifest_path: Path, work: Path) -> dict:
     from echo_coordinator.presence import pick_holders
     from protocols import rpc
-    from protocols.messages import HoldersRequest
     from protocols.transport.dht import SwarmDHT
     from protocols.transport.relay import Relay
     from protocols.uploads import UploadBudget
@@ -91,7 +90,7 @@ async def trainer_round(n: int, relay_on: bool, update, manifest_path: Path, wor
     await relay.serve(endpoint)
 
     async def holders(request: bytes, peer: str):
-        yield pick_holders(holding, frozenset(), {}, HoldersRequest.from_wire(request).version, peer).to_wire()
+        yield pick_holders(holding, frozenset(), {}, request.version, peer)
 
     await endpoint.serve(rpc.HOLDERS, holders)
     go = work / f"go-{n}-{relay_on}"
@@ -126,7 +125,7 @@ async def fetcher(address: str, manifest_path: str, go: str, relay_on: bool) -> 
     names, when relay is on), then say it holds it and keep serving until killed."""
     from echo_node.updates import UpdateError, catch_up
     from protocols import rpc
-    from protocols.messages import Holders, HoldersRequest, RunManifest
+    from protocols.messages import HoldersRequest, RunManifest
     from protocols.multiaddr import peer_of
     from protocols.transport.dht import SwarmDHT
     from protocols.transport.relay import Relay
@@ -147,8 +146,7 @@ async def fetcher(address: str, manifest_path: str, go: str, relay_on: bool) -> 
     async def peers(version: int) -> list[str]:
         if not relay_on:
             return []
-        raw = await endpoint.call_one(trainer, rpc.HOLDERS, HoldersRequest(version).to_wire())
-        return list(Holders.from_wire(raw).peers)
+        return list((await endpoint.call_one(trainer, rpc.HOLDERS, HoldersRequest(version))).peers)
 
     while True:
         try:

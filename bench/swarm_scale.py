@@ -198,11 +198,10 @@ async def volunteers(args) -> None:
     from bench.cpu_split import children, own_cpu
     from protocols import rpc
     from protocols.errors import ProtocolError, RemoteError, TransportError
-    from protocols.messages import Holders, HoldersRequest, LeaseRequest, NoWork, PushReceipt, TaskLease
+    from protocols.messages import HoldersRequest, LeaseRequest, NoWork
     from protocols.multiaddr import peer_of
     from protocols.signing import generate_key, public_bytes, sign_message
     from protocols.supervise import Backoff
-    from protocols.wire import decode_one_of
     from tests.support.live_service import Peer, sampled_batch
 
     peers = await Peer.many(args.address, max(1, -(-args.nodes // args.keys_per_peer)))
@@ -234,7 +233,9 @@ async def volunteers(args) -> None:
 
     async def move_to(peer, version: int) -> None:
         """A node moving to a new version asks once who holds it (the fetch itself is not played)."""
-        named = Holders.from_wire(await call(peer, rpc.HOLDERS, HoldersRequest(version).to_wire()))
+        named = await call(peer, rpc.HOLDERS, HoldersRequest(version))
+        # Mostly none: a key asks the moment it hears of a version, before other keys' lease
+        # requests say they hold it (a node asks again after the trainer's "busy").
         out["holders_named"] += len(named.peers)
 
     async def volunteer(i: int) -> None:
@@ -245,7 +246,7 @@ async def volunteers(args) -> None:
             try:
                 request = sign_message(LeaseRequest(run_id, public_bytes(key), peer.peer_id, f"v{i}", version,
                                                     args.seeds, time.time(), parallel=args.seeds * args.group), key)
-                reply = decode_one_of(await call(peer, rpc.LEASE, request.to_wire()), (TaskLease, NoWork))
+                reply = await call(peer, rpc.LEASE, request)
                 if isinstance(reply, NoWork):
                     out["nowork"] += counting
                     if reply.latest_version > version:
@@ -254,7 +255,7 @@ async def volunteers(args) -> None:
                     await asyncio.sleep(reply.retry_after)
                     continue
                 out["leased"] += counting * len(reply.seeds) * args.group
-                receipt = PushReceipt.from_wire(await call(peer, rpc.PUSH, sampled_batch(run_id, key, reply).to_wire()))
+                receipt = await call(peer, rpc.PUSH, sampled_batch(run_id, key, reply).to_wire())
                 out["acked"] += counting * receipt.accepted
                 out["acked_total"] += receipt.accepted
                 out["keys_acked"] += not mine and receipt.accepted > 0

@@ -45,7 +45,7 @@ class RunConfig:
     group_size: int = 8  # completions per prompt (GRPO group)
     max_new_tokens: int = 32
     temperature: float = 1.0  # sampling temperature, applied identically by nodes and trainer
-    min_nodes: int = 1  # the trainer waits for this many announced nodes before its first step
+    min_nodes: int = 1  # the trainer waits for this many nodes asking for work before its first step
     lease_seconds: float = 300.0  # a lease not answered within this is reassigned
     host: str = "127.0.0.1"  # DHT/stream listen address
     port: int = 31337  # DHT/stream listen port (0 = any free port)

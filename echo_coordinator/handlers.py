@@ -1,6 +1,6 @@
 """The coordinator's stream handlers, and the wait for the first nodes to ask for work.
 
-Each handler decodes its request and hands it to the service: a lease and a push run on a
+Each handler gets its request decoded (`protocols.rpc`) and hands it to the service: a lease and a push run on a
 thread of their own (a lease waits for its journal write, a push for its verification on the
 torch thread), so the event loop never waits for them. Leases and pushes have separate pools:
 pushes can wait minutes for the torch thread, and must never hold the threads leases need."""
@@ -26,27 +26,24 @@ async def register_handlers(endpoint, service: RunService, presence: Presence, p
     leases = ThreadPoolExecutor(LEASE_THREADS, thread_name_prefix="lease")
     pushes = ThreadPoolExecutor(PUSH_THREADS, thread_name_prefix="push")
 
-    async def manifest(request: bytes, peer: str):
-        yield service.manifest.to_wire()
+    async def manifest(request: None, peer: str):
+        yield service.manifest
 
-    async def lease(request: bytes, peer: str):
+    async def lease(request: LeaseRequest, peer: str):
         # Off the loop: a lease waits for its journal write.
-        reply = await loop.run_in_executor(leases, service.handle_lease, LeaseRequest.from_wire(request), peer)
-        yield reply.to_wire()
+        yield await loop.run_in_executor(leases, service.handle_lease, request, peer)
 
-    async def push(request: bytes, peer: str):
-        receipt = await loop.run_in_executor(pushes, service.handle_push, request, peer)
-        yield receipt.to_wire()
+    async def push(request: bytes, peer: str):  # the wire bytes: the service decodes them in stages
+        yield await loop.run_in_executor(pushes, service.handle_push, request, peer)
 
-    async def reach(request: bytes, peer: str, observed: str):
-        asked = ReachRequest.from_wire(request)
-        reply = await prober.answer(asked, peer, observed)
+    async def reach(request: ReachRequest, peer: str, observed: str):
+        reply = await prober.answer(request, peer, observed)
         if reply.reachable:
-            presence.reached(peer, relayed=asked.relayed)
-        yield reply.to_wire()
+            presence.reached(peer, relayed=request.relayed)
+        yield reply
 
-    async def holders(request: bytes, peer: str):
-        yield presence.holders(HoldersRequest.from_wire(request), peer).to_wire()
+    async def holders(request: HoldersRequest, peer: str):
+        yield presence.holders(request, peer)
 
     await endpoint.serve(rpc.MANIFEST, manifest)
     await endpoint.serve(rpc.REACH, reach, with_address=True)
@@ -57,8 +54,7 @@ async def register_handlers(endpoint, service: RunService, presence: Presence, p
 
 
 async def wait_for_nodes(count: int, service: RunService, display: Display) -> None:
-    """Until `count` nodes have asked us for work over their own streams. A DHT announcement
-    alone does not count: anyone can announce any number of nodes."""
+    """Until `count` nodes have asked us for work over their own streams."""
     shown = -1
     while True:
         nodes = len(service.talked())

@@ -29,7 +29,7 @@ MAX_RELAYED = 10_000  # peers remembered as reached through our relay (the oldes
 class Presence:
     def __init__(self, dht, run_fingerprint: str):
         self.dht, self.fp = dht, run_fingerprint
-        # libp2p peer id -> version it announced. Replaced whole by the refresh (event loop), read
+        # libp2p peer id -> version its lease requests said it holds. Replaced whole by the refresh (event loop), read
         # by the relay's budget: a reader sees one reading or the next, never half of one.
         self.peer_versions: dict[str, int] = {}
         self.proven: frozenset[str] = frozenset()  # peers whose key had work accepted lately, same refresh
@@ -38,7 +38,7 @@ class Presence:
         self.last_put = -RECORD_TTL  # time.monotonic() of the last manifest put
 
     def holding(self, version: int) -> int:
-        """How many peers announced holding `version` or newer."""
+        """How many peers said they hold `version` or newer."""
         return sum(held >= version for held in self.peer_versions.values())
 
     def holders(self, request: HoldersRequest, asker: str) -> Holders:

@@ -40,7 +40,7 @@ Progress = Callable[[int, int, float, int], None]
 
 async def fetch_model_file(endpoint, provider: str, run: RunManifest, timeout: float) -> ModelFile:
     """The signed chunk list of the run's base model, checked against the run manifest."""
-    model_file = ModelFile.from_wire(await endpoint.call_one(provider, rpc.BASE, b"", idempotent=True, timeout=timeout))
+    model_file = await endpoint.call_one(provider, rpc.BASE, idempotent=True, timeout=timeout)
     verify_message(model_file, run.run_key)
     if (model_file.run_id, model_file.sha256) != (run.run_id, run.base_sha256):
         raise UpdateError(f"the base model list names run {model_file.run_id} / sha256 {model_file.sha256[:12]}, "

@@ -60,10 +60,11 @@ def trainer_peer(manifest: RunManifest) -> str:
     raise JoinRefused("the run manifest names no trainer peer")
 
 
-def verify_manifest(raw: bytes, run_key: str, address: str) -> RunManifest:
-    """The manifest in `raw`, if it is signed by the key whose fingerprint is `run_key`."""
+def verify_manifest(raw: bytes | RunManifest, run_key: str, address: str) -> RunManifest:
+    """The manifest (wire bytes, or as a stream decoded it), if it is signed by the key whose
+    fingerprint is `run_key`."""
     try:
-        manifest = RunManifest.from_wire(raw)
+        manifest = raw if isinstance(raw, RunManifest) else RunManifest.from_wire(raw)
     except ProtocolError as e:
         raise JoinRefused(f"the run's manifest is malformed: {e}") from None
     found = fingerprint(manifest.run_key)
@@ -97,10 +98,13 @@ async def fetch_manifest(session: Session, dht, endpoint) -> RunManifest:
             except JoinRefused as e:
                 log.warning("ignoring a bad manifest record in the DHT (%s); asking the coordinator", e)
         try:
-            raw = await endpoint.call_one(coordinator, rpc.MANIFEST, b"", idempotent=True)
-            return verify_manifest(raw, config.run_key, config.address)
+            answer = await endpoint.call_one(coordinator, rpc.MANIFEST, idempotent=True)
+        except ProtocolError as e:
+            raise JoinRefused(f"the run's manifest is malformed: {e}") from None
         except (TransportError, RemoteError) as e:
             log.info("manifest not available yet: %s", e)
+        else:
+            return verify_manifest(answer, config.run_key, config.address)
         if time.monotonic() > deadline:
             raise JoinRefused(f"no run with key {config.run_key} found via {config.address} "
                               f"within {MANIFEST_WAIT:.0f} s; check the join line")

@@ -15,7 +15,7 @@ from echo_node.config import Stopped
 from echo_node.session import Session, console
 from protocols import rpc
 from protocols.errors import ProtocolError, TransportError
-from protocols.messages import Holders, HoldersRequest, ReachReply, ReachRequest
+from protocols.messages import HoldersRequest, ReachRequest
 from protocols.multiaddr import is_loopback, peer_of, tcp_port
 from protocols.supervise import retry
 
@@ -51,7 +51,7 @@ class Presence:
 
     async def join(self) -> bool:
         """Join the DHT; when the coordinator cannot dial us, again as a DHT client that asks the
-        coordinator for a relay reservation (`confirm_relay` announces it once it holds). False if
+        coordinator for a relay reservation (`confirm_relay` says once it holds). False if
         stopped first. The caller calls `shutdown` however this ends."""
         self.dht = await self._start_dht()
         if self.dht is None:
@@ -103,9 +103,9 @@ class Presence:
         endpoint = await self.dht.endpoint()
         ports = [tcp_port(a) for a in self.dht.addresses() if "/tcp/" in a]
         try:
-            raw = await endpoint.call_one(self.coordinator, rpc.REACH,
-                                          ReachRequest(ports[0], relayed).to_wire(), timeout=CALL_TIMEOUT)
-            return ReachReply.from_wire(raw).reachable
+            reply = await endpoint.call_one(self.coordinator, rpc.REACH, ReachRequest(ports[0], relayed),
+                                            timeout=CALL_TIMEOUT)
+            return reply.reachable
         except (TransportError, ProtocolError, IndexError) as e:
             log.info("reachability check: %s", e)
             return None
@@ -137,9 +137,8 @@ class Presence:
         if version in self._holders:
             return self._holders[version]
         try:
-            raw = await self.endpoint.call_one(self.coordinator, rpc.HOLDERS, HoldersRequest(version).to_wire(),
-                                               idempotent=True, timeout=CALL_TIMEOUT)
-            holders = Holders.from_wire(raw)
+            holders = await self.endpoint.call_one(self.coordinator, rpc.HOLDERS, HoldersRequest(version),
+                                                   idempotent=True, timeout=CALL_TIMEOUT)
         except (TransportError, ProtocolError) as e:
             log.info("who holds version %d: %s", version, e)
             return []

@@ -45,14 +45,12 @@ class UpdateError(EchoError):
 
 
 async def fetch_index(endpoint, provider: str, timeout: float) -> UpdateIndex:
-    raw = await endpoint.call_one(provider, rpc.UPDATES, b"", idempotent=True, timeout=timeout)
-    return UpdateIndex.from_wire(raw)
+    return await endpoint.call_one(provider, rpc.UPDATES, idempotent=True, timeout=timeout)
 
 
 async def fetch_manifest(endpoint, provider: str, run: RunManifest, step: catchup.Step, timeout: float) -> WeightUpdate:
-    request = UpdateRequest(step.from_version, step.to_version).to_wire()
-    raw = await endpoint.call_one(provider, rpc.UPDATE, request, idempotent=True, timeout=timeout)
-    update = WeightUpdate.from_wire(raw)
+    request = UpdateRequest(step.from_version, step.to_version)
+    update = await endpoint.call_one(provider, rpc.UPDATE, request, idempotent=True, timeout=timeout)
     verify_message(update, run.run_key)  # before any chunk is fetched
     wanted = (run.run_id, step.from_version, step.to_version, step.replaces, run.update)
     got = (update.run_id, update.from_version, update.to_version, update.replaces, update.mode)
@@ -134,8 +132,7 @@ async def _fetch_from(endpoint, provider: str, digests: list[str], timeout: floa
                       sources: Counter | None, stall: float) -> None:
     loop = asyncio.get_running_loop()
 
-    async def keep(raw: bytes) -> None:
-        chunk = Chunk.from_wire(raw)
+    async def keep(chunk: Chunk) -> None:
         if chunk.digest in wanted:
             found[chunk.digest] = chunks.check(chunk.digest, chunk.data)
             if sources is not None:
@@ -145,7 +142,7 @@ async def _fetch_from(endpoint, provider: str, digests: list[str], timeout: floa
     step = rpc.MAX_CHUNKS_PER_REQUEST
     for i in range(0, len(digests), step):
         wanted = set(digests[i : i + step])
-        request = ChunkRequest(tuple(digests[i : i + step])).to_wire()
+        request = ChunkRequest(tuple(digests[i : i + step]))
         try:
             async with asyncio.timeout(stall) as watchdog:  # pushed back by every chunk that arrives
                 await endpoint.call(provider, rpc.CHUNKS, request, on_reply=keep, timeout=timeout)

@@ -23,7 +23,6 @@ from protocols.errors import InvalidValue, ProtocolError, RemoteError, Transport
 from protocols.messages import HARDWARE_CHARS, LeaseRequest, NoWork, PushReceipt, RolloutBatch, RunManifest, TaskLease
 from protocols.signing import sign_message
 from protocols.supervise import retry
-from protocols.wire import decode_one_of
 
 log = logging.getLogger(__name__)
 
@@ -160,8 +159,7 @@ class Work:
             backend=self.backend.name, parallel=self.backend.parallel, hardware=self.backend.hardware[:HARDWARE_CHARS],
             update_failed=self.update_failed and self.latest > self.versions.version,
         ), s.key)
-        raw = await self.endpoint.call_one(self.trainer, rpc.LEASE, request.to_wire())
-        reply = decode_one_of(raw, (TaskLease, NoWork))
+        reply = await self.endpoint.call_one(self.trainer, rpc.LEASE, request)
         return reply if isinstance(reply, NoWork) else check_lease(reply, request, time.time())
 
     async def _deliver(self, batch: RolloutBatch, expires_at: float) -> None:
@@ -193,9 +191,9 @@ class Work:
         it acknowledges it keeps. A refusal is final."""
 
         async def attempt() -> PushReceipt:
-            raw = await self.endpoint.call_one(self.trainer, rpc.PUSH, batch.to_wire())
+            receipt = await self.endpoint.call_one(self.trainer, rpc.PUSH, batch.to_wire())
             self.session.answered()
-            return PushReceipt.from_wire(raw)
+            return receipt
 
         async def wait(error: BaseException, delay: float) -> None:
             log.warning("pushing lease %s failed (%s); retrying in %.1f s while the lease lasts",

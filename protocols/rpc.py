@@ -5,6 +5,11 @@ server reads (checked before reading), the longest it takes (server and caller a
 many calls one peer may have in flight at once (the server refuses more with `busy` before
 reading a byte), and how many reply frames a call takes (the caller refuses more, so a reply
 is never endless). docs/protocols.md lists them.
+
+The types are what `Endpoint.serve` and `Endpoint.call` decode with: a handler gets the declared
+request (None for an empty one) and yields declared replies; a caller sends a message and gets
+declared replies back. A type without `from_wire` (`bytes`) travels as it is: a push's batch,
+which the service decodes in stages (the signer first, so that a bad batch is charged to it).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from protocols.messages import (
     Chunk, ChunkRequest, Holders, HoldersRequest, LeaseRequest, ModelFile, NoWork, PushReceipt, ReachReply, ReachRequest, RolloutBatch, RunManifest,
     TaskLease, UpdateIndex, UpdateRequest, WeightUpdate,
 )
+from protocols.wire import decode_one_of
 
 
 @dataclass(frozen=True)
@@ -32,10 +38,29 @@ class Rpc:
     def max_reply_bytes(self) -> int:
         return max(reply.MAX_BYTES for reply in self.replies)
 
+    def decode_request(self, payload: bytes):
+        """The request as a handler gets it. ProtocolError if it is no valid declared message."""
+        if self.request is None:
+            return None
+        return self.request.from_wire(payload) if hasattr(self.request, "from_wire") else payload
+
+    def decode_reply(self, payload: bytes):
+        """A reply frame as the caller gets it: one of the declared replies (ProtocolError if not)."""
+        if not all(hasattr(reply, "from_wire") for reply in self.replies):
+            return payload
+        return decode_one_of(payload, self.replies)
+
+
+def encode(message) -> bytes:
+    """The wire bytes of a request or reply: a message's, b"" for None, bytes as they are."""
+    if message is None:
+        return b""
+    return message if isinstance(message, bytes) else message.to_wire()
+
 
 MANIFEST = Rpc("echo.manifest", None, (RunManifest,), 1024, 60.0, per_peer=4)
 LEASE = Rpc("echo.lease", LeaseRequest, (TaskLease, NoWork), LeaseRequest.MAX_BYTES, 60.0, per_peer=2)
-PUSH = Rpc("echo.push", RolloutBatch, (PushReceipt,), RolloutBatch.MAX_BYTES, 300.0, per_peer=2)
+PUSH = Rpc("echo.push", bytes, (PushReceipt,), RolloutBatch.MAX_BYTES, 300.0, per_peer=2)
 UPDATES = Rpc("echo.updates", None, (UpdateIndex,), 1024, 60.0, per_peer=4)
 UPDATE = Rpc("echo.update", UpdateRequest, (WeightUpdate,), UpdateRequest.MAX_BYTES, 60.0, per_peer=4)
 BASE = Rpc("echo.base", None, (ModelFile,), 1024, 60.0, per_peer=4)

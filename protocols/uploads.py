@@ -3,11 +3,11 @@ update (`UploadBudget`), and a volunteer's bytes in all (`ByteQuota`).
 
 Nodes that verified an update serve it to others, so the trainer need send only a few copies.
 It hands each update whole to the first `copies` nodes that ask (a whole copy, so that node can
-relay it soon) and answers later askers "busy" while some peer announces holding the update:
-they fetch from peers. While nobody announces holding it (the first downloaders are still at it,
-or left), one more node is let in every `grace` seconds, so distribution never stalls. And an
-asker turned away for `patience` seconds is let in whatever peers announce: an announcement is
-only a claim, and peers that claim an update and never serve it must not stall the others.
+relay it soon) and answers later askers "busy" while some peer says it holds the update (in its
+lease requests): they fetch from peers. While nobody does (the first downloaders are still at
+it, or left), one more node is let in every `grace` seconds, so distribution never stalls. And
+an asker turned away for `patience` seconds is let in whatever peers say: holding is only a
+claim, and peers that claim an update and never serve it must not stall the others.
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ letting go of it while a batch is judged.
 
 - `run_service`: RunService, the object the coordinator holds: the lock, the parts, every call.
 - `settings`: what a service is built from: the work (task, prompts, scoring), lease settings.
-- `registry`: what is known per node key: names, last requests, backends, hardware, announced,
-  the libp2p peers keys spoke from, who has heard the run is over, the lease rate limit.
+- `registry`: what is known per node key: names, last requests, backends, hardware, held
+  versions, the libp2p peers keys spoke from, who has heard the run is over, the lease rate limit.
 - `leasing`: the training lease book, the run's phase, and what a node that asks is given.
 - `evaluating`: the open evaluation rounds: their lease books, answers and records.
 - `buffer`: the rollout gate and the replay buffer: what a step trains on (`StepBatch`).

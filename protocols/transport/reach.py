@@ -8,8 +8,8 @@ party; one probe runs at a time, each bounded by PROBE_SECONDS, and past MAX_WAI
 the asker is told "busy" at once (a relayed probe starts a p2pd daemon: a flood of asks must not
 queue honest nodes' checks for minutes). A node that cannot be dialled
 joins as a DHT client with the coordinator as its relay (libp2p circuit relay v2: it holds a
-reservation there) and announces the circuit address; the coordinator then probes it through
-its relay (`relayed`) to confirm the reservation before the node announces it.
+reservation there); the coordinator then probes it through its relay (`relayed`) to confirm
+the reservation, and from then on names it relayed to nodes asking who holds a version.
 
 `circuit` writes a circuit multiaddr the way p2pd parses it: hivemind's Multiaddr encodes a
 /p2p/ part as a CID, which p2pd's connect refuses ("length greater than remaining bytes").

@@ -30,7 +30,7 @@ class Relay:
     def __init__(self, keep_versions: int = 2, budget: UploadBudget | None = None,
                  peers_holding: Callable[[int], int] = lambda version: 0, quota: ByteQuota | None = None):
         """`budget`: limit on what this relay uploads per update (the trainer's); None = no limit.
-        `peers_holding(version)`: how many other peers announced holding `version`. `quota`: the
+        `peers_holding(version)`: how many other peers say they hold `version`. `quota`: the
         bytes it uploads in all (a volunteer's); None = no limit."""
         self.keep_versions, self.budget, self.peers_holding = keep_versions, budget, peers_holding
         self.quota = quota
@@ -99,7 +99,7 @@ class Relay:
             if digest in store:
                 data = store[digest]
                 # Nodes that follow the run fetch the update from the version before: a peer that
-                # announces version v holds the step to it, not a snapshot from further back (a late
+                # holds version v holds the step to it, not a snapshot from further back (a late
                 # joiner's). Sent to such peers, a snapshot's asker would wait the budget's whole
                 # patience (30 s); the trainer lets one in every `grace` instead.
                 late_joiners_only = update.replaces and key[0] < key[1] - 1
@@ -121,25 +121,24 @@ class Relay:
         return None
 
     async def serve(self, endpoint) -> None:
-        async def chunks(request: bytes, peer: str):
+        async def chunks(request: ChunkRequest, peer: str):
             # A digest named twice is served once: a request costs at most its distinct chunks.
-            for digest in dict.fromkeys(ChunkRequest.from_wire(request).digests):
+            for digest in dict.fromkeys(request.digests):
                 data = self.chunk(digest, peer)
                 if data is not None:
-                    yield Chunk(digest, data).to_wire()
+                    yield Chunk(digest, data)
 
-        async def update(request: bytes, peer: str):
-            r = UpdateRequest.from_wire(request)
-            found = self.manifest(r.from_version, r.to_version)
+        async def update(request: UpdateRequest, peer: str):
+            found = self.manifest(request.from_version, request.to_version)
             if found is not None:
-                yield found.to_wire()
+                yield found
 
-        async def updates(request: bytes, peer: str):
-            yield self.index().to_wire()
+        async def updates(request: None, peer: str):
+            yield self.index()
 
-        async def base(request: bytes, peer: str):
+        async def base(request: None, peer: str):
             if self.base is not None:
-                yield self.base[0].to_wire()
+                yield self.base[0]
 
         await endpoint.serve(rpc.CHUNKS, chunks)
         await endpoint.serve(rpc.UPDATE, update)

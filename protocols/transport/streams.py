@@ -15,6 +15,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.control import P2PDaemonError, P2PHandlerError
@@ -22,7 +23,7 @@ from hivemind.p2p.p2p_daemon_bindings.control import P2PDaemonError, P2PHandlerE
 from protocols.errors import MessageTooLarge, ProtocolError, RemoteError, TransportError
 from protocols.messages import ErrorReply
 from protocols.multiaddr import MAX_PEER_ID_CHARS, is_peer_id
-from protocols.rpc import Rpc
+from protocols.rpc import Rpc, encode
 
 log = logging.getLogger(__name__)
 
@@ -32,9 +33,9 @@ MAX_RELAYED_PEERS = 1024  # relayed peers remembered (`learn_relays`), and calle
 DIAL_BACK_SECONDS = 600.0  # a caller that reached us through a relay is dialled back at most this often
 OK, ERROR, END = b"\x00", b"\x01", b"\x02"
 
-# A handler gets the request payload and the caller's peer id (and, served `with_address`, the
-# multiaddr its stream came from) and yields reply payloads.
-Handler = Callable[..., AsyncIterator[bytes]]
+# A handler gets the request (decoded as its Rpc declares: `Rpc.decode_request`) and the caller's
+# peer id (and, served `with_address`, the multiaddr its stream came from) and yields replies.
+Handler = Callable[..., AsyncIterator[Any]]
 
 
 async def write_frame(writer: asyncio.StreamWriter, status: bytes, payload: bytes = b"") -> None:
@@ -84,13 +85,14 @@ class Endpoint:
             try:
                 # asyncio.timeout, not wait_for: in 3.11 wait_for can swallow a cancellation.
                 async with asyncio.timeout(timeout):
-                    status, request = await read_frame(reader, max_request_bytes)
+                    status, payload = await read_frame(reader, max_request_bytes)
                 if status != OK:
                     raise ProtocolError(f"request frame has status {status!r}")
+                request = rpc.decode_request(payload)
                 replies = handler(request, peer, str(info.addr)) if with_address else handler(request, peer)
                 async with asyncio.timeout(timeout):
                     async for reply in replies:
-                        await write_frame(writer, OK, reply)
+                        await write_frame(writer, OK, encode(reply))
                     await write_frame(writer, END)
             except ProtocolError as e:
                 self.errors[name, e.code] += 1
@@ -137,12 +139,13 @@ class Endpoint:
             pass  # the caller is gone; nothing left to tell
 
     async def call(
-        self, peer: str, rpc: Rpc, request: bytes, on_reply: Callable[[bytes], Awaitable[None] | None] | None = None,
+        self, peer: str, rpc: Rpc, request=None, on_reply: Callable[[Any], Awaitable[None] | None] | None = None,
         timeout: float | None = None,
-    ) -> list[bytes]:
-        """Send `request` to `rpc`'s handler on `peer`; return the reply payloads (or feed each to
-        `on_reply` as it arrives, for long streams). The whole call is bounded by the declaration's
-        timeout, or a shorter `timeout`."""
+    ) -> list:
+        """Send `request` (a message, or None for an empty request) to `rpc`'s handler on `peer`;
+        return the replies, decoded as `rpc` declares (or feed each to `on_reply` as it arrives,
+        for long streams). A reply that is no declared message raises its ProtocolError. The
+        whole call is bounded by the declaration's timeout, or a shorter `timeout`."""
         name, max_reply_bytes = rpc.name, rpc.max_reply_bytes
         if not is_peer_id(peer):  # hivemind's PeerID raises ValueError out of the call for it
             raise TransportError(f"{name}: {peer[:MAX_PEER_ID_CHARS]!r} is not a libp2p peer id")
@@ -155,7 +158,7 @@ class Endpoint:
                 if peer in self.relays:
                     await self._dial_relayed(peer)
                 _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), name)
-                await write_frame(writer, OK, request)
+                await write_frame(writer, OK, encode(request))
                 while True:
                     status, payload = await read_frame(reader, max_reply_bytes)
                     if status == END:
@@ -167,9 +170,10 @@ class Endpoint:
                     if count > rpc.max_replies:  # a peer may not make us read without end: as a broken stream
                         self.errors[name, "too_many_replies"] += 1
                         raise TransportError(f"{name} on peer {peer[-8:]}: more than {rpc.max_replies} replies")
+                    reply = rpc.decode_reply(payload)
                     if on_reply is None:
-                        replies.append(payload)
-                    elif (pending := on_reply(payload)) is not None:
+                        replies.append(reply)
+                    elif (pending := on_reply(reply)) is not None:
                         await pending
         except TimeoutError:
             raise TransportError(f"{name} on peer {peer[-8:]}: no complete reply within {timeout:.0f} s") from None
@@ -233,9 +237,9 @@ class Endpoint:
             except (P2PDaemonError, ValueError) as e:
                 log.info("relay circuit %s to %s failed: %s", address, peer[-8:], e)
 
-    async def call_one(self, peer: str, rpc: Rpc, request: bytes, idempotent: bool = False,
-                       timeout: float | None = None) -> bytes:
-        """One reply. `idempotent` requests (reads) are retried once if the stream breaks: a fresh
+    async def call_one(self, peer: str, rpc: Rpc, request=None, idempotent: bool = False,
+                       timeout: float | None = None):
+        """One reply, decoded (`call`). `idempotent` requests (reads) are retried once if the stream breaks: a fresh
         libp2p stream occasionally resets before its first frame (seen on loopback)."""
         try:
             replies = await self.call(peer, rpc, request, timeout=timeout)

@@ -29,13 +29,12 @@ from engines.llama_backend import LlamaBackend
 from protocols import rpc, sampling
 from protocols.errors import RemoteError, TransportError
 from protocols.messages import (
-    Holders, HoldersRequest, LeaseRequest, PushReceipt, RolloutBatch, RolloutSample, RunManifest, TaskLease,
+    HoldersRequest, LeaseRequest, RolloutBatch, RolloutSample, RunManifest, TaskLease,
 )
 from protocols.signing import fingerprint, generate_key, public_bytes, sign_message
 from protocols.multiaddr import peer_of
 from protocols.transport.dht import SwarmDHT, record_key
 from protocols.transport.streams import OK
-from protocols.wire import decode_one_of
 from tasks import make_task
 from tests.support.runs import VENV_BIN, join_argv, spawn, wait_for
 from tests.support.tiny_model import build_tiny_gguf
@@ -79,11 +78,11 @@ class Attacker:
     async def ask(self, key):
         request = sign_message(LeaseRequest(self.manifest.run_id, public_bytes(key), self.endpoint.peer_id, "mallory",
                                             0, 64, time.time()), key)
-        return decode_one_of(await self.call(rpc.LEASE, request.to_wire()), tuple(rpc.LEASE.replies))
+        return await self.call(rpc.LEASE, request)
 
     async def push(self, batch: RolloutBatch) -> str:
         try:
-            return "accepted" if PushReceipt.from_wire(await self.call(rpc.PUSH, batch.to_wire())).accepted else "none"
+            return "accepted" if (await self.call(rpc.PUSH, batch.to_wire())).accepted else "none"
         except RemoteError as e:
             return e.code
 
@@ -221,7 +220,7 @@ threads = 1
     async def attack() -> tuple[float, float]:
         endpoint = await attacker_dht.endpoint()
         coordinator_peer = peer_of(address)
-        manifest = RunManifest.from_wire(await endpoint.call_one(coordinator_peer, rpc.MANIFEST, b""))
+        manifest = await endpoint.call_one(coordinator_peer, rpc.MANIFEST)
         mallory = Attacker(endpoint, coordinator_peer, manifest, model, other, run_dir, tmp_path)
 
         # The control: an honest batch built by the attackers' own machinery is accepted.
@@ -321,7 +320,7 @@ threads = 1
     async def holders_named(watcher: SwarmDHT) -> tuple[str, ...]:
         endpoint = await watcher.endpoint()
         for _ in range(20):
-            named = Holders.from_wire(await endpoint.call_one(peer_of(address), rpc.HOLDERS, HoldersRequest(0).to_wire()))
+            named = await endpoint.call_one(peer_of(address), rpc.HOLDERS, HoldersRequest(0))
             if named.peers:
                 return named.peers
             await asyncio.sleep(0.5)

@@ -136,7 +136,7 @@ def test_a_volunteers_node_uploads_within_its_budget_whoever_asks(tmp_path, tiny
                 while not refused[i] and sum(served) < stop_at:
                     try:
                         for reply in await askers[i].endpoint.call(node, rpc.CHUNKS, request):
-                            served[i] += len(reply)
+                            served[i] += len(reply.data)
                     except RemoteError as e:
                         assert e.code == "busy", e
                         refused[i] += 1

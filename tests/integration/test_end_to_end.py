@@ -19,7 +19,7 @@ from safetensors.numpy import load_file
 
 from engines.gguf_io import lora_pairs, permute_qk
 from protocols import rpc
-from protocols.messages import Holders, HoldersRequest
+from protocols.messages import HoldersRequest
 from protocols.multiaddr import peer_of
 from protocols.transport.dht import SwarmDHT
 from tests.support.runs import STEPS, VENV_BIN, join_argv, spawn, wait_for, write_config
@@ -154,7 +154,6 @@ async def named_holders(dht: SwarmDHT, address: str, within: float) -> tuple[str
     """The peers the coordinator at `address` names as holding the base, once it names any."""
     endpoint = await dht.endpoint()
     async with asyncio.timeout(within):
-        while not (named := Holders.from_wire(await endpoint.call_one(
-                peer_of(address), rpc.HOLDERS, HoldersRequest(0).to_wire())).peers):
+        while not (named := (await endpoint.call_one(peer_of(address), rpc.HOLDERS, HoldersRequest(0))).peers):
             await asyncio.sleep(0.5)
     return named

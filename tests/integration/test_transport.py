@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from protocols.errors import InvalidValue, RemoteError, TransportError
-from protocols.messages import RolloutBatch
+from protocols.errors import InvalidValue, MalformedMessage, RemoteError, TransportError
+from protocols.messages import Holders, HoldersRequest, RolloutBatch
 from protocols.rpc import Rpc
 from protocols.transport.dht import SwarmDHT
 from protocols.wire import pack
@@ -42,10 +42,11 @@ class Reply:
     MAX_BYTES = 4 * 2**20  # what these test handlers may answer per frame
 
 
-ECHO = Rpc("t.echo", None, (Reply,), 32 * 2**20, 30.0, per_peer=4, max_replies=8)
-ENDLESS = Rpc("t.endless", None, (Reply,), 1024, 30.0, per_peer=4)  # one reply, by declaration
-REFUSE = Rpc("t.refuse", None, (Reply,), 1024, 5.0, per_peer=4)
-SLOW = Rpc("t.slow", None, (Reply,), 1024, 60.0, per_peer=1)
+# Raw requests and replies (types without `from_wire`): what the transport does, whatever the bytes.
+ECHO = Rpc("t.echo", bytes, (Reply,), 32 * 2**20, 30.0, per_peer=4, max_replies=8)
+ENDLESS = Rpc("t.endless", bytes, (Reply,), 1024, 30.0, per_peer=4)  # one reply, by declaration
+REFUSE = Rpc("t.refuse", bytes, (Reply,), 1024, 5.0, per_peer=4)
+SLOW = Rpc("t.slow", bytes, (Reply,), 1024, 60.0, per_peer=1)
 
 
 def test_streams_carry_large_payloads_errors_and_timeouts(swarm):
@@ -152,7 +153,45 @@ def test_a_node_that_cannot_reach_the_coordinator_says_so_keeps_trying_and_stops
     assert "cannot reach the coordinator at" in capsys.readouterr().out
 
 
-PUSH_LIKE = Rpc("t.push", None, (Reply,), 64 * 1024, 10.0, per_peer=4)
+TYPED = Rpc("t.typed", HoldersRequest, (Holders,), 256, 10.0, per_peer=4)
+LIAR = Rpc("t.liar", HoldersRequest, (Holders,), 256, 10.0, per_peer=4)
+
+
+def test_requests_and_replies_are_decoded_as_their_rpc_declares():
+    """A handler gets the declared request decoded, and a request that is none is refused with
+    its code before the handler runs; a caller gets declared replies decoded, and a reply that is
+    none raises its ProtocolError (a hostile server cannot hand the caller anything else)."""
+    async def go():  # a swarm of its own: the first stream after another test's aborted ones can reset
+        server, client = await boot.endpoint(), await joiner.endpoint()
+        seen = []
+
+        async def typed(request: HoldersRequest, peer: str):
+            seen.append(request)
+            yield Holders((peer,))
+
+        async def liar(request: HoldersRequest, peer: str):
+            yield b"\x00 not a message"
+
+        await server.serve(TYPED, typed)
+        await server.serve(LIAR, liar)
+        reply = await client.call_one(server.peer_id, TYPED, HoldersRequest(7))
+        assert reply == Holders((client.peer_id,)) and seen == [HoldersRequest(7)]
+        with pytest.raises(RemoteError) as e:
+            await client.call_one(server.peer_id, TYPED, b"\x00 junk")
+        assert e.value.code == "malformed" and len(seen) == 1
+        with pytest.raises(MalformedMessage):
+            await client.call_one(server.peer_id, LIAR, HoldersRequest(1))
+
+    boot = SwarmDHT.start("127.0.0.1", 0)
+    joiner = SwarmDHT.start("127.0.0.1", 0, initial_peers=boot.addresses())
+    try:
+        asyncio.run(go())
+    finally:
+        joiner.shutdown()
+        boot.shutdown()
+
+
+PUSH_LIKE = Rpc("t.push", bytes, (Reply,), 64 * 1024, 10.0, per_peer=4)
 
 
 def test_a_deeply_nested_push_is_refused_as_malformed_not_a_traceback(caplog):

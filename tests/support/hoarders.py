@@ -19,7 +19,6 @@ from protocols.messages import LeaseRequest, RolloutBatch, RolloutSample, RunMan
 from protocols.multiaddr import peer_of
 from protocols.signing import generate_key, public_bytes, sign_message
 from protocols.transport.dht import SwarmDHT
-from protocols.wire import decode_one_of
 
 
 class Hoarders:
@@ -38,7 +37,7 @@ class Hoarders:
         try:
             endpoint = await dht.endpoint()
             coordinator = peer_of(self.address)
-            manifest = RunManifest.from_wire(await endpoint.call_one(coordinator, rpc.MANIFEST, b""))
+            manifest = await endpoint.call_one(coordinator, rpc.MANIFEST)
             while not until():
                 if self.garbage:
                     await asyncio.gather(*(self._push_garbage(endpoint, coordinator, manifest) for _ in self.keys))
@@ -72,8 +71,7 @@ class Hoarders:
         request = sign_message(LeaseRequest(manifest.run_id, public_bytes(key), endpoint.peer_id, "hoarder",
                                             0, 64, time.time()), key)
         try:
-            reply = decode_one_of(await endpoint.call_one(coordinator, rpc.LEASE, request.to_wire()),
-                                  tuple(rpc.LEASE.replies))
+            reply = await endpoint.call_one(coordinator, rpc.LEASE, request)
         except RemoteError as e:
             self.replies[e.code] += 1
             return None

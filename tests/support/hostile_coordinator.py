@@ -58,9 +58,9 @@ class HostileCoordinator:
         await endpoint.serve(rpc.MANIFEST, lambda request, peer: answer("manifest", manifest.to_wire()))
         await endpoint.serve(rpc.BASE, lambda request, peer: answer("base", self.listed.to_wire()))
 
-        async def lease(request: bytes, peer: str):
-            self.requests.append(LeaseRequest.from_wire(request))
-            yield self.lease(self.requests[-1]).to_wire()
+        async def lease(request: LeaseRequest, peer: str):
+            self.requests.append(request)
+            yield self.lease(request)
 
         if self.lease is not None:
             await endpoint.serve(rpc.LEASE, lease)

@@ -49,8 +49,8 @@ def test_a_lease_is_answered_while_every_push_thread_waits_for_verification():
 
         # Submitted first (tasks start in order): every push thread is taken, more pushes queue.
         waiting = [asyncio.create_task(one(rpc.PUSH.name, b"batch")) for _ in range(PUSH_THREADS + 4)]
-        lease = await asyncio.wait_for(one(rpc.LEASE.name, factories.lease_request().to_wire()), 5)
-        assert NoWork.from_wire(lease[0]).retry_after == 1.0
+        lease = await asyncio.wait_for(one(rpc.LEASE.name, factories.lease_request()), 5)
+        assert lease[0].retry_after == 1.0
         service.release.set()
         assert len(await asyncio.gather(*waiting)) == PUSH_THREADS + 4
 

@@ -14,7 +14,7 @@ from echo_node.config import NodeConfig
 from echo_node.session import Session
 from protocols import rpc
 from protocols.errors import TransportError
-from protocols.messages import Chunk, ChunkRequest, Holders, UpdateRequest
+from protocols.messages import Chunk, Holders
 from protocols.signing import generate_key, public_bytes
 from protocols.transport.relay import Relay
 from tests.unit.protocols import factories
@@ -42,29 +42,28 @@ class RelayTrainer:
     def __init__(self, relay: Relay, *fail: Exception):
         self.relay, self.fail, self.calls = relay, list(fail), []
 
-    async def call_one(self, peer, handler, payload, idempotent=False, timeout=None):
+    async def call_one(self, peer, handler, request=None, idempotent=False, timeout=None):
         self.calls.append(handler.name)
         if handler == rpc.HOLDERS:
-            return Holders(()).to_wire()  # nobody else holds it: the trainer serves
+            return Holders(())  # nobody else holds it: the trainer serves
         if handler == rpc.UPDATES:
-            return self.relay.index().to_wire()
+            return self.relay.index()
         if handler == rpc.UPDATE:
-            r = UpdateRequest.from_wire(payload)
-            found = self.relay.manifest(r.from_version, r.to_version)
+            found = self.relay.manifest(request.from_version, request.to_version)
             if found is None:
-                raise TransportError(f"no update {r.from_version}->{r.to_version}")
-            return found.to_wire()
+                raise TransportError(f"no update {request.from_version}->{request.to_version}")
+            return found
         raise AssertionError(f"unexpected call {handler.name}")
 
-    async def call(self, peer, handler, payload, on_reply=None, timeout=None):
+    async def call(self, peer, handler, request, on_reply=None, timeout=None):
         assert handler == rpc.CHUNKS
         self.calls.append(handler.name)
         if self.fail:
             raise self.fail.pop(0)
-        for digest in ChunkRequest.from_wire(payload).digests:
+        for digest in request.digests:
             data = self.relay.chunk(digest)
             if data is not None:
-                await on_reply(Chunk(digest, data).to_wire())
+                await on_reply(Chunk(digest, data))
         return []
 
 

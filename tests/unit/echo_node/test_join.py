@@ -57,12 +57,12 @@ class Coordinator:
     def __init__(self, *answers):
         self.answers, self.calls = list(answers), 0
 
-    async def call_one(self, peer, handler, payload, idempotent=False, timeout=None):
+    async def call_one(self, peer, handler, request=None, idempotent=False, timeout=None):
         self.calls += 1
         answer = self.answers.pop(0)
         if isinstance(answer, Exception):
             raise answer
-        return answer
+        return handler.decode_reply(answer)  # as the real endpoint does
 
 
 def test_a_bad_dht_record_is_ignored_and_the_coordinator_asked(tmp_path):
@@ -103,11 +103,11 @@ class Trainer:
     def __init__(self, answer: bytes, failures: int = 0):
         self.answer, self.failures, self.calls = answer, failures, 0
 
-    async def call_one(self, peer, handler, payload, idempotent=False, timeout=None):
+    async def call_one(self, peer, handler, request=None, idempotent=False, timeout=None):
         self.calls += 1
         if self.calls <= self.failures:
             raise TransportError("connection refused")
-        return self.answer
+        return handler.decode_reply(self.answer)  # as the real endpoint does
 
 
 def test_the_base_model_list_is_retried_while_unreachable_and_refused_if_not_the_runs(session, monkeypatch):

@@ -8,7 +8,7 @@ from echo_node import presence as presence_module
 from echo_node.presence import Presence
 from protocols import rpc
 from protocols.errors import RemoteError, TransportError
-from protocols.messages import Holders, HoldersRequest
+from protocols.messages import Holders
 from protocols.multiaddr import peer_of
 from protocols.transport import streams
 from tests.unit.echo_node.conftest import ADDRESS
@@ -26,11 +26,11 @@ class Endpoint:
 
     async def call_one(self, peer, rpc_, request, idempotent=False, timeout=None):
         assert (peer, rpc_) == (peer_of(ADDRESS), rpc.HOLDERS)
-        self.asked.append(HoldersRequest.from_wire(request).version)
+        self.asked.append(request.version)
         reply = self.replies.pop(0)
         if isinstance(reply, Exception):
             raise reply
-        return reply.to_wire() if isinstance(reply, Holders) else reply
+        return reply if isinstance(reply, Holders) else rpc_.decode_reply(reply)  # as the real endpoint does
 
 
 def presence_with(session, *replies) -> Presence:

@@ -60,11 +60,11 @@ class FlakyTrainer:
     def __init__(self, *errors):
         self.errors, self.calls = list(errors), 0
 
-    async def call_one(self, peer, handler, payload):
+    async def call_one(self, peer, handler, request):
         self.calls += 1
         if self.errors:
             raise self.errors.pop(0)
-        return PushReceipt(accepted=4, rejected=0, reasons={}, latest_version=2).to_wire()
+        return PushReceipt(accepted=4, rejected=0, reasons={}, latest_version=2)
 
 
 def test_a_push_is_retried_across_a_broken_stream_but_not_after_a_refusal(session, monkeypatch):
@@ -99,16 +99,15 @@ class SlowTrainer:
         self.left, self.seconds, self.events, self.pushing, self.most_pushing = leases, seconds, [], 0, 0
         self.requests: list[LeaseRequest] = []
 
-    async def call_one(self, peer, handler, payload):
+    async def call_one(self, peer, handler, request):
         if handler == rpc.LEASE:
-            request = LeaseRequest.from_wire(payload)
             self.requests.append(request)
             if self.left == 0:
-                return NoWork(latest_version=7, retry_after=0.0, finished=True).to_wire()
+                return NoWork(latest_version=7, retry_after=0.0, finished=True)
             self.left -= 1
             return factories.lease(lease_id=f"L{self.left}", node_id=request.node_id, seeds=(1,), prompts=((1, 2),),
-                                   version=0, expires_at=time.time() + 60).to_wire()
-        lease_id = RolloutBatch.from_wire(payload).lease_id
+                                   version=0, expires_at=time.time() + 60)
+        lease_id = RolloutBatch.from_wire(request).lease_id  # a push travels as its wire bytes
         self.pushing += 1
         self.most_pushing = max(self.most_pushing, self.pushing)
         await asyncio.sleep(self.seconds)
@@ -116,7 +115,7 @@ class SlowTrainer:
         self.events.append(("answered", lease_id))
         if lease_id == "L2":
             raise RemoteError("stale", "batch of version 0 refused at version 4", "p", "echo.push")
-        return PushReceipt(accepted=2, rejected=0, reasons={}, latest_version=0).to_wire()
+        return PushReceipt(accepted=2, rejected=0, reasons={}, latest_version=0)
 
 
 def test_a_push_overlaps_the_next_generation_and_one_refusal_does_not_stop_the_node(session):
@@ -160,7 +159,7 @@ class Closed:
     def __init__(self, times: int = 0):
         self.times, self.calls = times, 0
 
-    async def call_one(self, peer, handler, payload):
+    async def call_one(self, peer, handler, request):
         self.calls += 1
         if self.calls <= self.times:
             raise TransportError("connection refused")
@@ -211,17 +210,16 @@ class Behind:
     def __init__(self):
         self.requests: list[LeaseRequest] = []
 
-    async def call_one(self, peer, handler, payload):
+    async def call_one(self, peer, handler, request):
         if handler == rpc.PUSH:
-            return PushReceipt(accepted=2, rejected=0, reasons={}, latest_version=2).to_wire()
-        request = LeaseRequest.from_wire(payload)
+            return PushReceipt(accepted=2, rejected=0, reasons={}, latest_version=2)
         self.requests.append(request)
         if len(self.requests) > 2:
-            return NoWork(latest_version=2, retry_after=0.0, finished=True).to_wire()
+            return NoWork(latest_version=2, retry_after=0.0, finished=True)
         if request.version < 2 and not request.update_failed:
-            return NoWork(latest_version=2, retry_after=30.0).to_wire()  # never waited out: the node updates
+            return NoWork(latest_version=2, retry_after=30.0)  # never waited out: the node updates
         return factories.lease(lease_id="L", node_id=request.node_id, seeds=(1,), prompts=((1, 2),),
-                               version=request.version, expires_at=time.time() + 60).to_wire()
+                               version=request.version, expires_at=time.time() + 60)
 
 
 class Stuck(Held):

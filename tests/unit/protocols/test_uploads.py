@@ -27,7 +27,7 @@ def test_accounts_are_per_update_and_unknown_updates_are_not_limited():
 
 
 def test_peers_that_claim_an_update_and_never_serve_it_delay_an_asker_only_so_long():
-    """Fresh keys fetch first and announce holding every version (or 10**9): while they do, the
+    """Fresh keys fetch first and claim holding every version (or 10**9): while they do, the
     trainer turns askers away to fetch from them; after `patience` an asker is let in anyway."""
     budget = UploadBudget(copies=2, grace=3.0, patience=30.0)
     budget.register("u")
