@@ -29,8 +29,9 @@ MAX_RELAYED = 10_000  # peers remembered as reached through our relay (the oldes
 class Presence:
     def __init__(self, dht, run_fingerprint: str):
         self.dht, self.fp = dht, run_fingerprint
-        # libp2p peer id -> version its lease requests said it holds. Replaced whole by the refresh (event loop), read
-        # by the relay's budget: a reader sees one reading or the next, never half of one.
+        # libp2p peer id -> version its lease requests said it holds. Replaced whole by the refresh
+        # (event loop), read by the relay's budget and `holders`: a reader sees one reading or the
+        # next, never half of one.
         self.peer_versions: dict[str, int] = {}
         self.proven: frozenset[str] = frozenset()  # peers whose key had work accepted lately, same refresh
         # Peers our relayed reachability probe reached: others dial them through our relay circuit.

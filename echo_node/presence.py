@@ -112,8 +112,9 @@ class Presence:
 
     async def confirm_relay(self) -> None:
         """Behind NAT: until the coordinator can dial us through its relay, ask again now and then;
-        once it could, it tells peers to reach us through that circuit, so that they can fetch from us. libp2p reserves at the
-        coordinator, our one static relay, within seconds; meanwhile the node works as usual
+        once it could, it tells peers to reach us through that circuit, so that they can fetch
+        from us. libp2p reserves at the coordinator, our one static relay, within seconds;
+        meanwhile the node works as usual
         (everything it does, it dials out for). A periodic probe, not a retry: "not yet" is an
         answer, not a failure."""
         started = time.monotonic()
