@@ -43,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tracemalloc
 from collections import Counter
 from pathlib import Path
 
@@ -84,6 +85,9 @@ async def coordinator(args) -> None:
                     watch.lease_seconds.clear()
                     marks = dict(cpu=own_cpu(), children=children(), rss=proc.memory_info().rss, steps=steps,
                                  acked=watch.acknowledged, at=time.time())
+                    if args.memory:
+                        tracemalloc.start(4)
+                        marks["snapshot"] = tracemalloc.take_snapshot()
                 if await asyncio.to_thread(service.buffered_groups) >= step_groups:
                     await step(live, step_groups)
                     steps += 1
@@ -91,9 +95,10 @@ async def coordinator(args) -> None:
                     await asyncio.sleep(0.05)
             cpu, kids, elapsed = own_cpu() - marks["cpu"], children(), time.time() - marks["at"]
             rss_end = proc.memory_info().rss
+            growth = memory_growth(marks["snapshot"], tracemalloc.take_snapshot()) if args.memory else None
             split.stop()
             accepted = watch.acknowledged - marks["acked"]
-            ledger_stats = summarize_ledger(ledger_queue, elapsed)
+            ledger_stats = ledger_queue.summary(elapsed)
             took = sorted(watch.lease_seconds) or [0.0]
             lease_service_ms = [1000 * took[int(len(took) * q)] for q in (0.5, 0.99)]
             await asyncio.sleep(GRACE)  # for the pushes still in flight
@@ -103,14 +108,64 @@ async def coordinator(args) -> None:
                 accepted=accepted, seconds=elapsed, steps=steps - marks["steps"], cpu_s=cpu, children_s=kid_cpu,
                 split_s=dict(split.seconds), rss_start=marks["rss"], rss_end=rss_end,
                 acknowledged=watch.acknowledged, native_threads_s=native_threads(), books=books(live), ledger_thread=ledger_stats,
-                lease_service_ms=lease_service_ms,
+                lease_service_ms=lease_service_ms, memory_growth=growth,
                 rejections=dict(service.rejection_counts()))), flush=True)
 
 
-def time_ledger_thread(ledger) -> list[tuple[str, float, float]]:
-    """(what, seconds queued, seconds run) of every call on the ledger's one thread: lease
-    requests wait there for a trust read and the lease book's journal write."""
-    calls, submit = [], ledger.submit
+def memory_growth(before, after, top: int = 12) -> list[str]:
+    """The allocation sites (call stacks of 4) whose live Python memory grew most between two
+    tracemalloc snapshots, as text."""
+    stats = after.compare_to(before, "traceback")[:top]
+    return [f"{s.size_diff / 2**20:+.1f} MiB in {s.count_diff:+d} blocks: "
+            + " <- ".join(f"{f.filename.split('/')[-1]}:{f.lineno}" for f in s.traceback) for s in stats]
+
+
+class Sample(list):
+    """At most `size` of the values appended, drawn at random from all of them (reservoir
+    sampling): the bench's own timings must not grow the coordinator's memory over a long run."""
+
+    def __init__(self, size: int = 20_000):
+        super().__init__()
+        self.size, self.seen = size, 0
+
+    def append(self, value) -> None:
+        self.seen += 1
+        if len(self) < self.size:
+            super().append(value)
+        elif (i := random.randrange(self.seen)) < self.size:
+            self[i] = value
+
+    def clear(self) -> None:
+        super().clear()
+        self.seen = 0
+
+
+class LedgerTimes:
+    """Calls on the ledger's one thread (lease requests wait there for a trust read and the lease
+    book's journal write): seconds run per function, a sample of the seconds queued."""
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        self.busy, self.waits, self.calls = Counter(), Sample(), 0
+
+    def add(self, what: str, waited: float, ran: float) -> None:
+        self.busy[what] += ran
+        self.waits.append(waited)
+        self.calls += 1
+
+    def summary(self, seconds: float) -> dict:
+        waits = sorted(self.waits)
+        return dict(busy_share=sum(self.busy.values()) / seconds,
+                    wait_p50_ms=1000 * waits[len(waits) // 2] if waits else None,
+                    wait_p99_ms=1000 * waits[int(len(waits) * 0.99)] if waits else None,
+                    busiest={k: round(v, 2) for k, v in self.busy.most_common(5)}, calls=self.calls)
+
+
+def time_ledger_thread(ledger) -> LedgerTimes:
+    """Time every call on the ledger's one thread."""
+    times, submit = LedgerTimes(), ledger.submit
 
     def timed(fn, *args, **kwargs):
         queued = time.perf_counter()
@@ -120,22 +175,12 @@ def time_ledger_thread(ledger) -> list[tuple[str, float, float]]:
             try:
                 return fn(*args, **kwargs)
             finally:
-                calls.append((getattr(fn, "__qualname__", "?"), started - queued, time.perf_counter() - started))
+                times.add(getattr(fn, "__qualname__", "?"), started - queued, time.perf_counter() - started)
 
         return submit(run)
 
     ledger.submit = timed
-    return calls
-
-
-def summarize_ledger(calls: list[tuple[str, float, float]], seconds: float) -> dict:
-    waits = sorted(w for _, w, _ in calls)
-    busy: Counter[str] = Counter()
-    for what, _, ran in calls:
-        busy[what] += ran
-    return dict(busy_share=sum(busy.values()) / seconds, wait_p50_ms=1000 * waits[len(waits) // 2] if waits else None,
-                wait_p99_ms=1000 * waits[int(len(waits) * 0.99)] if waits else None,
-                busiest={k: round(v, 2) for k, v in busy.most_common(5)}, calls=len(calls))
+    return times
 
 
 class Watch:
@@ -145,7 +190,7 @@ class Watch:
     service itself costs, and what is queueing before it)."""
 
     def __init__(self, service):
-        self.acknowledged, self.lease_seconds = 0, []
+        self.acknowledged, self.lease_seconds = 0, Sample()
         lease, push = service.handle_lease, service.handle_push
 
         def timed_lease(*args, **kwargs):
@@ -295,7 +340,8 @@ def run_size(n: int, args) -> dict:
     # Verification on one numba thread: the toy model's rows are tiny, and numba's OpenMP threads
     # spin-wait after each parallel region for longer than the region takes (measured: ~1 ms of
     # CPU a sample, as large as the transport's). A real model's rows keep them busy instead.
-    coord = subprocess.Popen([*here, "_coordinator", "--nodes", str(n), *common], stdin=subprocess.PIPE,
+    memory = ["--memory"] if getattr(args, "memory", False) else []
+    coord = subprocess.Popen([*here, "_coordinator", "--nodes", str(n), *common, *memory], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True, env=dict(os.environ, NUMBA_NUM_THREADS="1"))
     hello = json.loads(coord.stdout.readline())
     start = time.time() + 3 + n / 100  # room for the volunteers' p2pd daemons to start
@@ -339,6 +385,7 @@ def run_size(n: int, args) -> dict:
         lost=stats["acknowledged"] - sum(stats["books"].values()),
         cpu_ms_per_sample=1000 * (cpu_s + sum(kids.values())) / accepted, cpu_ms_by_component=split,
         rss_mib_start=stats["rss_start"] / 2**20, rss_mib_end=stats["rss_end"] / 2**20, steps=stats["steps"],
+        memory_growth=stats["memory_growth"],
         books=stats["books"], rejections=stats["rejections"], native_threads_s=stats["native_threads_s"],
         ledger_thread=stats["ledger_thread"], lease_in_service_p50_p99_ms=stats["lease_service_ms"],
         cpu_ms_per_push=1000 * (cpu_s + sum(kids.values())) / max(1, len(push_ms)),
@@ -356,6 +403,7 @@ def main() -> None:
             p.add_argument(flag, type=int, default=1)
         p.add_argument("--address")
         p.add_argument("--run-id")
+        p.add_argument("--memory", action="store_true")
         args = p.parse_args(rest)
         asyncio.run(coordinator(args) if role == "_coordinator" else volunteers(args))
         return
@@ -368,6 +416,9 @@ def main() -> None:
     p.add_argument("--keys-per-peer", type=int, default=20)
     p.add_argument("--seeds", type=int, default=4, help="prompts a lease asks for (each sampled GROUP=2 times)")
     p.add_argument("--repeat", type=int, default=3, help="runs per size: the table shows medians")
+    p.add_argument("--memory", action="store_true",
+                   help="trace the coordinator's Python allocations over the measured window (slows it): "
+                        "the lines whose memory grew most, in the JSON as memory_growth")
     args = p.parse_args()
     rows = [median_row([run_size(int(n), args) for _ in range(args.repeat)]) for n in args.sizes.split(",")]
     print(f"{'N':>6} {'offered/s':>9} {'accepted/s':>10} {'lease p50/p99 ms':>17} {'push p50/p99 ms':>16} "
@@ -380,6 +431,8 @@ def main() -> None:
               f"{r['rss_mib_start']:>6.0f}->{r['rss_mib_end']:<6.0f} {r['errors'] or ''}")
         parts = r["cpu_ms_by_component"].items()
         print("       cpu ms/sample by component: " + ", ".join(f"{k} {v:.2f}" for k, v in parts))
+        for line in r["memory_growth"] or ():
+            print("       memory grew " + line)
     knee = next((r["nodes"] for r in rows if r["accepted_per_s"] < 0.9 * r["offered_per_s"]
                  or (r["lease_p99_ms"] or 0) > GOAL_P99_LEASE_MS), None)
     goals = dict(p99_lease_ms=GOAL_P99_LEASE_MS, cpu_ms_per_sample=GOAL_CPU_MS)
