@@ -89,7 +89,7 @@ async def trainer_round(n: int, relay_on: bool, update, manifest_path: Path, wor
     endpoint = await dht.endpoint()
     await relay.serve(endpoint)
 
-    async def holders(request: bytes, peer: str):
+    async def holders(request, peer: str):  # a HoldersRequest
         yield pick_holders(holding, frozenset(), {}, request.version, peer)
 
     await endpoint.serve(rpc.HOLDERS, holders)

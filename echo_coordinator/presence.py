@@ -81,8 +81,8 @@ def pick_holders(versions: dict[str, int], proven: frozenset[str], relayed, vers
     (`echo_node.updates.fetch_chunks` draws a few at once and shuns those that failed)."""
     having = [peer for peer, held in versions.items() if held >= version and peer != asker]
     first, rest = [p for p in having if p in proven], [p for p in having if p not in proven]
-    rng.shuffle(first)
-    chosen = first[:MAX_HOLDERS] + rng.sample(rest, min(len(rest), max(0, MAX_HOLDERS - len(first))))
+    chosen = rng.sample(first, min(len(first), MAX_HOLDERS))
+    chosen += rng.sample(rest, min(len(rest), MAX_HOLDERS - len(chosen)))
     return Holders(tuple(chosen), tuple(p for p in chosen if p in relayed))
 
 

@@ -30,7 +30,6 @@ from echo_coordinator.verify import Verifier
 from engines.episodes import Transcripts
 from engines.sampler import score_rows
 from protocols import rpc
-from protocols.errors import RemoteError, TransportError
 from protocols.messages import LeaseRequest, RolloutBatch, RolloutSample, TaskLease, TurnFormat
 from protocols.sampling import SampleEvidence, SamplingRule, choose, gumbel, log_softmax, sample_seed
 from protocols.signing import fingerprint, generate_key, public_bytes, sign_message
@@ -161,12 +160,8 @@ class Peer:
     async def ask(self, service: LiveService, key, timeout: float | None = None, name: str = "mallory",
                   version: int = 0):
         """A lease request signed by `key`, saying it holds `version`, over the real stream: the
-        TaskLease or NoWork. A stream that breaks before any answer is asked once more, as a node
-        asks again (a fresh loopback stream now and then resets before its first frame)."""
-        request = self.lease_request(service, key, name, version)
-        try:
-            return await self.endpoint.call_one(service.peer, rpc.LEASE, request, timeout=timeout)
-        except RemoteError:
-            raise
-        except TransportError:
-            return await self.endpoint.call_one(service.peer, rpc.LEASE, request, timeout=timeout)
+        TaskLease or NoWork. A stream that breaks before any answer is asked once more
+        (`idempotent`), as a node asks again: a fresh loopback stream now and then resets before
+        its first frame."""
+        return await self.endpoint.call_one(service.peer, rpc.LEASE, self.lease_request(service, key, name, version),
+                                            idempotent=True, timeout=timeout)
