@@ -49,12 +49,12 @@ def sample_seed(lease_id: str, task_seed: int, index: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{lease_id}/{task_seed}/{index}".encode()).digest()[:8], "big")
 
 
-def training_noise(version: int) -> str:
-    """What a training lease's noise derives from (`TaskLease.noise`): the version it is sampled
-    with, beside each sample's seed, not the lease. A seed one key leaves to lapse and another
-    answers at the same version is sampled with the same noise, so leaving the seeds that scored
-    badly re-rolls nothing (selective reporting, issue 36 point 4)."""
-    return f"train-v{version}"
+# What a training lease's noise derives from (`TaskLease.noise`), beside each sample's seed: the
+# run's, not the lease's or the version's. Task seeds are never reused within a run, so a seed one
+# key leaves to lapse is sampled by whoever answers it next with the same noise, at any version:
+# leaving the seeds that scored badly re-rolls nothing (selective reporting, issue 36 point 4). In
+# async mode a seed reissued after the trainer moved on differs only as much as the policy did.
+TRAINING_NOISE = "train"
 
 
 def sample_seeds(lease_id: str, task_seeds: Sequence[int]) -> list[int]:

@@ -17,7 +17,7 @@ from echo_coordinator.journal import Group, Journal, Recovered
 from echo_coordinator.service.judging import Refused
 from echo_coordinator.trainer.samples import TrainSample
 from protocols.messages import RolloutBatch
-from protocols.sampling import sample_seeds, training_noise
+from protocols.sampling import TRAINING_NOISE, sample_seeds
 from protocols.sync import Entry, Mode, ReplayBuffer, RolloutGate, Verdict
 
 
@@ -39,7 +39,7 @@ class Unchecked:
 
     def seeds(self) -> list[int]:
         """Its samples' lease noise, in `samples`' order (`protocols.sampling.sample_seeds`)."""
-        return sample_seeds(training_noise(self.version), [s.group for g in self.groups for s in g.samples])
+        return sample_seeds(TRAINING_NOISE, [s.group for g in self.groups for s in g.samples])
 
 
 @dataclass

@@ -13,7 +13,7 @@ from echo_coordinator.service.evaluating import EvalRounds
 from echo_coordinator.service.settings import LeaseSettings
 from protocols.errors import PeerRefused
 from protocols.messages import LeaseRequest, RunManifest, TaskLease
-from protocols.sampling import training_noise
+from protocols.sampling import TRAINING_NOISE
 from protocols.leases import LeaseBook
 from protocols.sync import Mode, lease_version
 
@@ -155,5 +155,5 @@ class Leasing:
         return TaskLease(
             lease_id=lease.lease_id, run_id=self.run_id, node_id=lease.node_id, seeds=lease.seeds,
             prompts=tuple(self.prompts[s] for s in lease.seeds), version=lease.version, expires_at=lease.expires_at,
-            noise=training_noise(lease.version),
+            noise=TRAINING_NOISE,
         )

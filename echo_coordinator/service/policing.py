@@ -21,7 +21,7 @@ from echo_coordinator.trust import BanRule, OutlierBudget, SpotCheck, Trust, jud
 from echo_coordinator.verify import Verifier
 from protocols.errors import PeerRefused, VerificationError
 from protocols.messages import RolloutBatch
-from protocols.sampling import training_noise
+from protocols.sampling import TRAINING_NOISE
 from protocols.signing import FINGERPRINT_CHARS
 
 _DRAWS = random.SystemRandom()  # spot-check draws: a node must not predict them
@@ -97,7 +97,7 @@ class Policing:
         behind = trust.new
         try:
             if round_ is None:
-                self.verifier.check(training_noise(batch.version), batch.version, batch.samples, behind=behind)
+                self.verifier.check(TRAINING_NOISE, batch.version, batch.samples, behind=behind)
             else:
                 self.verifier.check(round_.noise_id or batch.lease_id, batch.version, batch.samples, round_.weights,
                                     round_.greedy, behind=behind)

@@ -8,6 +8,8 @@ ever seen.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from echo_coordinator.capacity import Throughput
 from echo_coordinator.service.policing import RateLimit, relay_holders
 from protocols.errors import PeerRefused
@@ -117,16 +119,18 @@ class Registry:
     def lease_answered(self, node_id: str) -> None:
         self.answered[node_id] = self.answered.get(node_id, 0) + 1
 
-    def abandoned(self, node_id: str) -> float | None:
-        """The share of its training leases a key left unanswered (since it was last pruned)."""
-        leased = self.leased.get(node_id, 0)
-        return 1 - min(self.answered.get(node_id, 0), leased) / leased if leased else None
+    def abandoned(self, node_id: str, holds: int = 0) -> float | None:
+        """The share of its training leases a key left unanswered (since it was last pruned), of
+        those no longer out: `holds` (the leases it holds now) may still be answered."""
+        done = self.leased.get(node_id, 0) - holds
+        return 1 - min(self.answered.get(node_id, 0), done) / done if done > 0 else None
 
-    def nodes(self, now: float) -> dict[str, dict]:
+    def nodes(self, now: float, holding: Mapping[str, int]) -> dict[str, dict]:
         """Per node seen in the last `prune` window: its backend, held version, measured throughput
-        and the share of its training leases it abandoned."""
+        and the share of its training leases it abandoned (`holding`: training leases out per key)."""
         rates = self.throughput.rates(now)
         return {n: dict(name=self.name(n), backend=self.backends.get(n, ""), parallel=self.parallel.get(n, 1),
                         hardware=self.hardware.get(n, ""), holds=self.throughput.held.get(n),
-                        samples_per_second=rates.get(n), last_request=at, abandoned=self.abandoned(n))
+                        samples_per_second=rates.get(n), last_request=at,
+                        abandoned=self.abandoned(n, holding.get(n, 0)))
                 for n, at in self.last_seen.items()}

@@ -249,9 +249,11 @@ class RunService:
         """What only the running process knows, for the dashboard: run state and, per node seen in
         the last `prune` window, its backend, held version and measured throughput."""
         with self.lock:
+            book = self.leasing.book
+            holding = Counter(lease.node_id for lease in (*book.outstanding, *book.shadows))
             return dict(started=self.leasing.started, finished=self.leasing.finished, version=self.buffer.version,
-                        buffered_groups=len(self.buffer.replay), outstanding_leases=len(self.leasing.book.outstanding),
-                        update_seconds=self.nodes.throughput.update_seconds(), nodes=self.nodes.nodes(now),
+                        buffered_groups=len(self.buffer.replay), outstanding_leases=len(book.outstanding),
+                        update_seconds=self.nodes.throughput.update_seconds(), nodes=self.nodes.nodes(now, holding),
                         unsigned=dict(self.pushes.unsigned))
 
     # -- handlers --------------------------------------------------------------------------------

@@ -92,7 +92,7 @@ class TaskLease(WireMessage):
     samples: int = 0  # evaluation: completions per prompt (training leases: the run's group size)
     greedy: bool = False  # evaluation: argmax decoding instead of the lease's noise
     # What the sampling noise derives from (`protocols.sampling.sample_seeds`), if not the lease id:
-    # a training lease's version (`sampling.training_noise`) or a sampled evaluation round's, so
+    # the run's for a training lease (`sampling.TRAINING_NOISE`) or a sampled evaluation round's, so
     # that a seed one node abandons and another answers is sampled with the same noise; otherwise
     # leaving the seeds that scored badly re-rolls them.
     noise: str = ""

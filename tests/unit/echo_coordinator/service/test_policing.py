@@ -36,5 +36,5 @@ def test_relays_are_the_peers_that_keys_asked_from_lately_at_versions_published(
                                           hardware="x86_64, 2 cores", time=at)
         registry.heard(request, peer_id(name.title()), at)
     assert registry.relay_holders(now, latest=3) == ({peer_id("Live"): 3}, frozenset())  # none proven yet
-    assert registry.nodes(now)[factories.lease_request(node_key=keys["live"]).node_id]["hardware"] == "x86_64, 2 cores"
+    assert registry.nodes(now, {})[factories.lease_request(node_key=keys["live"]).node_id]["hardware"] == "x86_64, 2 cores"
     assert relay_holders({"a": "PeerA", "b": "PeerB"}, {"a": 2, "c": 1}, latest=2) == {"PeerA": 2}  # b said no version

@@ -106,7 +106,7 @@ def test_leases_fill_a_proven_nodes_batch_and_a_claim_alone_earns_nothing(tmp_pa
     assert push(svc, answer_batch(svc, big, first), peer_id("Node")).accepted == 4
     filled = svc.handle_lease(lease_request(big, parallel=8), now=NOW + 1)
     assert len(filled.seeds) == 4 and push(svc, answer_batch(svc, big, filled), peer_id("Node"), NOW + 2).accepted == 8
-    assert svc.nodes.nodes(NOW + 1)[fingerprint(public_bytes(big))]["parallel"] == 8
+    assert svc.nodes.nodes(NOW + 1, {})[fingerprint(public_bytes(big))]["parallel"] == 8
     # (an accepted batch counts for 300 s)
     largest = svc.handle_lease(lease_request(big, parallel=1024, time=NOW + 100), now=NOW + 100)
     assert len(largest.seeds) == 6 and push(svc, answer_batch(svc, big, largest), peer_id("Node"), NOW + 101).accepted
@@ -586,15 +586,16 @@ def policed(tmp_path, made):
 
 def test_a_seed_left_to_lapse_is_sampled_again_with_the_same_noise(policed):
     """Selective reporting (issue 36 point 4): a key that samples a lease, sees its reward and lets
-    it lapse must not re-roll the seed. A training lease's noise is its version's, not the
-    lease's: whoever answers the seed next at that version draws the same samples, and a batch
-    sampled with the lease id's noise (as before) is refused."""
+    it lapse must not re-roll the seed. A training lease's noise is the run's, not the lease's:
+    whoever answers the seed next draws the same samples, and a batch sampled with the lease id's
+    noise (as before) is refused."""
     svc, picky, other = policed(), generate_key(), generate_key()
     left = svc.handle_lease(lease_request(picky), now=NOW)
+    assert svc.live(NOW)["nodes"][fingerprint(public_bytes(picky))]["abandoned"] is None  # out, not abandoned
     at = NOW + svc.settings.lease_seconds + 1  # its lease lapsed
     again = svc.handle_lease(lease_request(other, time=at), now=at)
     assert again.seeds == left.seeds and again.lease_id != left.lease_id
-    assert again.noise_id == left.noise_id == sampling.training_noise(0)
+    assert again.noise_id == left.noise_id == sampling.TRAINING_NOISE
     assert sampled_batch(other, again).samples == sampled_batch(picky, left).samples  # nothing re-rolled
     by_lease_id = dataclasses.replace(again, noise="")
     with pytest.raises(VerificationError, match="bad_sampling|sampl"):
@@ -605,6 +606,22 @@ def test_a_seed_left_to_lapse_is_sampled_again_with_the_same_noise(policed):
     nodes = svc.live(at + 61)["nodes"]
     assert nodes[fingerprint(public_bytes(picky))]["abandoned"] == 1.0
     assert nodes[fingerprint(public_bytes(other))]["abandoned"] == 0.0
+
+
+def test_an_async_seed_left_to_lapse_is_sampled_again_with_the_same_noise_at_a_newer_version(async_service):
+    """In async mode a seed whose lease lapses after the trainer moved on is reissued at the newer
+    version. Its noise stays the run's: under a policy that moved little (here: not at all) the
+    seed's samples are what they were, so leaving it re-rolled nothing. (With the version's noise,
+    as before, it drew fresh samples.)"""
+    svc, picky, other = async_service, generate_key(), generate_key()
+    left = svc.handle_lease(lease_request(picky), now=NOW)
+    advance(svc, 1)
+    at = NOW + svc.settings.lease_seconds + 1
+    again = svc.handle_lease(lease_request(other, version=1, time=at), now=at)
+    assert again.seeds == left.seeds and (left.version, again.version) == (0, 1)
+    assert again.noise_id == left.noise_id
+    assert sampled_batch(other, again).samples == sampled_batch(picky, left).samples
+    assert push(svc, sampled_batch(other, again), peer_id("Other"), now=at).accepted == GROUP
 
 
 def test_written_tokens_are_refused_struck_and_banned_for_a_growing_time(policed):
