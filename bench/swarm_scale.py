@@ -42,6 +42,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import tracemalloc
 from collections import Counter
@@ -69,7 +70,8 @@ async def coordinator(args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         async with LiveService(Path(tmp), mode="async", settings=settings, seeds=0) as live:
             live.publish(1)
-            print(json.dumps(dict(address=live.address, run_id=live.manifest.run_id)), flush=True)
+            dashboard, url = serve_dashboard(live) if args.dashboard else (None, None)
+            print(json.dumps(dict(address=live.address, run_id=live.manifest.run_id, dashboard=url)), flush=True)
             args.start = float(await asyncio.to_thread(sys.stdin.readline))  # the driver's, once volunteers start
             split = CpuSplit().start()
             service, proc = live.service, psutil.Process()
@@ -103,6 +105,8 @@ async def coordinator(args) -> None:
             lease_service_ms = [1000 * took[int(len(took) * q)] for q in (0.5, 0.99)]
             await asyncio.sleep(GRACE)  # for the pushes still in flight
             await step(live, None)  # the rest of the buffer, so that every acknowledged sample is settled
+            if dashboard:
+                dashboard.cancel()
             kid_cpu = {k: v - marks["children"].get(k, 0.0) for k, v in kids.items()}
             print(json.dumps(dict(
                 accepted=accepted, seconds=elapsed, steps=steps - marks["steps"], cpu_s=cpu, children_s=kid_cpu,
@@ -110,6 +114,35 @@ async def coordinator(args) -> None:
                 acknowledged=watch.acknowledged, native_threads_s=native_threads(), books=books(live), ledger_thread=ledger_stats,
                 lease_service_ms=lease_service_ms, memory_growth=growth,
                 rejections=dict(service.rejection_counts()))), flush=True)
+
+
+def serve_dashboard(live) -> tuple[asyncio.Task, str]:
+    """The run's real dashboard server, as the coordinator runs it (a task of its loop), and its URL."""
+    from echo_coordinator import web
+    from echo_coordinator.observe import RunView
+
+    sock = web.bind("127.0.0.1", 0)
+    view = RunView(live.tmp_path, live.ledger, live=live.service.live)
+    return asyncio.ensure_future(web.serve(view, sock)), f"http://127.0.0.1:{sock.getsockname()[1]}/"
+
+
+def poll_dashboard(url: str, start: float, end: float, out: dict) -> None:
+    """What an open dashboard asks every 2 s (/api/run and the peers table's first page), timed
+    and weighed from `start` to `end`."""
+    import urllib.request
+
+    while time.time() < end:
+        began = time.time()
+        for name, path in (("run", "api/run"), ("page", "api/peer-page")):
+            t = time.perf_counter()
+            with urllib.request.urlopen(url + path, timeout=30) as r:
+                body = r.read()
+            if began >= start:
+                out.setdefault(name + "_ms", []).append(1000 * (time.perf_counter() - t))
+                out[name + "_kib"] = len(body) / 1024
+                if name == "page":
+                    out["peers_listed"] = json.loads(body)["total"]
+        time.sleep(max(0.0, began + 2.0 - time.time()))
 
 
 def memory_growth(before, after, top: int = 12) -> list[str]:
@@ -340,8 +373,8 @@ def run_size(n: int, args) -> dict:
     # Verification on one numba thread: the toy model's rows are tiny, and numba's OpenMP threads
     # spin-wait after each parallel region for longer than the region takes (measured: ~1 ms of
     # CPU a sample, as large as the transport's). A real model's rows keep them busy instead.
-    memory = ["--memory"] if getattr(args, "memory", False) else []
-    coord = subprocess.Popen([*here, "_coordinator", "--nodes", str(n), *common, *memory], stdin=subprocess.PIPE,
+    flags = [f for f in ("--memory", "--dashboard") if getattr(args, f[2:], False)]
+    coord = subprocess.Popen([*here, "_coordinator", "--nodes", str(n), *common, *flags], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True, env=dict(os.environ, NUMBA_NUM_THREADS="1"))
     hello = json.loads(coord.stdout.readline())
     start = time.time() + 3 + n / 100  # room for the volunteers' p2pd daemons to start
@@ -356,6 +389,11 @@ def run_size(n: int, args) -> dict:
                               "--nodes", str(n // procs + (i < n % procs)), "--keys-per-peer", str(args.keys_per_peer),
                               "--period", str(args.period), *common], stdout=subprocess.PIPE, text=True)
             for i in range(procs)]
+    dashboard: dict = {}
+    if hello["dashboard"]:
+        poller = threading.Thread(target=poll_dashboard, daemon=True,
+                                  args=(hello["dashboard"], start + args.warmup, start + args.warmup + args.seconds, dashboard))
+        poller.start()
     parts = [json.loads(v.communicate()[0].strip().splitlines()[-1]) for v in vols]
     stats = json.loads(coord.communicate()[0].strip().splitlines()[-1])
     lease_ms = [x for p in parts for x in p["lease_ms"]]
@@ -390,7 +428,9 @@ def run_size(n: int, args) -> dict:
         ledger_thread=stats["ledger_thread"], lease_in_service_p50_p99_ms=stats["lease_service_ms"],
         cpu_ms_per_push=1000 * (cpu_s + sum(kids.values())) / max(1, len(push_ms)),
         coordinator_cores=(cpu_s + sum(kids.values())) / stats["seconds"],
-        volunteer_cores=sum(p["cpu_s"] for p in parts) / args.seconds)
+        volunteer_cores=sum(p["cpu_s"] for p in parts) / args.seconds,
+        dashboard={k: percentile(v, 50) if isinstance(v, list) else v for k, v in dashboard.items()} | {
+            k.replace("_ms", "_p99_ms"): percentile(v, 99) for k, v in dashboard.items() if isinstance(v, list)})
 
 
 def main() -> None:
@@ -404,6 +444,7 @@ def main() -> None:
         p.add_argument("--address")
         p.add_argument("--run-id")
         p.add_argument("--memory", action="store_true")
+        p.add_argument("--dashboard", action="store_true")
         args = p.parse_args(rest)
         asyncio.run(coordinator(args) if role == "_coordinator" else volunteers(args))
         return
@@ -419,6 +460,9 @@ def main() -> None:
     p.add_argument("--memory", action="store_true",
                    help="trace the coordinator's Python allocations over the measured window (slows it): "
                         "the lines whose memory grew most, in the JSON as memory_growth")
+    p.add_argument("--dashboard", action="store_true",
+                   help="serve the run's dashboard and ask it what an open page asks every 2 s: "
+                        "latency and size of /api/run and /api/peer-page in the JSON")
     args = p.parse_args()
     rows = [median_row([run_size(int(n), args) for _ in range(args.repeat)]) for n in args.sizes.split(",")]
     print(f"{'N':>6} {'offered/s':>9} {'accepted/s':>10} {'lease p50/p99 ms':>17} {'push p50/p99 ms':>16} "

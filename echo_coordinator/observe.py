@@ -23,6 +23,12 @@ from echo_coordinator.run_dir import RunDir
 
 RECENT_STEPS = 5  # steps the step time and throughput are medians over
 ACTIVE_SECONDS = 120.0  # a peer seen within this is active
+CHART_POINTS = 500  # per-step history and evaluations sent at most: a long run's charts stay readable
+PAGE_MOST = 200  # peers one page of the table holds at most
+SHARE_BARS = 8  # peers the contribution chart names; the rest are one bar
+# What the peers table can be sorted by: a peer row's keys (text sorts as text, missing values last).
+SORTABLE = ("name", "node_id", "backend", "parallel", "share", "accepted", "tokens", "eval_samples",
+            "tokens_per_second", "version_lag", "rejected", "abandoned", "trust", "last_seen")
 
 
 class RunView:
@@ -85,10 +91,10 @@ class RunView:
                           samples_per_second=s["samples"] / max(s["step_seconds"], 1e-9), trainer_busy=busy(s),
                           mismatch_kl=s.get("mismatch_kl"), tis_clipped_fraction=s.get("tis_clipped_fraction"),
                           staleness_mean=mean_staleness(s.get("staleness_histogram", {})))
-                     for s in steps],
+                     for s in thin(steps)],
             eval_accuracy=evals[-1]["eval_accuracy"] if evals else None,
             evals=[dict(version=e["eval_version"], accuracy=e["eval_accuracy"], sampling=e["eval_sampling"],
-                        samples=e["eval_samples"], time=e["time"]) for e in evals],
+                        samples=e["eval_samples"], time=e["time"]) for e in thin(evals)],
             time=now,
         )
 
@@ -120,9 +126,42 @@ class RunView:
             ))
         return out
 
+    def peer_page(self, sort: str = "accepted", descending: bool = True, offset: int = 0, limit: int = 50,
+                  match: str = "", now: float | None = None) -> dict[str, Any]:
+        """One page of the peers table, sorted and filtered here: a run of a thousand volunteers
+        sends the page its 50 rows, not a thousand."""
+        return page(self.peers(now), sort, descending, offset, limit, match)
+
     def peer(self, node_id: str, now: float | None = None) -> dict[str, Any] | None:
         row = next((p for p in self.peers(now) if p["node_id"] == node_id), None)
         return None if row is None else dict(row, history=self.ledger.history(node_id))
+
+
+def page(rows: list[dict], sort: str, descending: bool, offset: int, limit: int, match: str) -> dict[str, Any]:
+    """Rows whose name or key contains `match` (any case), sorted by `sort` (missing values last
+    either way), `limit` from `offset` on; with the count of every row and of the matching ones,
+    and the contribution chart's bars (the largest shares of every row, not of the page)."""
+    needle = match.casefold()
+    found = [p for p in rows if needle in p["name"].casefold() or needle in p["node_id"].casefold()] if needle else rows
+    found = sorted(found, key=lambda p: p["node_id"])  # ties keep one order, so pages never overlap
+    text = any(isinstance(p[sort], str) for p in found)
+    valued = sorted((p for p in found if p[sort] is not None), reverse=descending,
+                    key=(lambda p: p[sort].casefold()) if text else (lambda p: p[sort]))
+    ordered = valued + [p for p in found if p[sort] is None]
+    offset = min(offset, max(0, len(found) - 1) // limit * limit)  # past the end (rows went): the last page
+    credited = sorted((p for p in rows if p["accepted"] > 0), key=lambda p: -p["accepted"])
+    shares = [dict(name=p["name"], share=p["share"]) for p in credited[:SHARE_BARS]]
+    rest = credited[SHARE_BARS:]
+    return dict(total=len(rows), matched=len(found), offset=offset, limit=limit, rows=ordered[offset:offset + limit],
+                shares=shares, others=dict(peers=len(rest), share=sum(p["share"] for p in rest)))
+
+
+def thin(points: list, most: int = CHART_POINTS) -> list:
+    """At most `most` of `points`, evenly spaced, the last always kept."""
+    if len(points) <= most:
+        return points
+    stride = -(-len(points) // most)
+    return points[::-1][::stride][::-1]
 
 
 def node_rates(live: dict) -> list[float]:

@@ -3,6 +3,7 @@
     GET /                 the dashboard (one page; it polls the API, no reload)
     GET /api/run          the run: version, progress, throughput, capacity, per-step history
     GET /api/peers        every node key: contribution, throughput, lag, rejections, trust
+    GET /api/peer-page    one page of them, sorted and filtered (?sort=&order=asc|desc&offset=&limit=&q=)
     GET /api/peers/{id}   one key, with its history step by step
     GET /metrics          Prometheus text exposition
 
@@ -20,7 +21,9 @@ import asyncio
 import contextlib
 import errno
 import socket
+from collections.abc import Mapping
 from importlib import resources
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -31,7 +34,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from echo_coordinator.observe import RunView
+from echo_coordinator.observe import PAGE_MOST, SORTABLE, RunView
 
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1", "[::1]")
@@ -58,6 +61,13 @@ def app(view: RunView, hosts: list[str]) -> Starlette:
     def peers(request: Request) -> JSONResponse:
         return JSONResponse(view.peers())
 
+    def peer_page(request: Request) -> JSONResponse:
+        try:
+            asked = page_query(request.query_params)
+        except ValueError as e:
+            return JSONResponse({"error": str(e)}, status_code=400)
+        return JSONResponse(view.peer_page(**asked))
+
     def peer(request: Request) -> JSONResponse:
         found = view.peer(request.path_params["node_id"])
         if found is None:
@@ -68,9 +78,31 @@ def app(view: RunView, hosts: list[str]) -> Starlette:
         return Response(generate_latest(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return Starlette(routes=[
-        Route("/", index), Route("/api/run", run), Route("/api/peers", peers),
+        Route("/", index), Route("/api/run", run), Route("/api/peers", peers), Route("/api/peer-page", peer_page),
         Route("/api/peers/{node_id}", peer), Route("/metrics", metrics),
     ], middleware=[Middleware(TrustedHostMiddleware, allowed_hosts=hosts)])
+
+
+def page_query(params: Mapping[str, str]) -> dict[str, Any]:
+    """`RunView.peer_page`'s arguments from a query string; ValueError says what is wrong."""
+    order = params.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise ValueError("order must be asc or desc")
+    match = params.get("q", "")
+    if len(match) > 100:
+        raise ValueError("q (a name or key to find) is at most 100 characters")
+    sort = params.get("sort", "accepted")
+    if sort not in SORTABLE:
+        raise ValueError(f"sort must be one of: {', '.join(SORTABLE)}")
+    return dict(sort=sort, descending=order == "desc", match=match, offset=_whole(params, "offset", 0, 0, 10**9),
+                limit=_whole(params, "limit", 50, 1, PAGE_MOST))
+
+
+def _whole(params: Mapping[str, str], name: str, default: int, least: int, most: int) -> int:
+    text = params.get(name, str(default))
+    if not (text.isascii() and text.isdigit() and len(text) <= 10 and least <= int(text) <= most):
+        raise ValueError(f"{name} must be a whole number from {least} to {most}")
+    return int(text)
 
 
 class _Collector:

@@ -12,7 +12,8 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from echo_coordinator import web
+from echo_coordinator import observe, web
+from echo_coordinator.ledger import Ledger
 from tests.support.runs import stopped_run
 from echo_coordinator.observe import RunView
 from echo_coordinator.report import read_report
@@ -242,3 +243,58 @@ def test_status_command_renders_the_directory(run_dir, service):  # noqa: F811
     assert max(len(line) for line in narrow.splitlines() if "│" in line or "┃" in line) <= 80
     missing = CliRunner().invoke(app, ["status", "--data-dir", str(path / "nothing")])
     assert missing.exit_code == 1 and "no run found" in missing.output
+
+
+@pytest.fixture
+def crowd(tmp_path):
+    """A stopped run's ledger of 120 credited peers (peer i has i + 1 samples) and 5 only refused."""
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    ledger.set_run(run_id="crowd", mode="async", version=3, steps=3, samples_per_step=4, staleness=2)
+    for i in range(120):
+        ledger.credit(f"{i:016x}", peer_id(str(i)), f"volunteer-{i:03d}", i + 1, 10 * i, now=NOW, version=1)
+    for i in range(5):
+        ledger.reject(f"f{i:015x}", peer_id(f"x{i}"), f"junk-{i}", "bad_sampling", 2, now=NOW)
+    yield RunView(tmp_path, ledger)
+    ledger.close()
+
+
+def test_the_peers_table_is_sorted_filtered_and_paged_by_the_server(crowd):
+    """Issue 37 point 5: a run of a thousand volunteers sends the page one page of rows."""
+    with serving(crowd) as base:
+        def ask(query: str) -> dict:
+            status, body, _ = get(base + "api/peer-page" + query)
+            assert status == 200, body
+            return json.loads(body)
+
+        first = ask("")
+        assert (first["total"], first["matched"], first["offset"], len(first["rows"])) == (125, 125, 0, 50)
+        assert [p["accepted"] for p in first["rows"][:3]] == [120, 119, 118]
+        # Pages never overlap and cover every row, even where values tie (the refused keys' 0s).
+        seen = [p["node_id"] for offset in range(0, 125, 50) for p in ask(f"?offset={offset}")["rows"]]
+        assert len(seen) == len(set(seen)) == 125
+        assert ask("?offset=5000")["offset"] == 100  # past the end: the last page
+        names = [p["name"] for p in ask("?sort=name&order=asc&limit=3")["rows"]]
+        assert names == ["junk-0", "junk-1", "junk-2"]
+        found = ask("?q=VOLUNTEER-11&sort=accepted&order=asc")
+        assert found["matched"] == 10 and [p["name"] for p in found["rows"]][:2] == ["volunteer-110", "volunteer-111"]
+        assert ask(f"?q={120:016x}")["matched"] == 0 and ask(f"?q={119:016x}")["rows"][0]["name"] == "volunteer-119"
+        # Nobody live: no throughput, sorted last either way.
+        assert ask("?sort=tokens_per_second&order=asc&limit=1")["rows"][0]["tokens_per_second"] is None
+        # The share chart: the 8 largest of every row, the rest as one bar.
+        assert [b["name"] for b in first["shares"]][:2] == ["volunteer-119", "volunteer-118"]
+        assert first["others"]["peers"] == 112 and len(first["shares"]) == 8
+        assert sum(b["share"] for b in first["shares"]) + first["others"]["share"] == pytest.approx(1.0)
+        for bad in ("?sort=__class__", "?order=up", "?limit=0", "?limit=201", "?offset=-1", "?offset=1e3",
+                    "?limit=%C2%B2", "?q=" + "x" * 101):
+            status, body, _ = get(base + "api/peer-page" + bad)
+            assert status == 400 and json.loads(body)["error"], bad
+
+
+def test_a_long_runs_charts_are_thinned_to_a_readable_number_of_points(tmp_path, service):  # noqa: F811
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        for v in range(2000):
+            f.write(json.dumps(dict(STEP, version=v)) + "\n")
+    service.ledger.set_run(run_id="run-1", mode="sequential", version=2000, steps=2000, samples_per_step=4)
+    history = RunView(tmp_path, service.ledger).run(now=NOW)["history"]
+    assert len(history) == observe.CHART_POINTS and history[-1]["version"] == 1999
+    assert {b["version"] - a["version"] for a, b in zip(history, history[1:])} == {4}  # evenly spaced
