@@ -79,6 +79,8 @@ async def coordinator(args) -> None:
             ledger_queue = time_ledger_thread(live.ledger)
             measuring, marks, steps = False, {}, 0
             end = args.start + args.warmup + args.seconds
+            lags = Sample()
+            lagging = asyncio.ensure_future(loop_lag(lags, args.start + args.warmup, end))
             while time.time() < end:
                 if not measuring and time.time() >= args.start + args.warmup:
                     measuring = True
@@ -103,6 +105,7 @@ async def coordinator(args) -> None:
             ledger_stats = ledger_queue.summary(elapsed)
             took = sorted(watch.lease_seconds) or [0.0]
             lease_service_ms = [1000 * took[int(len(took) * q)] for q in (0.5, 0.99)]
+            await lagging
             await asyncio.sleep(GRACE)  # for the pushes still in flight
             await step(live, None)  # the rest of the buffer, so that every acknowledged sample is settled
             if dashboard:
@@ -112,7 +115,7 @@ async def coordinator(args) -> None:
                 accepted=accepted, seconds=elapsed, steps=steps - marks["steps"], cpu_s=cpu, children_s=kid_cpu,
                 split_s=dict(split.seconds), rss_start=marks["rss"], rss_end=rss_end,
                 acknowledged=watch.acknowledged, native_threads_s=native_threads(), books=books(live), ledger_thread=ledger_stats,
-                lease_service_ms=lease_service_ms, memory_growth=growth,
+                lease_service_ms=lease_service_ms, memory_growth=growth, loop_lag_ms=list(lags),
                 rejections=dict(service.rejection_counts()))), flush=True)
 
 
@@ -151,6 +154,16 @@ def memory_growth(before, after, top: int = 12) -> list[str]:
     stats = after.compare_to(before, "traceback")[:top]
     return [f"{s.size_diff / 2**20:+.1f} MiB in {s.count_diff:+d} blocks: "
             + " <- ".join(f"{f.filename.split('/')[-1]}:{f.lineno}" for f in s.traceback) for s in stats]
+
+
+async def loop_lag(lags: list, start: float, end: float, period: float = 0.05) -> None:
+    """How late this process's event loop wakes a task that sleeps `period`, in ms, from `start`
+    to `end`: every stream's reply waits as long for the loop."""
+    while time.time() < end:
+        asked = time.perf_counter()
+        await asyncio.sleep(period)
+        if time.time() >= start:
+            lags.append(1000 * (time.perf_counter() - asked - period))
 
 
 class Sample(list):
@@ -355,7 +368,9 @@ async def volunteers(args) -> None:
         await asyncio.sleep(max(0.0, end - time.time()))
         cpu["end"] = own_cpu() + sum(children().values())
 
-    await asyncio.gather(measure_cpu(), *(volunteer(i) for i in range(args.nodes)))
+    out["loop_lag_ms"] = []
+    await asyncio.gather(measure_cpu(), loop_lag(out["loop_lag_ms"], measure_from, end),
+                         *(volunteer(i) for i in range(args.nodes)))
     out["cpu_s"] = cpu["end"] - cpu["start"]  # the volunteers' process and its p2pd daemons, measured window
     await asyncio.gather(*(p.shutdown() for p in peers))
     print(json.dumps(out), flush=True)
@@ -429,6 +444,10 @@ def run_size(n: int, args) -> dict:
         cpu_ms_per_push=1000 * (cpu_s + sum(kids.values())) / max(1, len(push_ms)),
         coordinator_cores=(cpu_s + sum(kids.values())) / stats["seconds"],
         volunteer_cores=sum(p["cpu_s"] for p in parts) / args.seconds,
+        # how late each event loop ran its tasks (ms, p50 / p99): a volunteer's lease latency
+        # includes its own process's lag, which is the bench's, not the coordinator's
+        loop_lag_ms=dict(coordinator=[percentile(stats["loop_lag_ms"], q) for q in (50, 99)],
+                         volunteers=[percentile([x for p in parts for x in p["loop_lag_ms"]], q) for q in (50, 99)]),
         dashboard={k: percentile(v, 50) if isinstance(v, list) else v for k, v in dashboard.items()} | {
             k.replace("_ms", "_p99_ms"): percentile(v, 99) for k, v in dashboard.items() if isinstance(v, list)})
 
