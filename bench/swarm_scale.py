@@ -46,6 +46,7 @@ import threading
 import time
 import tracemalloc
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,6 +66,9 @@ async def coordinator(args) -> None:
     from echo_coordinator.service import LeaseSettings
     from tests.support.live_service import LiveService
 
+    from echo_coordinator import handlers
+
+    handlers.ThreadPoolExecutor = QueueTimed  # the handlers' lease and push pools, their queues timed
     step_groups = max(4, args.nodes * args.seeds // 5)  # a step every ~2 s at one push per 10 s per key
     settings = LeaseSettings(lease_seconds=60, seeds_per_lease=args.seeds, max_ahead=4 * step_groups)
     with tempfile.TemporaryDirectory() as tmp:
@@ -87,6 +91,7 @@ async def coordinator(args) -> None:
                     split.reset()
                     ledger_queue.clear()
                     watch.lease_seconds.clear()
+                    QueueTimed.waits.clear()
                     marks = dict(cpu=own_cpu(), children=children(), rss=proc.memory_info().rss, steps=steps,
                                  acked=watch.acknowledged, at=time.time())
                     if args.memory:
@@ -116,6 +121,7 @@ async def coordinator(args) -> None:
                 split_s=dict(split.seconds), rss_start=marks["rss"], rss_end=rss_end,
                 acknowledged=watch.acknowledged, native_threads_s=native_threads(), books=books(live), ledger_thread=ledger_stats,
                 lease_service_ms=lease_service_ms, memory_growth=growth, loop_lag_ms=list(lags),
+                pool_wait_ms={k: list(v) for k, v in QueueTimed.waits.items()},
                 rejections=dict(service.rejection_counts()))), flush=True)
 
 
@@ -164,6 +170,21 @@ async def loop_lag(lags: list, start: float, end: float, period: float = 0.05) -
         await asyncio.sleep(period)
         if time.time() >= start:
             lags.append(1000 * (time.perf_counter() - asked - period))
+
+
+class QueueTimed(ThreadPoolExecutor):
+    """A thread pool that keeps a sample of how long each call waited for a thread, in ms, by the
+    pool's thread name prefix."""
+    waits: dict[str, "Sample"] = {}
+
+    def submit(self, fn, /, *args, **kwargs):
+        queued, waits = time.perf_counter(), QueueTimed.waits.setdefault(self._thread_name_prefix, Sample())
+
+        def timed():
+            waits.append(1000 * (time.perf_counter() - queued))
+            return fn(*args, **kwargs)
+
+        return super().submit(timed)
 
 
 class Sample(list):
@@ -446,6 +467,7 @@ def run_size(n: int, args) -> dict:
         volunteer_cores=sum(p["cpu_s"] for p in parts) / args.seconds,
         # how late each event loop ran its tasks (ms, p50 / p99): a volunteer's lease latency
         # includes its own process's lag, which is the bench's, not the coordinator's
+        pool_wait_ms={k: [percentile(v, q) for q in (50, 99)] for k, v in stats["pool_wait_ms"].items()},
         loop_lag_ms=dict(coordinator=[percentile(stats["loop_lag_ms"], q) for q in (50, 99)],
                          volunteers=[percentile([x for p in parts for x in p["loop_lag_ms"]], q) for q in (50, 99)]),
         dashboard={k: percentile(v, 50) if isinstance(v, list) else v for k, v in dashboard.items()} | {
