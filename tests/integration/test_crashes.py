@@ -104,8 +104,7 @@ def test_sigkill_with_groups_buffered_and_pushes_in_flight(tmp_path, tiny_model,
 
 def outstanding_holders(run_dir: Path) -> set[str]:
     """Node keys that hold a training lease now, from the journal's copy of the lease book."""
-    rows = journal(run_dir, "SELECT value FROM journal WHERE key = 'leases'")
-    return {lease[1] for lease in json.loads(rows[0][0])["outstanding"]} if rows else set()
+    return {json.loads(lease)[1] for (lease,) in journal(run_dir, "SELECT lease FROM leases")}
 
 
 def node_key(log: Path) -> str | None:

@@ -25,7 +25,51 @@ def test_accepted_groups_come_back_whole_after_a_restart(tmp_path):
     recovered = Journal(Ledger(tmp_path / "ledger.sqlite")).recover(version=0)
     assert recovered.groups == [first, second]  # samples bit for bit, oldest first
     assert recovered.accepted == {"L1", "L2"}
-    assert recovered.values == {"next_seed": 13, "leases": {"x": 1}}  # the last save wins
+    assert recovered.values == {"next_seed": 13, "leases": {"x": 1, "outstanding": []}}  # the last save wins
+
+
+def book(*leases: str) -> dict:
+    """A lease book as `Leasing.book_state` gives it, with these leases outstanding."""
+    return {"leases": {"ttl": 60, "next_id": len(leases), "pending": [7],
+                       "outstanding": [[x, "node", [int(x[1:])], 0, 100.0, 40.0] for x in leases]}, "next_seed": 9}
+
+
+def test_a_save_writes_only_the_leases_that_changed_and_a_restart_reads_the_whole_book(tmp_path):
+    """A thousand volunteers hold a thousand leases, and every lease and push saves the book:
+    each save writes the leases issued or closed since the last, not the whole book."""
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    journal = Journal(ledger)
+    journal.save(book("L1", "L2", "L3")).result()
+    statements = []
+    ledger.submit(ledger.db.set_trace_callback, statements.append).result()
+    journal.accept("L2", [group("L2", 2)], book("L1", "L3", "L4")).result()  # L2 answered, L4 issued
+    ledger.submit(ledger.db.set_trace_callback, None).result()
+    lease_rows = [x for x in statements if x.startswith(("DELETE FROM leases", "INSERT INTO leases"))]
+    assert len(lease_rows) == 2 and "'L2'" in lease_rows[0] and "'L4'" in lease_rows[1], lease_rows
+    # A save that fails writes nothing and forgets nothing: the next one still writes what changed.
+    failing = book("L1", "L3", "L4", "L5")
+    failing["next_seed"] = object()  # not JSON: the transaction rolls back after the lease rows
+    try:
+        journal.save(failing).result()
+    except TypeError:
+        pass
+    else:
+        raise AssertionError("an unserialisable value was saved")
+    journal.save(book("L3", "L4", "L5")).result()
+    ledger.close()
+
+    again = Journal(Ledger(tmp_path / "ledger.sqlite"))
+    recovered = again.recover(version=0)
+    assert recovered.values == book("L3", "L4", "L5")  # in the order they were issued
+    again.ledger.close()
+
+
+def test_a_journal_of_an_older_release_with_the_whole_book_in_one_value_is_read(tmp_path):
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    journal = Journal(ledger)
+    ledger.submit(Journal._save_values, ledger.db, book("L1", "L2")).result()  # as releases before 2026-12-05 wrote it
+    ledger.close()
+    assert Journal(Ledger(tmp_path / "ledger.sqlite")).recover(version=0).values == book("L1", "L2")
 
 
 def test_a_step_that_finished_is_credited_once_and_one_that_did_not_is_trained_again(tmp_path):
