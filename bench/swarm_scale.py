@@ -120,8 +120,11 @@ async def coordinator(args) -> None:
                 accepted=accepted, seconds=elapsed, steps=steps - marks["steps"], cpu_s=cpu, children_s=kid_cpu,
                 split_s=dict(split.seconds), rss_start=marks["rss"], rss_end=rss_end,
                 acknowledged=watch.acknowledged, native_threads_s=native_threads(), books=books(live), ledger_thread=ledger_stats,
-                lease_service_ms=lease_service_ms, memory_growth=growth, loop_lag_ms=list(lags),
-                pool_wait_ms={k: list(v) for k, v in QueueTimed.waits.items()},
+                lease_service_ms=lease_service_ms, memory_growth=growth,
+                # percentiles, not the samples: a line past the pipe's 64 KB would block this
+                # process, and the service with it, until the driver reads it
+                loop_lag_ms=[percentile(lags, q) for q in (50, 99)],
+                pool_wait_ms={k: [percentile(v, q) for q in (50, 99)] for k, v in QueueTimed.waits.items()},
                 rejections=dict(service.rejection_counts()))), flush=True)
 
 
@@ -467,8 +470,8 @@ def run_size(n: int, args) -> dict:
         volunteer_cores=sum(p["cpu_s"] for p in parts) / args.seconds,
         # how late each event loop ran its tasks (ms, p50 / p99): a volunteer's lease latency
         # includes its own process's lag, which is the bench's, not the coordinator's
-        pool_wait_ms={k: [percentile(v, q) for q in (50, 99)] for k, v in stats["pool_wait_ms"].items()},
-        loop_lag_ms=dict(coordinator=[percentile(stats["loop_lag_ms"], q) for q in (50, 99)],
+        pool_wait_ms=stats["pool_wait_ms"],
+        loop_lag_ms=dict(coordinator=stats["loop_lag_ms"],
                          volunteers=[percentile([x for p in parts for x in p["loop_lag_ms"]], q) for q in (50, 99)]),
         dashboard={k: percentile(v, 50) if isinstance(v, list) else v for k, v in dashboard.items()} | {
             k.replace("_ms", "_p99_ms"): percentile(v, 99) for k, v in dashboard.items() if isinstance(v, list)})

@@ -26,6 +26,7 @@ ACTIVE_SECONDS = 120.0  # a peer seen within this is active
 CHART_POINTS = 500  # per-step history and evaluations sent at most: a long run's charts stay readable
 PAGE_MOST = 200  # peers one page of the table holds at most
 SHARE_BARS = 8  # peers the contribution chart names; the rest are one bar
+FRESH_SECONDS = 1.0  # how long readings on the clock (the API's) share one reading of the live state and peers
 # What the peers table can be sorted by: a peer row's keys (text sorts as text, missing values last).
 SORTABLE = ("name", "node_id", "backend", "parallel", "share", "accepted", "tokens", "eval_samples",
             "tokens_per_second", "version_lag", "rejected", "abandoned", "trust", "last_seen")
@@ -37,6 +38,7 @@ class RunView:
         self._steps: list[dict] = []
         self._evals: list[dict] = []
         self._offset = 0
+        self._reading: tuple[float, dict | None, list[dict]] | None = None
 
     def steps(self) -> list[dict]:
         """metrics.jsonl's step records, read on from where the last call stopped."""
@@ -59,9 +61,8 @@ class RunView:
         return self._evals
 
     def run(self, now: float | None = None) -> dict[str, Any]:
-        now = time.time() if now is None else now
+        now, live, peers = self.read(now)
         info, steps = self.ledger.run(), self.steps()
-        live = self.live(now) if self.live else None
         version, target = (live or info).get("version", 0), info.get("steps", 0)
         recent = steps[-RECENT_STEPS:]
         cycle = statistics.median(s["step_seconds"] for s in recent) if recent else None
@@ -86,7 +87,7 @@ class RunView:
             mismatch_kl=last.get("mismatch_kl"), tis_clipped_fraction=last.get("tis_clipped_fraction"),
             staleness_histogram=last.get("staleness_histogram", {}), rejections_by_reason=dict(rejections),
             capacity=asdict(capacity),
-            peers_active=sum(now - p["last_seen"] < ACTIVE_SECONDS for p in self.peers(now, live)) if running else 0,
+            peers_active=sum(now - p["last_seen"] < ACTIVE_SECONDS for p in peers) if running else 0,
             history=[dict(version=s["version"], reward_mean=s["reward_mean"], samples=s["samples"], time=s["time"],
                           samples_per_second=s["samples"] / max(s["step_seconds"], 1e-9), trainer_busy=busy(s),
                           mismatch_kl=s.get("mismatch_kl"), tis_clipped_fraction=s.get("tis_clipped_fraction"),
@@ -98,11 +99,26 @@ class RunView:
             time=now,
         )
 
-    def peers(self, now: float | None = None, live: dict | None = None) -> list[dict[str, Any]]:
+    def read(self, now: float | None = None) -> tuple[float, dict | None, list[dict[str, Any]]]:
+        """(now, the live state, the peers). Readings on the clock (`now` None: the API's) share
+        one reading for `FRESH_SECONDS`: every open page asks for the run and a page of peers
+        every 2 s, and at a thousand volunteers a reading takes the service's lock and a trip to
+        the ledger's busy thread for tens of ms."""
+        if now is None and self._reading is not None and time.time() - self._reading[0] < FRESH_SECONDS:
+            return self._reading
+        at = time.time() if now is None else now
+        live = self.live(at) if self.live else None
+        reading = (at, live, self._peers(at, live))
+        if now is None:
+            self._reading = reading
+        return reading
+
+    def peers(self, now: float | None = None) -> list[dict[str, Any]]:
         """Every key the ledger knows, with what the live service knows of it."""
-        now = time.time() if now is None else now
-        live = live if live is not None else (self.live(now) if self.live else {})
-        nodes = live.get("nodes", {})
+        return self.read(now)[2]
+
+    def _peers(self, now: float, live: dict | None) -> list[dict[str, Any]]:
+        nodes = (live or {}).get("nodes", {})
         version = live["version"] if live else self.ledger.run().get("version", 0)
         rows = self.ledger.peers()
         known = {p["node_id"] for p in rows}
