@@ -38,6 +38,13 @@ class Capacity:
     slack_seconds: float | None  # async: S × step time, the staleness slack an update must fit in
 
 
+def busy_share(step_seconds: float, wait_seconds: float) -> float:
+    """The share of a step's wall time the trainer was not waiting for rollouts (training,
+    verification, publishing): what the model's busy fraction predicts, and the one busy share
+    metrics.jsonl (`busy_fraction`), the dashboard and `status` show."""
+    return 1.0 - wait_seconds / max(step_seconds, 1e-9)
+
+
 def plan(rates: list[float], step_seconds: float | None, samples_per_step: int, mode: str,
          staleness: int, update_seconds: float | None = None, cycle_seconds: float | None = None) -> Capacity:
     """The model's verdict from measured node rates (samples/s), the trainer's seconds per step,

@@ -17,7 +17,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from echo_coordinator.capacity import plan
+from echo_coordinator.capacity import busy_share, plan
 from echo_coordinator.ledger import Ledger
 from echo_coordinator.run_dir import RunDir
 
@@ -186,8 +186,9 @@ def node_rates(live: dict) -> list[float]:
 
 
 def busy(step: dict) -> float:
-    """The share of a step's cycle the trainer was not waiting for rollouts."""
-    return 1.0 - step["wait_seconds"] / max(step["step_seconds"], 1e-9)
+    """A metrics.jsonl step's busy share (`capacity.busy_share`; lines of older releases held
+    the training compute's share under the same name, so it is computed, not read)."""
+    return busy_share(step["step_seconds"], step["wait_seconds"])
 
 
 def mean_staleness(histogram: dict[str, int]) -> float | None:

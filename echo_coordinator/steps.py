@@ -18,6 +18,7 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass
 
+from echo_coordinator.capacity import busy_share
 from echo_coordinator.config import RunConfig
 from echo_coordinator.display import Display
 from echo_coordinator.handlers import wait_for_nodes
@@ -89,7 +90,7 @@ def step_record(mode: str, version: int, batch: StepBatch, stats, before: Tally,
         staleness_histogram={str(k): histogram[k] for k in sorted(histogram)},
         turns_mean=sum(model_turns) / max(len(model_turns), 1),
         step_seconds=now - started, wait_seconds=waited,
-        busy_fraction=stats.busy_seconds / max(now - started, 1e-9), time=now,
+        busy_fraction=busy_share(now - started, waited), time=now,
         **{k: v for k, v in asdict(stats).items() if k not in ("samples", "verdicts")},
     )
 

@@ -60,6 +60,10 @@ def test_sequential_run_with_two_nodes(tmp_path, tiny_model, processes):
                 "wait_seconds", "time"} <= set(r)
         assert r["mode"] == "sequential" and r["samples"] == 16 and r["accepted"] == 16 and r["staleness_max"] == 0
         assert 0 < r["reward_mean"] < 1 and r["trained_samples"] > 0
+        # One busy share: the step's time not spent waiting for rollouts, as the dashboard shows it
+        # (it used to be the training compute's share here, and 1 - wait/step on the page).
+        assert r["busy_fraction"] == pytest.approx(1 - r["wait_seconds"] / r["step_seconds"])
+        assert r["busy_seconds"] <= r["step_seconds"] - r["wait_seconds"]
     # Each node's first batch (4 samples) is verified at its push; every later one by the step that
     # trains it, from the step's own forward (LoRA, staleness 0, a key with a verified batch).
     assert sum(r["verified_free"] for r in records) >= 16 * STEPS - 2 * 4
