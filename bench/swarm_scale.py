@@ -254,14 +254,14 @@ def time_ledger_thread(ledger) -> LedgerTimes:
 
 
 class Watch:
-    """What the service's handlers do, seen from inside (they look `issue_lease` and
+    """What the service's handlers do, seen from inside (they look `handle_lease` and
     `handle_push` up at each call): the samples acknowledged so far, and the seconds each
-    `issue_lease` took on its lease thread (against the latency a volunteer sees: what the
-    service itself costs, and what is queueing before it; the journal write is waited for apart)."""
+    `handle_lease` took on its lease thread (against the latency a volunteer sees: what the
+    service itself costs, and what is queueing before it)."""
 
     def __init__(self, service):
         self.acknowledged, self.lease_seconds = 0, Sample()
-        lease, push = service.issue_lease, service.handle_push
+        lease, push = service.handle_lease, service.handle_push
 
         def timed_lease(*args, **kwargs):
             started = time.perf_counter()
@@ -275,7 +275,7 @@ class Watch:
             self.acknowledged += receipt.accepted
             return receipt
 
-        service.issue_lease, service.handle_push = timed_lease, counted_push
+        service.handle_lease, service.handle_push = timed_lease, counted_push
 
 
 async def step(live, groups: int | None) -> None:

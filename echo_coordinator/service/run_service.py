@@ -12,7 +12,6 @@ import secrets
 import threading
 import time
 from collections import Counter
-from concurrent.futures import Future
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -260,17 +259,8 @@ class RunService:
     # -- handlers --------------------------------------------------------------------------------
 
     def handle_lease(self, request: LeaseRequest, peer_id: str = "", now: float | None = None) -> TaskLease | NoWork:
-        """`peer_id`: the libp2p peer the request came from (the transport's word, not the request's).
-        The stream handler runs the same three parts, waiting for the journal on its event loop
-        instead of a lease thread (`handlers`)."""
+        """`peer_id`: the libp2p peer the request came from (the transport's word, not the request's)."""
         now = time.time() if now is None else now
-        work, saved = self.issue_lease(request, peer_id, now)
-        if saved:
-            saved.result()  # a training lease is in the journal before the node has it
-        return self.hand_over(request, work, now)
-
-    def issue_lease(self, request: LeaseRequest, peer_id: str, now: float) -> tuple[TaskLease | NoWork, Future | None]:
-        """The work for a lease request, and the journal write a node must not get it before."""
         verify_message(request, request.node_key)
         if request.run_id != self.manifest.run_id:
             raise InvalidValue(f"lease request for run {request.run_id!r}, this is {self.manifest.run_id!r}")
@@ -281,21 +271,18 @@ class RunService:
             self.nodes.heard(request, peer_id, now)
             if self.leasing.finished:
                 self.nodes.told_finished[request.node_id] = request.version
-                return NoWork(self.buffer.version, RETRY_AFTER, finished=True), None
+                return NoWork(self.buffer.version, RETRY_AFTER, finished=True)
             proven = self.nodes.proven(request.node_id, now)
             work = self.leasing.lease(request, now, self.buffer.version, len(self.buffer.replay), self.rounds, proven)
             if work is None:
-                return NoWork(self.buffer.version, RETRY_AFTER), None
+                return NoWork(self.buffer.version, RETRY_AFTER)
             if not work.evaluation:
                 self.nodes.lease_given(request.node_id)
             # A shadow lease changes nothing a restart needs (`LeaseBook.shadow`).
             unsaved = work.evaluation or self.leasing.book.is_shadow(work.lease_id)
-            return work, None if unsaved else self.journal.save(self.leasing.book_state())
-
-    def hand_over(self, request: LeaseRequest, work: TaskLease | NoWork, now: float) -> TaskLease | NoWork:
-        """`issue_lease`'s work, once its journal write is done, unless the key was banned meanwhile."""
-        if isinstance(work, NoWork):
-            return work
+            saved = None if unsaved else self.journal.save(self.leasing.book_state())
+        if saved:
+            saved.result()  # a training lease is in the journal before the node has it
         try:
             # Judged outside the lock: a ban recorded while this lease was issued released the
             # key's leases before this one existed; a ban recorded after this look releases it.
