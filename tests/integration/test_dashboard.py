@@ -133,10 +133,13 @@ def test_live_run_in_chromium(tmp_path, tiny_model, processes, browser):  # noqa
             .reduce((s, tr) => s + Number(tr.children[col].textContent), 0) > total;
     }""", arg=total, timeout=10_000)
 
-    # Sorting, and a peer's own page.
+    # Sorting (by the server: the table changes when its answer comes), and a peer's own page.
+    first_name = "document.querySelector('#peers tbody tr td').textContent === '{}'"
     page.locator("#peers th", has_text="name").click()
+    page.wait_for_function(first_name.format("n1"), timeout=5_000)
     assert [r for r in table(page)] == ["n1", "n2"]
     page.locator("#peers th", has_text="name").click()
+    page.wait_for_function(first_name.format("n2"), timeout=5_000)
     assert [r for r in table(page)] == ["n2", "n1"]
     page.locator("#peers tbody tr", has_text="n1").click()
     page.wait_for_selector("#detail:not([hidden])")
