@@ -129,9 +129,14 @@ def test_churn_half_the_nodes_killed_mid_rollout_three_times(tmp_path, tiny_mode
         versions = len(metrics(run_dir))
         wait_for(lambda: len(metrics(run_dir)) >= versions + 2, 180, "two more versions", [coordinator])
         victims = list(live)[:2]  # the longest running
-        keys = {name: node_key(tmp_path / f"{name}.log") for name in victims}
-        wait_for(lambda: set(keys.values()) <= outstanding_holders(run_dir), 60, "the victims holding leases",
-                 [coordinator])
+
+        def holding() -> bool:
+            # Keys read at each look: a victim may still be fetching the base model, its key not
+            # yet printed (read once, a missing key made this wait fail however long it waited).
+            keys = {node_key(tmp_path / f"{name}.log") for name in victims}
+            return None not in keys and keys <= outstanding_holders(run_dir)
+
+        wait_for(holding, 60, "the victims holding leases", [coordinator])
         for name in victims:
             live.pop(name).send_signal(signal.SIGKILL)
             killed.append(name)
