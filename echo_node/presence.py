@@ -154,5 +154,9 @@ class Presence:
         self._holders = {}
 
     async def holders(self) -> list[str]:
-        """Peers holding the base model: every node of the run does, once it works."""
+        """Peers holding the base model (every node of the run does, once it works), asked afresh
+        at each call: the base download asks once a batch and again at each "busy" of the trainer,
+        which has just sent its copy to another node. (Remembered, nodes that all started at once
+        and first heard "nobody" fetched from the trainer alone until its patience ran out, 30 s.)"""
+        self._holders.pop(0, None)
         return await self.peers_holding(0)

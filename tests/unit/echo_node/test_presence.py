@@ -57,6 +57,17 @@ def test_holders_are_asked_once_per_version_and_again_after_a_refresh(session):
     assert presence.endpoint.relays == {peer_id("Behind"): (f"{ADDRESS}/p2p-circuit",)}
 
 
+def test_the_base_models_holders_are_asked_afresh_at_each_try(session):
+    """The base download asks at each batch and at each "busy" of the trainer: nodes that start
+    together first hear of nobody, and must hear of the first that got it."""
+    presence = presence_with(session, Holders(()), Holders((peer_id("First"),)))
+
+    async def go():
+        return await presence.holders(), await presence.holders()
+
+    assert asyncio.run(go()) == ([], [peer_id("First")]) and presence.endpoint.asked == [0, 0]
+
+
 def test_a_coordinator_that_cannot_say_or_says_nonsense_leaves_the_trainer_alone_to_fetch_from(session):
     """No holders is an answer the fetch copes with (it asks the trainer); a failure is not
     remembered, so the next fetch asks again."""
