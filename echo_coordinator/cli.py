@@ -66,8 +66,9 @@ def start(
 def status(
     data_dir: Path = typer.Option(Path("runs/latest"), help="Run directory of a running or finished run."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
+    top: int = typer.Option(20, min=0, help="Peers listed, most accepted first (0: every one; --json has all)."),
 ) -> None:
-    """Show a run's progress, capacity and every peer's contribution (live from the running
+    """Show a run's progress, capacity and its peers' contributions (live from the running
     coordinator's dashboard when it runs, else from the run directory)."""
     from echo_coordinator.report import read_report, render
 
@@ -79,7 +80,7 @@ def status(
     if as_json:
         typer.echo(json.dumps(report, indent=2, sort_keys=True))
     else:
-        render(report)
+        render(report, top)
 
 
 @app.command("eval")

@@ -57,7 +57,9 @@ def _ask_live(url_file: Path, run_id: str | None) -> tuple[dict | None, list | N
     return run, peers
 
 
-def render(report: dict[str, Any]) -> None:
+def render(report: dict[str, Any], top: int = 0) -> None:
+    """The report as tables; `top` peers (most accepted first; 0: every one), so that a run of a
+    thousand volunteers is not a thousand lines."""
     from rich.console import Console
     from rich.table import Table
 
@@ -88,9 +90,12 @@ def render(report: dict[str, Any]) -> None:
     table = Table()
     for header, _, _ in columns:
         table.add_column(header, no_wrap=True, max_width=None if wide or header != "name" else 16)
-    for p in report["peers"]:
+    peers = sorted(report["peers"], key=lambda p: -p["accepted"])
+    for p in peers[:top or None]:
         table.add_row(*(cell(p) for _, cell, _ in columns))
-    console.print(table if report["peers"] else "no peers yet")
+    console.print(table if peers else "no peers yet")
+    if top and len(peers) > top:
+        console.print(f"... and {len(peers) - top} more peers (--top 0 lists every one; the dashboard pages them)")
 
 
 WIDE = 140  # terminal columns from which `status` shows every peer column

@@ -298,3 +298,17 @@ def test_a_long_runs_charts_are_thinned_to_a_readable_number_of_points(tmp_path,
     history = RunView(tmp_path, service.ledger).run(now=NOW)["history"]
     assert len(history) == observe.CHART_POINTS and history[-1]["version"] == 1999
     assert {b["version"] - a["version"] for a, b in zip(history, history[1:])} == {4}  # evenly spaced
+
+
+def test_status_lists_the_top_peers_of_a_crowd(crowd):
+    """A run of a thousand volunteers is not a thousand lines of `status`."""
+    from typer.testing import CliRunner
+
+    from echo_coordinator.cli import app
+
+    out = CliRunner().invoke(app, ["status", "--data-dir", str(crowd.data_dir)], env={"COLUMNS": "200"}).output
+    listed = [line for line in out.splitlines() if "volunteer-" in line or "junk-" in line]
+    assert len(listed) == 20 and "volunteer-119" in listed[0]  # most accepted first
+    assert "... and 105 more peers" in out
+    every = CliRunner().invoke(app, ["status", "--data-dir", str(crowd.data_dir), "--top", "0"], env={"COLUMNS": "200"})
+    assert sum("volunteer-" in line or "junk-" in line for line in every.output.splitlines()) == 125
