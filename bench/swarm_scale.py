@@ -26,7 +26,9 @@ Per N, after the warm-up (medians of `--repeat` runs): lease, push and holders l
 coordinator's CPU ms per accepted sample and per push, split by component (`bench/cpu_split.py`;
 its DHT process and p2pd daemon included), the cores the coordinator and the volunteers used, the
 ledger thread's busy share and queue, the coordinator's RSS at the start and end of the measured
-window, and whether every acknowledged sample was credited or dropped stale. The knee is the first
+window, each process's event-loop lag and how long lease and push calls waited for a handler thread,
+and whether every acknowledged sample was credited or dropped stale (`--dashboard`: also the
+latency and size of what an open dashboard asks every 2 s). The knee is the first
 N where accepted/s falls under 90 % of offered or p99 lease latency passes 100 ms. Ends with one
 JSON line.
 """
@@ -429,11 +431,13 @@ def run_size(n: int, args) -> dict:
                               "--period", str(args.period), *common], stdout=subprocess.PIPE, text=True)
             for i in range(procs)]
     dashboard: dict = {}
+    poller = threading.Thread(target=poll_dashboard, daemon=True,
+                              args=(hello["dashboard"], start + args.warmup, start + args.warmup + args.seconds, dashboard))
     if hello["dashboard"]:
-        poller = threading.Thread(target=poll_dashboard, daemon=True,
-                                  args=(hello["dashboard"], start + args.warmup, start + args.warmup + args.seconds, dashboard))
         poller.start()
     parts = [json.loads(v.communicate()[0].strip().splitlines()[-1]) for v in vols]
+    if poller.is_alive():
+        poller.join()  # its last poll, before its figures are read
     stats = json.loads(coord.communicate()[0].strip().splitlines()[-1])
     lease_ms = [x for p in parts for x in p["lease_ms"]]
     push_ms = [x for p in parts for x in p["push_ms"]]
@@ -468,9 +472,9 @@ def run_size(n: int, args) -> dict:
         cpu_ms_per_push=1000 * (cpu_s + sum(kids.values())) / max(1, len(push_ms)),
         coordinator_cores=(cpu_s + sum(kids.values())) / stats["seconds"],
         volunteer_cores=sum(p["cpu_s"] for p in parts) / args.seconds,
+        pool_wait_ms=stats["pool_wait_ms"],
         # how late each event loop ran its tasks (ms, p50 / p99): a volunteer's lease latency
         # includes its own process's lag, which is the bench's, not the coordinator's
-        pool_wait_ms=stats["pool_wait_ms"],
         loop_lag_ms=dict(coordinator=stats["loop_lag_ms"],
                          volunteers=[percentile([x for p in parts for x in p["loop_lag_ms"]], q) for q in (50, 99)]),
         dashboard={k: percentile(v, 50) if isinstance(v, list) else v for k, v in dashboard.items()} | {
