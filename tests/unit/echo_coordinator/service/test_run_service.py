@@ -5,6 +5,7 @@ import threading
 
 import pytest
 
+from echo_coordinator.config import RunConfig
 from echo_coordinator.ledger import Ledger
 from echo_coordinator.publish import Publisher
 from echo_coordinator.service import LeaseSettings, Policing, Refused, RunService, Work, judging
@@ -662,6 +663,26 @@ def test_trusted_keys_are_spot_checked_new_ones_always(policed):
     lease = svc.handle_lease(lease_request(newcomer), now=NOW)
     push(svc, sampled_batch(newcomer, lease), peer_id("New"))
     assert svc.policing.verifier.checked_samples == checked + GROUP
+
+
+def test_by_default_a_proven_keys_written_batch_is_never_trained_on_or_credited(policed):
+    """Issue 36 point 4: a key that sampled honestly until trusted, then pushed written answers,
+    had 4 of its 6 written leases accepted, trained on and credited under the old default
+    (`verify_fraction` 0.3). With the run's default every batch is verified before it is accepted:
+    of 12 proven keys each pushing one written batch, none gets in (under 0.3, all 12 refused
+    would happen with odds 0.3**12, about 1 in 1.9 million)."""
+    svc = policed(spot=SpotCheck(RunConfig().verify_fraction))
+    keys = [generate_key() for _ in range(12)]
+    for key in keys:
+        for _ in range(SpotCheck().trust_after):
+            lease = svc.handle_lease(lease_request(key), now=NOW)
+            assert push(svc, sampled_batch(key, lease), peer_id("Node")).accepted == GROUP
+    for key in keys:
+        with pytest.raises(VerificationError):
+            push(svc, answer_batch(svc, key, svc.handle_lease(lease_request(key), now=NOW)), peer_id("Node"))
+    groups = svc.journal.recover(0).groups  # what the step will train on, and credit at its commit
+    assert len(groups) == len(keys) * SpotCheck().trust_after and not any(g.unchecked for g in groups)
+    assert all(svc.ledger.trust(fingerprint(public_bytes(k))).failed == 1 for k in keys)
 
 
 def test_a_trusted_keys_batch_is_verified_by_the_step_that_trains_it(policed):
