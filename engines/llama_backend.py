@@ -57,7 +57,7 @@ class LlamaBackend:
             gpu_layers, parallel, self.fitted = llama_device.within(model_path, max_vram_gib, self.gpu, gpu_layers,
                                                                     parallel, n_ctx, kv)
         self.threads, self.n_ctx, self.gpu_layers, self.parallel = threads, n_ctx, gpu_layers, parallel
-        offloaded = self.gpu and gpu_layers != 0
+        self.offloaded = offloaded = self.gpu and gpu_layers != 0
         options = llama_device.candidates(offloaded, kv)
         # On a GPU, settings are tried in a throwaway process first: a crashing backend must not take the node.
         self.settings = (llama_probe.choose(Path(model_path), gpu_layers, parallel, n_ctx, options) if offloaded
@@ -171,6 +171,19 @@ class LlamaBackend:
             new = llama_cpp.llama_adapter_lora_init(self.llm.model, str(path).encode())
             if not new:
                 raise ValueError(f"llama.cpp could not load LoRA adapter {path}")
+        if self.offloaded and self._adapter is not None:
+            # On a GPU backend a context that has decoded with one adapter takes the next in a fresh
+            # context: swapped in place on Vulkan, the first decode after corrupted the heap (12 of
+            # 12 tries; docs/verification.md). The old context goes first (its KV cache is large).
+            self.batch.close()
+            try:
+                self.batch = llama_batch.BatchContext(self.llm.model, self.parallel, self.n_ctx, self.threads,
+                                                      self.settings)
+            except llama_batch.DecodeError:
+                if new is not None:
+                    llama_cpp.llama_adapter_lora_free(new)
+                raise  # (the same settings made a context at start; until one is made, decoding is refused)
+        if new is not None:
             adapters = (llama_cpp.llama_adapter_lora_p_ctypes * 1)(new)
             scales = (ctypes.c_float * 1)(1.0)
             rc = llama_cpp.llama_set_adapters_lora(self.batch.ctx, adapters, 1, scales)

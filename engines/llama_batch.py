@@ -105,6 +105,8 @@ class BatchContext:
 
     def decode(self, entries: list[tuple[int, int, list[int], bool]]) -> None:
         """One llama_decode over (token, position, sequence ids, wants logits) entries."""
+        if not self.ctx:
+            raise DecodeError("the context is closed")
         self.evaluated += len(entries)
         b = self.batch
         for i, (token, position, slots, logits) in enumerate(entries):

@@ -293,4 +293,7 @@ def test_text_a_terminal_would_act_on_is_refused_in_every_message(text):
         body = factories.manifest().to_dict()
         with pytest.raises(InvalidValue, match="control characters"):
             RunManifest.from_dict({**body, field: text})
+    body = factories.manifest().to_dict()
+    with pytest.raises(InvalidValue, match="control characters"):
+        RunManifest.from_dict({**body, "task": {**body["task"], "name": text}})
     assert RunManifest.from_dict({**factories.manifest().to_dict(), "run_id": "tab\tand\nnewline ok"})
