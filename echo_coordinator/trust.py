@@ -7,7 +7,8 @@ the ledger only stores the record (`Ledger.update_trust`) and `service.policing`
 - A lone outlier (one written or unlucky token, `protocols.sampling.judge`) is refused, and a
   strike only past the key's `OutlierBudget` (`outlier`).
 - A new key's batches, and every batch of a key that ever failed, are checked; past that a
-  `SpotCheck.fraction` of them (1 by default: nothing is trained on unverified).
+  `SpotCheck.fraction` of them (1 by default: nothing is trained on unverified). Where the step
+  checks batches itself, a proven key's wait for it (`Trust.proven`, `service.policing`).
 Keys are free, so none of this stops a Sybil with many keys: it bounds what each key costs and
 makes a caught key worthless for a growing time (docs/verification.md).
 """
@@ -30,6 +31,10 @@ class Trust:
 
     def banned(self, now: float) -> bool:
         return self.banned_until > now
+
+    def proven(self, batches: int) -> bool:
+        """At least `batches` batches verified and never a strike."""
+        return self.failed == 0 and self.verified >= batches
 
     @property
     def new(self) -> bool:
@@ -65,7 +70,7 @@ class SpotCheck:
 
     def should_check(self, trust: Trust, draw: float) -> bool:
         """`draw`: a uniform [0, 1) number the caller drew (secret from the node)."""
-        return trust.failed > 0 or trust.verified < self.trust_after or draw < self.fraction
+        return not trust.proven(self.trust_after) or draw < self.fraction
 
 
 @dataclass(frozen=True)

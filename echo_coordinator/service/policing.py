@@ -85,8 +85,7 @@ class Policing:
         # A new key, or one that ever failed, is checked now: a batch the step refuses leaves the
         # step smaller (its seeds were not leased again), so a key must have had verified work
         # trained before it can cost a step that, once: it is banned then.
-        if self.in_step and round_ is None and batch.version == current and trust.failed == 0 and \
-                trust.verified >= self.in_step_after:
+        if self.in_step and round_ is None and batch.version == current and trust.proven(self.in_step_after):
             return True
         # Every evaluation batch is checked: held-out accuracy is the number a run is judged by,
         # and its batches are small (a lease of greedy answers).

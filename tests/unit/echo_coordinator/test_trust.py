@@ -56,3 +56,9 @@ def test_spot_check_always_checks_new_and_failed_keys():
     assert spot.should_check(Trust(verified=3), draw=0.05)
     with pytest.raises(ValueError):
         SpotCheck(fraction=0)
+
+
+def test_a_proven_key_has_enough_verified_batches_and_no_strike():
+    """Where the step checks batches itself, only a proven key's wait for it (`service.policing`)."""
+    assert Trust(verified=1).proven(1) and not Trust(verified=0).proven(1)
+    assert not Trust(verified=50, failed=1).proven(1)
