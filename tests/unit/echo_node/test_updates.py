@@ -7,7 +7,7 @@ import pytest
 
 from echo_coordinator.publish import Publisher
 from echo_node.disk import Disk
-from echo_node.updates import apply_update
+from echo_node.updates import apply_update, check_manifest
 from protocols import chunks, delta
 from protocols.errors import CodecError, IntegrityError
 from protocols.signing import generate_key
@@ -102,13 +102,16 @@ def test_bad_updates_change_nothing():
 
 def test_a_first_snapshot_may_not_declare_more_values_than_the_base_model_holds():
     """A compression bomb: a topk-int8 snapshot of a few bytes that declares a 2**16 x 2**12 tensor
-    (256 M values, 1 GiB as float32) is refused before anything is decoded."""
+    (256 M values, 1 GiB as float32) is refused before anything is decoded: from its manifest alone,
+    which the node checks before it fetches a chunk (`Versions._check`, issue 36 point 5)."""
     publisher = Publisher("run", generate_key(), "lora", None, "topk-int8", 0.01, snapshot_every=100, chunk_size=1024)
     (update, store), = publisher.publish(1, {"lora_A": np.ones((4, 64), np.float32)})
     assert apply_update({}, update, payloads(update, store), max_elements=1000)["lora_A"].shape == (4, 64)
     bomb = dataclasses.replace(update, tensors=(dataclasses.replace(update.tensors[0], shape=(2**16, 2**12)),))
     with pytest.raises(CodecError, match="more than the base model's 1,000 parameters"):
         apply_update({}, bomb, payloads(update, store), max_elements=1000)
+    with pytest.raises(CodecError, match="more than the base model's 1,000 parameters"):
+        check_manifest({}, bomb, max_elements=1000)
 
 
 def test_an_adapter_llama_cpp_refuses_is_not_left_on_disk(tmp_path, monkeypatch):
