@@ -89,3 +89,25 @@ def test_a_chain_cut_short_keeps_and_loads_the_verified_prefix(session):
         asyncio.run(versions.bring_to(3))
     assert versions.version == 2
     assert [v for v, _ in versions.backend.loads] == [2]  # still serving: the backend holds version 2
+
+
+def test_full_weights_make_room_for_their_float32_export_and_its_requantization_first(tmp_path):
+    """Issue 36 point 6: full mode writes the master weights as a float32 GGUF, then requantizes
+    them to a file as large as the base (an 8B base: ~32 GB, then ~5 GB). Room for both is made
+    under --max-disk before either is written: a limit that cannot hold them refuses the load,
+    with the room it needed; one that can loads them."""
+    from echo_node.disk import DiskFull
+    from echo_node.session import Session
+    from tests.unit.echo_node.conftest import config
+
+    base, relay, manifest, _ = full_run(versions=1)
+    need = 4 * sum(w.size for w in base.values()) + Backend().model_path.stat().st_size
+    tight = Session(config(tmp_path / "tight", max_disk_gib=(need - 1) / 2**30))
+    versions, _ = versions_for(tight, relay, manifest, base)
+    with pytest.raises(DiskFull, match=f"version 1's weights needs {need / 2**30:.2f} GiB"):
+        asyncio.run(versions.prepare(factories.lease(version=1)))
+    assert versions.backend.loads == []
+    roomy = Session(config(tmp_path / "roomy", max_disk_gib=(need + 2**20) / 2**30))
+    versions, _ = versions_for(roomy, relay, manifest, base)
+    asyncio.run(versions.prepare(factories.lease(version=1)))
+    assert [v for v, _ in versions.backend.loads] == [1]
