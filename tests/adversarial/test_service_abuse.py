@@ -32,7 +32,8 @@ async def until(predicate, timeout: float, what: str) -> None:
 def test_a_flood_of_fresh_keys_holds_at_most_max_ahead_seeds_in_async_mode(tmp_path):
     """Keys are free, and every async lease draws fresh seeds and writes the lease book to the
     journal: 150 fresh keys over one peer get at most `max_ahead` seeds between them, and the
-    proven node still gets work."""
+    proven node still gets work, and so does an honest newcomer: it shadows a flooded lease and its
+    batch is accepted (before issue 36 point 2, both were told there was no work)."""
     async def go():
         settings = LeaseSettings(lease_seconds=60, seeds_per_lease=1, first_seed=100, max_ahead=4)
         async with LiveService(tmp_path, mode="async", settings=settings) as coordinator:
@@ -51,15 +52,21 @@ def test_a_flood_of_fresh_keys_holds_at_most_max_ahead_seeds_in_async_mode(tmp_p
                     except TransportError as e:  # a fresh loopback stream now and then resets (Endpoint.call_one)
                         replies.append(e)
                 book = coordinator.service.leasing.book
-                return replies, len(book.outstanding), await honest.ask(coordinator, node, name="honest")
+                again = await honest.ask(coordinator, node, name="honest")
+                newcomer = generate_key()
+                shadow = await honest.ask(coordinator, newcomer, name="newcomer")
+                receipt = await honest.endpoint.call_one(
+                    coordinator.peer, rpc.PUSH, sampled_batch(coordinator.manifest.run_id, newcomer, shadow).to_wire())
+                return replies, len(book.outstanding), again, receipt
             finally:
                 await asyncio.gather(honest.shutdown(), attacker.shutdown())
 
-    replies, outstanding, again = asyncio.run(go())
+    replies, outstanding, again, receipt = asyncio.run(go())
     leased = [r for r in replies if isinstance(r, TaskLease)]
     # Past the first 4 they shadow those 4 leases (issue 36 point 2): no seed is added for them.
     assert outstanding <= 4 and len({s for x in leased for s in x.seeds}) <= 4, leased
     assert isinstance(again, TaskLease)
+    assert receipt.accepted == 2
 
 
 def test_garbage_from_fresh_keys_waits_behind_the_training_steps_and_holds_few_push_threads(tmp_path):
