@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sqlite3
 import sys
@@ -111,6 +112,8 @@ def test_live_run_in_chromium(tmp_path, tiny_model, processes, browser):  # noqa
     # The backend column: the backend and the node's announced hardware ("llama_cpp · x86_64, 1 cores, ...").
     assert all(r["backend"].startswith("llama_cpp · ") and "cores" in r["backend"] for r in rows.values())
     assert all(r["batch"] == "8" for r in rows.values())  # each node's --parallel, llama.cpp's default
+    # Each key's share of abandoned training leases (selective reporting's measure, issue 36 point 4).
+    assert all(re.fullmatch(r"\d+\.\d %|–", r["abandoned"]) for r in rows.values()), rows
     total = sum(a for a, _ in shown.values())
     for name, r in rows.items():  # shares as the ledger gives them, to the page's rounding
         assert r["share"] == f"{100 * ledger[name][0] / total:.1f} %"

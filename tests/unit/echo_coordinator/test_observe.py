@@ -62,6 +62,7 @@ def test_run_and_peers_from_ledger_metrics_and_live_state(run_dir, service):  # 
     assert (a["node_id"], a["accepted"], a["share"], a["backend"], a["version_lag"]) == (alice, 4, 1.0, "llama_cpp", 1)
     assert a["parallel"] == 16  # the batch it says it decodes, for the dashboard's batch column
     assert a["tokens_per_second"] == pytest.approx(2.0, rel=0.01) and a["trust"] == "new"  # 8 tokens in 4 s
+    assert a["abandoned"] == 0.0  # its one lease answered (selective reporting's measure, issue 36 point 4)
     assert peers["<img src=x onerror=alert(1)>"]["rejected_by_reason"] == {"bad_sampling": 4}
     detail = view.peer(alice, now=NOW + 5)
     assert [(h["version"], h["samples"], h["tokens"]) for h in detail["history"]] == [(1, 4, 8)]
