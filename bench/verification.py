@@ -184,8 +184,8 @@ def other_sampler(node, honest: list[RolloutSample], temperature: float, adapter
 
     import llama_cpp
 
-    llm = llama_cpp.Llama(str(node.model_path), n_ctx=512, verbose=False, n_threads=2,
-                          type_k=0, type_v=0)  # fp32 KV, as the node's
+    llm = llama_cpp.Llama(str(node.model_path), n_ctx=512, verbose=False, n_threads=2, type_k=0, type_v=0,
+                          n_gpu_layers=0)  # fp32 KV, as the node's; on the CPU, beside a node on a GPU backend
     if adapter is not None:
         lora = llama_cpp.llama_adapter_lora_init(llm.model, str(adapter).encode())
         llama_cpp.llama_set_adapters_lora(llm.ctx, (llama_cpp.llama_adapter_lora_p_ctypes * 1)(lora), 1,

@@ -171,10 +171,10 @@ class LlamaBackend:
             new = llama_cpp.llama_adapter_lora_init(self.llm.model, str(path).encode())
             if not new:
                 raise ValueError(f"llama.cpp could not load LoRA adapter {path}")
-        if self.offloaded and self._adapter is not None:
-            # On a GPU backend a context that has decoded with one adapter takes the next in a fresh
-            # context: swapped in place on Vulkan, the first decode after corrupted the heap (12 of
-            # 12 tries; docs/verification.md). The old context goes first (its KV cache is large).
+        if self.offloaded:
+            # On a GPU backend each adapter goes into a fresh context: swapped in place on Vulkan,
+            # the first decode after corrupted the heap (docs/verification.md). The old context
+            # goes first (its KV cache is large).
             self.batch.close()
             try:
                 self.batch = llama_batch.BatchContext(self.llm.model, self.parallel, self.n_ctx, self.threads,
