@@ -12,6 +12,7 @@ from engines.backend import Interrupted, Request, generate_one
 from engines.gguf_io import write_lora_adapter
 from engines.hf import prompt_ids
 from engines.llama_backend import LlamaBackend
+from engines.llama_batch import DecodeError
 from tasks import make_task
 from tests.support.tiny_model import build_tiny_gguf
 
@@ -165,6 +166,28 @@ def test_a_bad_adapter_file_leaves_the_old_adapter_active(setup, tmp_path):
         backend.set_adapter(junk)
     assert same(generate_one(backend, prompt, 6, 1.0, 1), before)
     backend.set_adapter(None)
+
+
+def test_on_a_gpu_backend_each_adapter_goes_into_a_fresh_context_that_samples_the_same(setup, monkeypatch):
+    """GPU backends take each adapter in a new context (an in-place swap crashed Vulkan's next
+    decode). Forced here on the CPU: the fresh context samples exactly what the swapped one does,
+    the old one is closed, and the adapter is live in the new one."""
+    trainer, backend, prompt, adapters = setup
+    path = adapters / "fresh.gguf"
+    write_lora_adapter(trainer.weights(), trainer.config.lora_alpha, path, backend.layout)
+    backend.set_adapter(path)
+    in_place = generate_one(backend, prompt, 12, 0.7, 3)
+    backend.set_adapter(None)
+    base = generate_one(backend, prompt, 12, 0.7, 3)
+    monkeypatch.setattr(backend, "offloaded", True)
+    old = backend.batch
+    backend.set_adapter(path)
+    assert backend.batch is not old and old.ctx is None
+    assert same(generate_one(backend, prompt, 12, 0.7, 3), in_place)
+    backend.set_adapter(None)
+    assert same(generate_one(backend, prompt, 12, 0.7, 3), base)
+    with pytest.raises(DecodeError, match="closed"):
+        old.decode([(prompt[0], 0, [0], True)])
 
 
 def test_full_mode_reexport_requantizes_to_the_joined_type_and_reloads(setup, tmp_path):
