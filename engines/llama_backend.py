@@ -183,16 +183,20 @@ class LlamaBackend:
                 if new is not None:
                     llama_cpp.llama_adapter_lora_free(new)
                 raise  # (the same settings made a context at start; until one is made, decoding is refused)
-        if new is not None:
-            adapters = (llama_cpp.llama_adapter_lora_p_ctypes * 1)(new)
-            scales = (ctypes.c_float * 1)(1.0)
-            rc = llama_cpp.llama_set_adapters_lora(self.batch.ctx, adapters, 1, scales)
-        else:
-            rc = llama_cpp.llama_set_adapters_lora(self.batch.ctx, None, 0, None)
+        rc = self._attach(new)
         if rc != 0:
             if new is not None:
                 llama_cpp.llama_adapter_lora_free(new)
+            if self.offloaded:
+                self._attach(self._adapter)  # the fresh context holds none yet
             raise ValueError(f"llama.cpp refused LoRA adapter {path} (rc={rc})")
         if self._adapter is not None:
             llama_cpp.llama_adapter_lora_free(self._adapter)
         self._adapter = new  # the batch context's cache is cleared at every generate
+
+    def _attach(self, adapter) -> int:
+        """Make `adapter` (None: none) the context's only one; llama.cpp's return code."""
+        if adapter is None:
+            return llama_cpp.llama_set_adapters_lora(self.batch.ctx, None, 0, None)
+        adapters = (llama_cpp.llama_adapter_lora_p_ctypes * 1)(adapter)
+        return llama_cpp.llama_set_adapters_lora(self.batch.ctx, adapters, 1, (ctypes.c_float * 1)(1.0))
