@@ -91,9 +91,9 @@ def confine(readable: list[Path], writable: list[Path]) -> str:
             raise OSError(ctypes.get_errno(), f"landlock_restrict_self: {os.strerror(ctypes.get_errno())}")
     finally:
         os.close(ruleset)
-    left_out = ([] if net else ["network"]) + ([] if scoped else ["signals"])
+    left_out = ([] if net else ["TCP"]) + ([] if scoped else ["signals"])
     return (f"landlock ABI {abi}: reads system and Python files and the model's, writes none of yours"
-            + (f" ({' and '.join(left_out)} not confined by this kernel)" if left_out else ", no network"))
+            + (f" ({' and '.join(left_out)} not confined by this kernel)" if left_out else ", no TCP"))
 
 
 def _readable(given: list[Path]) -> list[Path]:

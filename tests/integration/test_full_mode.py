@@ -14,11 +14,10 @@ from engines.gguf_io import permute_qk
 from tests.support.runs import start_node
 from tests.support.runs import VENV_BIN, spawn, wait_for
 
-# The late node joins after version 2 and must catch up before the run ends: it takes up to 16 s to
-# start on a loaded machine, and a version about 3.4 s (at 10 steps it once missed the end). Since
-# a full-mode node converts the base's float32 checkpoint into its own data dir (issue 36 point 6)
-# it starts a few seconds later, and at 14 steps it missed the end once.
-STEPS = 18
+# The late node joins after version 2 and catches up through a snapshot. Its start takes 16-22 s on
+# a loaded machine and a version about 1 s, so the run used to end before it joined now and then
+# (at 10, 14 and 18 steps): the trainer's steps now wait while it joins (`tests.support.slow_trainer`).
+STEPS = 10
 GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
               "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
 
@@ -48,8 +47,9 @@ data_dir = "{run_dir}"
 learning_rate = 0.001
 threads = 1
 """)
-    coordinator = spawn(processes, [sys.executable, "-m", "echo_coordinator.cli", "start", "--config",
-                                    str(config)], tmp_path / "coordinator.log")
+    gate = tmp_path / "hold"  # while it exists, the trainer's steps wait
+    coordinator = spawn(processes, [sys.executable, "-m", "tests.support.slow_trainer", "start", "--config",
+                                    str(config)], tmp_path / "coordinator.log", STEP_GATE=str(gate))
     wait_for((run_dir / "join.txt").exists, 120, "the join line", [coordinator])
     join = (run_dir / "join.txt").read_text().strip()
     llama = start_node(processes, join, tmp_path, "llama")
@@ -57,7 +57,10 @@ threads = 1
                            str(tmp_path / "hf"), "--threads", "1", "--backend", "transformers"], tmp_path / "hf.log")
     metrics = run_dir / "metrics.jsonl"
     wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, 240, "two versions", [coordinator])
+    gate.touch()
     late = start_node(processes, join, tmp_path, "late")
+    wait_for(lambda: "joined run" in (tmp_path / "late.log").read_text(), 120, "the late node to join", [late])
+    gate.unlink()
     assert coordinator.wait(timeout=300) == 0, (tmp_path / "coordinator.log").read_text()[-3000:]
     for node, name in ((llama, "llama"), (hf, "hf"), (late, "late")):
         assert node.wait(timeout=60) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
