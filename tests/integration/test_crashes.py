@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from echo_coordinator.trainer.distributed import free_port
+from protocols.supervise import Backoff
 from tests.support.runs import (
     async_config, check_books, journal, metrics, spawn, start_coordinator, start_node, wait_for,
 )
@@ -85,7 +86,10 @@ def test_sigkill_with_groups_buffered_and_pushes_in_flight(tmp_path, tiny_model,
     crashed_at = json.loads((run_dir / "state.json").read_text())["version"]
     assert len(buffered_at_crash) >= 2 and crashed_at >= 2
 
-    second = start_coordinator(processes, config, tmp_path / "coordinator2.log")
+    # The restarted run must outlast a node's longest reconnect wait (`Backoff.cap`): the coordinator
+    # exits when the run ends, and a node still waiting then never hears it finished (one did).
+    seconds = (Backoff.cap + 5) / (steps - crashed_at)
+    second = start_slow_coordinator(processes, config, tmp_path / "coordinator2.log", seconds)
     assert second.wait(timeout=300) == 0, (tmp_path / "coordinator2.log").read_text()[-3000:]
     log = (tmp_path / "coordinator2.log").read_text()
     assert "resuming run" in log and f"at version {crashed_at} (" in log
