@@ -57,10 +57,10 @@ class LlamaBackend:
             gpu_layers, parallel, self.fitted = llama_device.within(model_path, max_vram_gib, self.gpu, gpu_layers,
                                                                     parallel, n_ctx, kv)
         self.threads, self.n_ctx, self.gpu_layers, self.parallel = threads, n_ctx, gpu_layers, parallel
-        self.offloaded = offloaded = self.gpu and gpu_layers != 0
-        options = llama_device.candidates(offloaded, kv)
+        self.offloaded = self.gpu and gpu_layers != 0
+        options = llama_device.candidates(self.offloaded, kv)
         # On a GPU, settings are tried in a throwaway process first: a crashing backend must not take the node.
-        self.settings = (llama_probe.choose(Path(model_path), gpu_layers, parallel, n_ctx, options) if offloaded
+        self.settings = (llama_probe.choose(Path(model_path), gpu_layers, parallel, n_ctx, options) if self.offloaded
                          else options[0])
         patterns = llama_overrides.expert_patterns(None if cpu_moe else n_cpu_moe)  # [] for neither
         self._overrides = llama_overrides.cpu_overrides(patterns) if patterns else None  # read at every load

@@ -7,12 +7,14 @@ import dataclasses
 import numpy as np
 import pytest
 
+from echo_node.disk import DiskFull
 from echo_node.presence import Presence
+from echo_node.session import Session
 from echo_node.updates import UpdateError
 from echo_node.versions import Versions
 from protocols.errors import RemoteError, TransportError
 from protocols.transport.relay import Relay
-from tests.unit.echo_node.conftest import Backend, RelayTrainer, full_run
+from tests.unit.echo_node.conftest import Backend, RelayTrainer, config, full_run
 from tests.unit.protocols import factories
 from tests.unit.protocols.factories import peer_id
 
@@ -96,9 +98,6 @@ def test_full_weights_make_room_for_their_float32_export_and_its_requantization_
     them to a file as large as the base (an 8B base: ~32 GB, then ~5 GB). Room for both is made
     under --max-disk before either is written: a limit that cannot hold them refuses the load,
     with the room it needed; one that can loads them."""
-    from echo_node.disk import DiskFull
-    from echo_node.session import Session
-    from tests.unit.echo_node.conftest import config
 
     base, relay, manifest, _ = full_run(versions=1)
     need = 4 * sum(w.size for w in base.values()) + Backend().model_path.stat().st_size
