@@ -119,9 +119,10 @@ def _make_room_for_checkpoint(session: Session, manifest: RunManifest, model: Pa
 
 
 def _load_backend(session: Session, manifest: RunManifest, model: Path):
-    """The generation backend, and the master weights updates apply to: in full mode the float32
-    base weights, in LoRA mode the adapter, empty until the first update. The config chooses the
-    backend; nothing else asks which one it is."""
+    """The generation backend, and the master weights updates apply to: in LoRA mode the adapter,
+    empty until the first update; in full mode None, the float32 base weights, which `Versions`
+    loads only when a delta needs them. The config chooses the backend; nothing else asks which
+    one it is."""
     config = session.config
     # The run's window, not ours: the trainer refuses a transcript that ends anywhere else.
     window = context_window(manifest.max_new_tokens, manifest.task.max_turns > 1)
@@ -148,5 +149,4 @@ def _load_backend(session: Session, manifest: RunManifest, model: Path):
         console.print(f"llama.cpp runs in a worker process: {backend.confined}")
         if backend.fitted:
             console.print(backend.fitted)
-    master = backend.base_weights()[1] if manifest.update == "full" else {}
-    return backend, master
+    return backend, None if manifest.update == "full" else {}

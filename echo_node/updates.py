@@ -208,13 +208,15 @@ def shapes(weights: Mapping[str, np.ndarray]) -> dict[str, tuple[int, ...]]:
 
 
 def apply_update(held: dict[str, np.ndarray], update: WeightUpdate, payloads: Mapping[str, bytes],
-                 max_elements: int | None = None) -> dict[str, np.ndarray]:
+                 max_elements: int | None = None,
+                 held_shapes: Mapping[str, tuple[int, ...]] | None = None) -> dict[str, np.ndarray]:
     """The weights after `update` (checked again by `check_manifest`, for callers that did not
     fetch it): the whole new dict for a snapshot, else the tensors it touches. `held` itself is
     not modified, so a failure part-way leaves nothing half-applied. The first LoRA snapshot
     (nothing held yet) defines the tensors, and the backend checks the names when it loads the
-    adapter. LoRA views are bf16 (`protocols.delta`)."""
-    check_manifest(shapes(held), update, max_elements)
+    adapter. LoRA views are bf16 (`protocols.delta`). A snapshot reads nothing of `held`: a
+    caller that does not hold the weights it replaces passes their `held_shapes` instead."""
+    check_manifest(shapes(held) if held_shapes is None else held_shapes, update, max_elements)
     new = {}
     for t in update.tensors:
         if update.replaces:

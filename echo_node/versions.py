@@ -29,12 +29,20 @@ class Versions:
     before it starts the other)."""
 
     def __init__(self, session: Session, presence: Presence, trainer: str, manifest: RunManifest, backend,
-                 master: dict, relay: Relay):
+                 master: dict | None, relay: Relay):
         self.session, self.presence, self.trainer, self.manifest = session, presence, trainer, manifest
         self.backend, self.relay = backend, relay
         self.version = 0  # the last version whose update was fully verified and applied
         self.loaded = 0  # full mode: the version the backend serves (master weights may be ahead mid-chain)
-        self.master = master  # what updates apply to: the LoRA adapter (none at version 0), or full weights
+        # What updates apply to: the LoRA adapter (none at version 0), or full weights. None: full
+        # mode's base weights, loaded only when a delta needs them (`_held`), so a late joiner's
+        # snapshot is never decoded beside the base it replaces (an 8B base is 32 GB as float32).
+        self.master = master
+        self.base_shapes = None
+        if master is None:
+            from engines.hf import master_shapes
+
+            self.base_shapes = master_shapes(backend.model_path)
         self.shunned = Shunned()  # providers that failed us, skipped for a while
         self.max_elements = getattr(backend, "n_params", None)  # what a first LoRA snapshot may declare
 
@@ -75,12 +83,21 @@ class Versions:
         route = " + ".join(f"{'snapshot' if s.replaces else 'delta'} {s.from_version}->{s.to_version}" for s in chain)
         return f"updated to version {version} via {route} in {time.perf_counter() - started:.2f}s"
 
+    def _shapes(self) -> dict[str, tuple[int, ...]]:
+        return self.base_shapes if self.master is None else shapes(self.master)
+
     def _check(self, update: WeightUpdate) -> None:
-        check_manifest(shapes(self.master), update, self.max_elements)
+        check_manifest(self._shapes(), update, self.max_elements)
+
+    def _held(self) -> dict:
+        if self.master is None:
+            self.master = self.backend.base_weights()[1]
+        return self.master
 
     async def _apply(self, update: WeightUpdate, store: dict[str, bytes], payloads: Mapping[str, bytes]) -> None:
-        new = await asyncio.to_thread(apply_update, self.master, update, payloads, self.max_elements)
-        new = new if update.replaces else {**self.master, **new}
+        held = {} if update.replaces else await asyncio.to_thread(self._held)
+        new = await asyncio.to_thread(apply_update, held, update, payloads, self.max_elements, self._shapes())
+        new = new if update.replaces else {**held, **new}
         if update.mode == "lora":
             await load_lora(new, update, self.backend, self.session.disk)  # raises: nothing changed
         self.master = new

@@ -199,6 +199,24 @@ def load_master(model_path: Path):
     return model.config, distinct_weights(model)
 
 
+def load_config(model_path: Path):
+    """The HF config of `load_master`'s model, without its weights."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(checkpoint_of(Path(model_path)))
+
+
+def master_shapes(model_path: Path) -> dict[str, tuple[int, ...]]:
+    """The name and shape of each of `load_master`'s weights for a GGUF file, read from its
+    checkpoint's header alone: what a full-mode node checks a snapshot against without holding
+    the base weights the snapshot replaces. `gguf_checkpoint` writes a tied head under the
+    embeddings' name only, as `distinct_weights` keeps it."""
+    from safetensors import safe_open
+
+    with safe_open(str(gguf_checkpoint(Path(model_path)) / "model.safetensors"), framework="numpy") as f:
+        return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+
+
 def prompt_ids(tokenizer, messages: tuple[Message, ...]) -> tuple[int, ...]:
     """The prompt tokens for an episode's opening messages: the chat template, ready for the assistant."""
     return tuple(tokenizer(_render(tokenizer, messages), add_special_tokens=False).input_ids)

@@ -22,7 +22,7 @@ from engines import llama_batch, llama_device, llama_overrides, llama_probe
 from engines.backend import Completion, Follow, Meter, Request, hardware_summary
 from engines.full_weights import export_quantized, file_type
 from engines.gguf_io import Layout
-from engines.hf import load_master
+from engines.hf import load_config, load_master
 from engines.sampler import use_threads
 
 MIN_CONTEXT = 32  # the tokenizing context's window: it never decodes
@@ -80,7 +80,6 @@ class LlamaBackend:
         self.n_params = int(llama_cpp.llama_model_n_params(self.llm.model))  # bounds what an adapter may declare
         self.eos = self.llm.token_eos()
         self.model_path = Path(model_path)
-        self.hf_config = None  # full mode: the base's HF config, read with the master weights (`base_weights`)
         self._adapter = None
         self.meter = Meter()
 
@@ -110,15 +109,14 @@ class LlamaBackend:
         self.llm = self._load(path)
 
     def base_weights(self):
-        self.hf_config, master = load_master(self.model_path)
-        return self.hf_config, master
+        return load_master(self.model_path)
 
     def load_weights(self, master: dict[str, np.ndarray], version: int, workdir: Path) -> None:
         """Re-export `master` (of `base_weights`' model) to `workdir/v{version}.gguf`, requantized to
         the joined file's type, and reload; older exports go."""
         workdir.mkdir(parents=True, exist_ok=True)
         out = workdir / f"v{version}.gguf"
-        export_quantized(self.hf_config, master, self.model_path, out, self.file_type)
+        export_quantized(load_config(self.model_path), master, self.model_path, out, self.file_type)
         self.reload(out)
         for old in workdir.glob("v*.gguf"):
             if old != out:

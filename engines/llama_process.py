@@ -30,7 +30,7 @@ import numpy as np
 from engines.backend import BackendCrashed, Completion, Follow, Interrupted, Request
 from engines.full_weights import file_type
 from engines.gguf_io import FILE_TYPES, Layout, write_model
-from engines.hf import load_master
+from engines.hf import load_config, load_master
 from engines.llama_device import DeviceError
 from engines.llama_worker import MAX_MESSAGE_BYTES, wire_request
 
@@ -67,7 +67,6 @@ class LlamaProcess:
         self.n_ctx, self.interrupt = n_ctx, interrupt or threading.Event()
         self.layout = Layout.of_file(self.model_path)  # read by our parser, before llama.cpp sees the file
         self.file_type = file_type(self.model_path)
-        self.hf_config = None
         for directory in (*readable, *writable):
             directory.mkdir(parents=True, exist_ok=True)  # Landlock grants paths that exist
         self._options = dict(options, threads=threads, n_ctx=n_ctx, confine=confine,
@@ -269,8 +268,7 @@ class LlamaProcess:
             self._adapter = path
 
     def base_weights(self):
-        self.hf_config, master = load_master(self.model_path)
-        return self.hf_config, master
+        return load_master(self.model_path)
 
     def load_weights(self, master: dict[str, np.ndarray], version: int, workdir: Path) -> None:
         """Full mode: `master` written as GGUF here (our writer), requantized to the joined file's
@@ -280,7 +278,7 @@ class LlamaProcess:
         workdir.mkdir(parents=True, exist_ok=True)
         workdir = workdir.absolute()
         out, f32 = workdir / f"v{version}.gguf", workdir / f"v{version}.f32.gguf"
-        write_model(self.hf_config, master, f32, tokenizer=self.model_path)
+        write_model(load_config(self.model_path), master, f32, tokenizer=self.model_path)
         with self._lock:
             try:
                 if self.file_type == FILE_TYPES["f32"]:

@@ -28,9 +28,10 @@ def check(digest: str, data: bytes) -> bytes:
     return data
 
 
-def assemble(entry: TensorEntry, fetch: Callable[[str], bytes]) -> bytes:
-    """Rebuild one tensor's payload from verified chunks; `fetch(digest)` returns raw bytes."""
-    payload = b"".join(check(d, fetch(d)) for d in entry.chunks)
+def assemble(entry: TensorEntry, fetch: Callable[[str], bytes]) -> bytearray:
+    """Rebuild one tensor's payload from verified chunks; `fetch(digest)` returns raw bytes. A new
+    bytearray, which `delta.decode` may take over as a float32 tensor's memory."""
+    payload = bytearray().join(check(d, fetch(d)) for d in entry.chunks)
     if len(payload) != entry.nbytes:
         raise IntegrityError(f"tensor {entry.name!r}: chunks hold {len(payload)} bytes, manifest says {entry.nbytes}")
     return payload

@@ -122,7 +122,8 @@ def encode(
 def decode(
     payload: Payload, encoding: Encoding | str, shape: Sequence[int], *, name: str = "?"
 ) -> np.ndarray:
-    """The float32 delta of `shape` carried by an untrusted `payload`."""
+    """The float32 delta of `shape` carried by an untrusted `payload`: a writable array, which
+    for a dense-fp32 bytearray payload is a view of it (the caller hands the buffer over)."""
     enc = _encoding(encoding)
     where = f"tensor {name!r}"
     dims = _check_shape(shape, where)
@@ -422,7 +423,10 @@ def _check_no_overflow(decoded: np.ndarray, sent: np.ndarray, enc: Encoding, whe
 def _dense_to_float32(wire: np.ndarray, enc: Encoding) -> np.ndarray:
     if enc is Encoding.DENSE_BF16:
         return bf16_bits_to_float32(wire)
-    return wire.astype(np.float32)
+    # float32 from a bytearray (`chunks.assemble`'s) is a view of it: a full-mode snapshot's
+    # payload becomes the node's weights rather than being held twice while decoded. Bytes are
+    # copied, so the array is always writable.
+    return wire.astype(np.float32, copy=not wire.flags.writeable)
 
 
 def _dequantize(q: np.ndarray, scale: np.float32) -> np.ndarray:

@@ -13,7 +13,7 @@ from echo_coordinator.base_model import PROBE_TEXT, ModelError, prepare, resolve
 from echo_coordinator.config import TrainerConfig
 from echo_coordinator.trainer.learner import Trainer
 from engines.full_weights import export_quantized, requantized
-from engines.hf import load_master
+from engines.hf import load_master, master_shapes
 from engines.gguf_io import FILE_TYPES, arch_of, write_lora_adapter
 from engines.hf import load_model, load_tokenizer
 from engines.llama_backend import LlamaBackend
@@ -84,6 +84,8 @@ def test_a_lora_adapter_written_for_the_arch_matches_peft(model):
 def test_full_mode_reexport_of_changed_weights(model):
     _, checkpoint, ggufs, work = model
     config, master = load_master(ggufs["f32"])
+    # What a full-mode node checks a snapshot against without loading the base (fused experts too).
+    assert master_shapes(ggufs["f32"]) == {k: v.shape for k, v in master.items()}
     hf = load_model(checkpoint, dtype=torch.float32)
     state = hf.state_dict()
     assert all(np.array_equal(master[k], state[k].numpy()) for k in master)  # nodes start where the trainer does

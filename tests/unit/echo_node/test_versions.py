@@ -3,6 +3,7 @@ failed move fails the round (the lease fixed the version)."""
 
 import asyncio
 import dataclasses
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -110,3 +111,62 @@ def test_full_weights_make_room_for_their_float32_export_and_its_requantization_
     versions, _ = versions_for(roomy, relay, manifest, base)
     asyncio.run(versions.prepare(factories.lease(version=1)))
     assert [v for v, _ in versions.backend.loads] == [1]
+
+
+def test_a_late_full_mode_joiner_never_holds_the_base_beside_the_snapshot_that_replaces_it(tiny_model, session):
+    """Issue 36 point 5: a node joining a full-mode run late catches up by a snapshot, which
+    replaces every weight. It used to load the float32 base at join and decode the snapshot
+    beside it (an 8B base: 32 GB of base, 32 GB of new weights and the snapshot's chunks at
+    once). The base now loads only when a delta needs it: the snapshot is checked against the
+    base's shapes (read from its checkpoint's header) and decoded alone. numpy reports its
+    arrays to tracemalloc, so the peak counts every weight decoded or loaded."""
+    from engines.hf import load_master
+    from echo_coordinator.publish import Publisher
+    from protocols.signing import generate_key, public_bytes
+
+    _, base = load_master(tiny_model)
+    weights_bytes = 4 * sum(w.size for w in base.values())
+    key = generate_key()
+    publisher = Publisher("run-1", key, "full", base, "dense-fp32", 1.0, snapshot_every=2, chunk_size=2**16)
+    relay = Relay(keep_versions=100)
+    rng, views = np.random.default_rng(0), {}
+    for version in (1, 2, 3):
+        moved = {k: (v + rng.normal(0, 0.01, v.shape)).astype(np.float32) for k, v in base.items()}
+        for update, store in publisher.publish(version, moved):
+            relay.remember(update, store)
+        views[version] = {k: v.copy() for k, v in publisher.view().items()}
+    manifest = factories.manifest(run_key=public_bytes(key), update="full", mode="async", staleness=4)
+
+    def node():
+        backend = Backend()
+        backend.model_path, backend.base_loads = tiny_model, 0
+
+        def base_weights():
+            backend.base_loads += 1
+            return load_master(tiny_model)
+
+        backend.base_weights = base_weights
+        backend.load_weights = lambda master, version, workdir: backend.loads.append((version, master))  # no copy
+        presence = Presence(session)
+        presence.endpoint = RelayTrainer(relay)
+        return Versions(session, presence, peer_id("Trainer"), manifest, backend, None, relay=Relay())
+
+    late = node()
+    tracemalloc.start()
+    try:
+        said = asyncio.run(late.prepare(factories.lease(version=2)))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert said.startswith("updated to version 2 via snapshot 0->2")
+    assert late.backend.base_loads == 0  # the base was never loaded
+    assert peak < 1.5 * weights_bytes, f"peak {peak:,} B for {weights_bytes:,} B of weights"
+    assert all(late.master[k].tobytes() == views[2][k].tobytes() for k in base)  # the trainer's view, bit for bit
+    asyncio.run(late.prepare(factories.lease(version=3)))  # a delta applies to the snapshot's weights
+    assert all(late.master[k].tobytes() == views[3][k].tobytes() for k in base) and late.backend.base_loads == 0
+    assert [v for v, _ in late.backend.loads] == [2, 3]
+
+    early = node()  # a node at version 0 whose first update is a delta loads the base for it, once
+    said = asyncio.run(early.prepare(factories.lease(version=1)))
+    assert said.startswith("updated to version 1 via delta 0->1") and early.backend.base_loads == 1
+    assert all(early.master[k].tobytes() == views[1][k].tobytes() for k in base)

@@ -199,6 +199,10 @@ def test_decode_returns_a_fresh_writable_array():
     for enc in Encoding:
         y = decode(encode(x, enc, density=1.0), enc, (2, 3))
         assert y.flags.writeable and y.flags.c_contiguous
+    # A dense-fp32 bytearray is taken over, not copied: a full-mode snapshot is not held twice.
+    payload = bytearray(encode(x, Encoding.DENSE_FP32))
+    y = decode(payload, Encoding.DENSE_FP32, (2, 3))
+    assert np.shares_memory(y, np.frombuffer(payload, np.uint8)) and np.array_equal(y, x) and y.flags.writeable
 
 
 def parse_int4(payload: bytes, n: int) -> tuple[np.ndarray, np.ndarray]:
