@@ -146,7 +146,8 @@ def _load_backend(session: Session, manifest: RunManifest, model: Path):
                                confine=config.sandbox, gpu_layers=config.gpu_layers, kv=config.kv,
                                max_vram_gib=config.max_vram_gib, cpu_moe=config.cpu_moe, n_cpu_moe=config.n_cpu_moe,
                                **({"parallel": config.parallel} if config.parallel else {}))
-        console.print(f"llama.cpp runs in a worker process: {backend.confined}")
+        console.print(f"llama.cpp runs in a worker process: {backend.confined}; "
+                      f"it may hold {backend.max_memory / 2**30:.1f} GiB of memory")
         if backend.fitted:
             console.print(backend.fitted)
     return backend, None if manifest.update == "full" else {}

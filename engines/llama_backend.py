@@ -19,14 +19,13 @@ import llama_cpp
 import numpy as np
 
 from engines import llama_batch, llama_device, llama_overrides, llama_probe
-from engines.backend import Completion, Follow, Meter, Request, hardware_summary
+from engines.backend import DEFAULT_PARALLEL, Completion, Follow, Meter, Request, hardware_summary
 from engines.full_weights import export_quantized, file_type
 from engines.gguf_io import Layout
 from engines.hf import load_config, load_master
 from engines.sampler import use_threads
 
 MIN_CONTEXT = 32  # the tokenizing context's window: it never decodes
-DEFAULT_PARALLEL = 8  # sequences at once: 1.9x one-at-a-time on 2 CPU threads (SmolLM2-135M); 32 gives 2.2x
 MAX_PIECE_BYTES = 1024  # longest text of one token
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engines.backend import BackendCrashed, Completion, Follow, Interrupted, Request
+from engines.backend import DEFAULT_PARALLEL, BackendCrashed, Completion, Follow, Interrupted, Request
 from engines.full_weights import file_type
 from engines.gguf_io import FILE_TYPES, Layout, write_model
 from engines.hf import load_config, load_master
@@ -49,6 +49,34 @@ def plain(text, limit: int = 2000) -> str:
     return "".join(c for c in str(text)[:limit] if c.isprintable())
 
 
+def memory_cap(layout: Layout, file_bytes: int, parallel: int, window: int) -> int:
+    """The most memory of its own (`own_memory`) the worker may hold before the node ends it:
+    twice what the whole model takes on the CPU (its weights, were they copied; a float32 KV
+    cache of `parallel` windows; attention scores of a 512-token step), and 1 GiB for Python and
+    a GPU driver's own. On a GPU backend the device's memory is not the process's, except where
+    it is host memory (lavapipe), which the cap then covers. Honest workers held 0.10-0.26 of
+    the cap on the CPU (SmolLM2-135M Q4_1, 1-32 sequences of 256-2048 tokens) and 0.33 on
+    Vulkan's lavapipe (docs/volunteers.md)."""
+    n_ctx, head = parallel * window, layout.n_embd // max(layout.n_head, 1)
+    kv = layout.n_layers * n_ctx * 2 * layout.n_head_kv * head * 4
+    scores = n_ctx * 512 * layout.n_head * 4
+    return 2 * (file_bytes + kv + scores) + 2**30
+
+
+def own_memory(pid: int) -> int:
+    """Bytes a process holds of its own: resident anonymous pages and swap (Linux; 0 where /proc
+    cannot say). A mapped model file is not counted: the kernel can always drop its pages."""
+    held = 0
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith(("RssAnon:", "VmSwap:")):
+                    held += int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return 0
+    return held
+
+
 def worker_environment() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k in ENVIRONMENT or k.startswith(ENVIRONMENT_PREFIXES)}
 
@@ -58,14 +86,18 @@ class LlamaProcess:
     WORKER = "engines.llama_worker"  # the module the worker runs
 
     def __init__(self, model_path: Path, threads: int = 0, n_ctx: int = 2048, interrupt: threading.Event | None = None,
-                 readable: tuple[Path, ...] = (), writable: tuple[Path, ...] = (), confine: bool = True, **options):
+                 readable: tuple[Path, ...] = (), writable: tuple[Path, ...] = (), confine: bool = True,
+                 max_memory: int | None = None, **options):
         """`LlamaBackend`'s arguments (`options`: its keywords), in a worker that may read only
         the model file and beneath `readable`, and write only beneath `writable` (directories,
         made here if missing). `confine`: False runs it unconfined, for a system where the
-        sandbox keeps llama.cpp from working."""
+        sandbox keeps llama.cpp from working. A worker holding more than `max_memory` bytes of
+        its own (default `memory_cap`) is ended like one that crashed."""
         self.model_path = Path(model_path).absolute()  # the worker runs in /
         self.n_ctx, self.interrupt = n_ctx, interrupt or threading.Event()
         self.layout = Layout.of_file(self.model_path)  # read by our parser, before llama.cpp sees the file
+        self.max_memory = max_memory or memory_cap(self.layout, self.model_path.stat().st_size,
+                                                   options.get("parallel", DEFAULT_PARALLEL), n_ctx)
         self.file_type = file_type(self.model_path)
         for directory in (*readable, *writable):
             directory.mkdir(parents=True, exist_ok=True)  # Landlock grants paths that exist
@@ -155,6 +187,9 @@ class LlamaProcess:
             while not self._conn.poll(POLL_SECONDS):
                 if self._process.poll() is not None:  # dead, though a child of it may hold the socket open
                     raise EOFError
+                if (held := own_memory(self._process.pid)) > self.max_memory:
+                    raise self._died(f"{doing} (it held {held / 2**20:,.0f} MiB, over its cap of "
+                                     f"{self.max_memory / 2**20:,.0f} MiB)", broke=True)
                 if interruptible and self.interrupt.is_set() and not signalled:
                     os.kill(self._process.pid, signal.SIGUSR1)
                     signalled = True

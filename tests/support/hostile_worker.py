@@ -3,6 +3,7 @@ what a worker whose llama.cpp was subverted by a coordinator's file could send t
 
 import json
 import sys
+import time
 from multiprocessing.connection import Connection
 
 ANSWERS = {  # to a generate of one request of up to 4 tokens, in a vocabulary of 100 ids
@@ -34,6 +35,11 @@ def main() -> None:
             conn.send_bytes(json.dumps({"ok": None}).encode())
         elif options["mode"] == "not json":
             conn.send_bytes(b"\x80\x04 not json")
+        elif options["mode"] == "runaway memory":  # a parser bug allocating without end, 64 MiB at a time
+            held = []
+            while True:
+                held.append(b"x" * 2**26)
+                time.sleep(0.01)
         else:
             conn.send_bytes(json.dumps(ANSWERS[options["mode"]]).encode())
 

@@ -16,7 +16,7 @@ import pytest
 
 from engines.backend import BackendCrashed, Interrupted, Request
 from engines.llama_backend import LlamaBackend
-from engines.llama_process import LlamaProcess
+from engines.llama_process import LlamaProcess, memory_cap, own_memory
 from tests.support.hostile_worker import ANSWERS
 from tests.support.tiny_model import build_tiny_gguf
 from tests.unit.engines.test_sandbox import landlock_abi
@@ -142,6 +142,30 @@ def test_a_worker_answer_that_does_not_fit_its_request_is_refused_and_the_worker
             worker.tokenize("x")
     finally:
         worker.close()
+
+
+def test_a_worker_holding_more_memory_than_its_cap_is_ended_and_replaced(model, monkeypatch):
+    """Issue 36 point 7: llama.cpp parses the coordinator's files in the worker, and a parser that
+    allocates without end must not take the volunteer's machine. The node reads the worker's own
+    memory while it waits for an answer and ends it past its cap; the call fails as a crash does."""
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parents[3]))
+    worker = Hostile(model, confine=False, mode="runaway memory", max_memory=512 * 2**20)
+    try:
+        first, started = worker._process.pid, time.monotonic()
+        with pytest.raises(BackendCrashed, match=r"ended by the node while generating \(it held [\d,]+ MiB, "
+                                                 r"over its cap of 512 MiB\)"):
+            worker.generate([Request((1, 2), 4, 1)], 1.0)
+        assert time.monotonic() - started < 10
+        assert worker._process.pid != first and worker._process.poll() is None
+    finally:
+        worker.close()
+
+
+def test_an_honest_worker_holds_under_half_its_default_memory_cap(model, worker):
+    """docs/volunteers.md has the shares measured on SmolLM2 (0.33-0.62 of the estimate the cap doubles)."""
+    worker.generate(REQUESTS, 0.9)
+    assert worker.max_memory == memory_cap(worker.layout, model.stat().st_size, 2, 128)
+    assert 0 < own_memory(worker._process.pid) < worker.max_memory / 2
 
 
 def test_a_worker_whose_node_is_killed_mid_generation_stops_at_once(model, tmp_path):
