@@ -11,7 +11,7 @@ from engines.backend import Interrupted
 from engines.episodes import rollouts
 from protocols import sampling
 from protocols.errors import InvalidValue
-from protocols.messages import RolloutBatch, RolloutSample, RunManifest, TaskLease
+from protocols.messages import RolloutBatch, RunManifest, TaskLease
 from protocols.signing import sign_message
 from tasks import SingleTurnTask, TaskError, make_task
 from tasks.registry import task_class
