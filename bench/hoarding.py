@@ -3,7 +3,7 @@ sequential, 60 s leases, one honest node) twice, side by side: alone, and with t
 (`tests/support/hoarders.py`) asking for work as fast as the rate limit lets them from before
 the run starts, keeping every lease and pushing nothing.
 
-    .venv/bin/python bench/hoarding.py [--steps 4] [--threads 1] [--attack hoard|fresh|garbage]
+    .venv/bin/python bench/hoarding.py [--steps 4] [--threads 1] [--attack hoard|fresh|garbage] [--mode async]
 
 `--attack fresh`: the hoarders use a new key for every request, so no lapse ever makes one wait
 (issue 36 point 2). `--attack garbage`: instead, two fresh keys at a time that lease and at once
@@ -37,11 +37,11 @@ BIN = Path(sys.executable).parent
 DEMO = (ROOT / "echo_coordinator" / "configs" / "demo.toml").read_text()
 
 
-def config(directory: Path, steps: int, threads: int) -> Path:
-    """The demo's run, with one node, 60 s leases and no evaluation rounds."""
+def config(directory: Path, steps: int, threads: int, mode: str) -> Path:
+    """The demo's run, with one node, 60 s leases and no evaluation rounds, in `mode`."""
     run, trainer = DEMO.split("[trainer]")
     for old, new in (("steps = 10", f"steps = {steps}"), ("min_nodes = 2", "min_nodes = 1"),
-                     ("eval_every = 2", "eval_every = 0")):
+                     ("eval_every = 2", "eval_every = 0"), ('mode = "sequential"', f'mode = "{mode}"')):
         run = run.replace(old, new)
     path = directory / "run.toml"
     path.write_text(f"""{run}lease_seconds = 60
@@ -53,12 +53,12 @@ threads = {threads}{trainer}""")
     return path
 
 
-def one_run(directory: Path, steps: int, threads: int, attack: str | None) -> tuple[list[float], dict]:
+def one_run(directory: Path, steps: int, threads: int, attack: str | None, mode: str) -> tuple[list[float], dict]:
     """Step seconds of one run, and what the hoarders were answered."""
     directory.mkdir()
     log = open(directory / "coordinator.log", "w")
     coordinator = subprocess.Popen([str(BIN / "echo-coordinator"), "start", "--demo", "--config",
-                                    str(config(directory, steps, threads))], stdout=log, stderr=subprocess.STDOUT)
+                                    str(config(directory, steps, threads, mode))], stdout=log, stderr=subprocess.STDOUT)
     node = None
     try:
         join_file = directory / "run" / "join.txt"
@@ -91,10 +91,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1, help="the node's and the trainer's")
     parser.add_argument("--attack", choices=("hoard", "fresh", "garbage"), default="hoard")
+    parser.add_argument("--mode", choices=("sequential", "async"), default="sequential", help="the run's sync mode")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="echo-hoard-") as tmp:
-        alone, _ = one_run(Path(tmp) / "alone", args.steps, args.threads, attack=None)
-        hoarded, replies = one_run(Path(tmp) / "hoarded", args.steps, args.threads, attack=args.attack)
+        alone, _ = one_run(Path(tmp) / "alone", args.steps, args.threads, None, args.mode)
+        hoarded, replies = one_run(Path(tmp) / "hoarded", args.steps, args.threads, args.attack, args.mode)
     print(f"\n{'run':<16}{'steps (s)':<40}{'mean':>7}{'median':>8}")
     for name, steps in (("alone", alone), (f"two keys, {args.attack}", hoarded)):
         print(f"{name:<16}{' '.join(f'{s:.1f}' for s in steps):<40}{statistics.mean(steps):>7.1f}"
@@ -103,7 +104,8 @@ def main() -> None:
     print(json.dumps(dict(step_ratio=round(statistics.mean(hoarded) / statistics.mean(alone), 3),
                           median_ratio=round(statistics.median(hoarded) / statistics.median(alone), 3),
                           alone_s=[round(s, 1) for s in alone], hoarded_s=[round(s, 1) for s in hoarded],
-                          attack=args.attack, attackers=replies, steps=args.steps, threads=args.threads)))
+                          attack=args.attack, mode=args.mode, attackers=replies, steps=args.steps,
+                          threads=args.threads)))
 
 
 if __name__ == "__main__":
