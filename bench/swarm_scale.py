@@ -14,7 +14,8 @@ Volunteers: `--procs` processes, each with its share of the N node keys spread o
 2 calls in flight per peer and RPC (the coordinator's per-peer limit). Each key behaves as an
 honest node: it asks for a lease of `--seeds` prompts, samples the toy model with the lease's
 noise, signs and pushes, then waits out the rest of its `--period`; on NoWork it takes the version
-it is told and asks again after the retry delay; "busy" is asked again with the node's backoff. A
+it is told and asks again after the retry delay; "busy" is asked again as the node does (a push
+every `PUSH_BUSY_RETRY` seconds while its lease lasts, other calls with the node's backoff). A
 key told of a newer version asks the coordinator once who holds it (`echo.holders`), as a node
 does before fetching it (the fetch itself is not played: the toy model has no weights).
 
@@ -27,7 +28,9 @@ coordinator's CPU ms per accepted sample and per push, split by component (`benc
 its DHT process and p2pd daemon included), the cores the coordinator and the volunteers used, the
 ledger thread's busy share and queue, the coordinator's RSS at the start and end of the measured
 window, each process's event-loop lag and how long lease and push calls waited for a handler thread,
-and whether every acknowledged sample was credited or dropped stale (`--dashboard`: also the
+and whether every acknowledged sample was credited or dropped stale, and each key's time from its
+first lease request to its first accepted push (the keys start within one period of each other:
+a flash crowd of new keys, each verified; `--dashboard`: also the
 latency and size of what an open dashboard asks every 2 s). The knee is the first
 N where accepted/s falls under 90 % of offered or p99 lease latency passes 100 ms. Ends with one
 JSON line.
@@ -318,6 +321,7 @@ async def volunteers(args) -> None:
     from protocols.messages import HoldersRequest, LeaseRequest, NoWork
     from protocols.multiaddr import peer_of
     from protocols.signing import generate_key, public_bytes, sign_message
+    from echo_node.work import PUSH_BUSY_RETRY
     from protocols.supervise import Backoff
     from tests.support.live_service import Peer, sampled_batch
 
@@ -327,11 +331,12 @@ async def volunteers(args) -> None:
     coordinator_peer, run_id = peer_of(args.address), args.run_id
     measure_from, end = args.start + args.warmup, args.start + args.warmup + args.seconds
     out = dict(lease_ms=[], push_ms=[], holders_ms=[], holders_named=0, errors=Counter(), acked=0, leased=0,
-               nowork=0, acked_total=0, keys_acked=0, busy=0)
+               nowork=0, acked_total=0, keys_acked=0, busy=0, first_accept_s=[])
 
-    async def call(peer, method, payload: bytes) -> bytes:
+    async def call(peer, method, payload: bytes, until: float | None = None) -> bytes:
         """One call as a node makes it: "busy" (the peer's calls in flight at the coordinator's
-        limit) is no verdict, and is asked again."""
+        limit, or new keys' batches being judged) is no verdict, and is asked again; a push
+        (`until`: its lease's expiry) at a fixed interval, given up when the lease is over."""
         backoff = Backoff()
         while True:
             async with gates[peer.peer_id, method.name]:
@@ -342,7 +347,10 @@ async def volunteers(args) -> None:
                     if e.code != "busy":
                         raise
                     out["busy"] += time.time() >= measure_from
-                    await asyncio.sleep(backoff.next())
+                    delay = backoff.next() if until is None else PUSH_BUSY_RETRY
+                    if until is not None and time.time() + delay >= until:
+                        raise
+                    await asyncio.sleep(delay)
                     continue
                 if time.time() >= measure_from:
                     out[timed[method]].append(1000 * (time.perf_counter() - started))
@@ -358,6 +366,7 @@ async def volunteers(args) -> None:
     async def volunteer(i: int) -> None:
         peer, key, version, mine = peers[i % len(peers)], generate_key(), 1, 0
         await asyncio.sleep(max(0.0, args.start - time.time()) + random.uniform(0, args.period))
+        asked = time.monotonic()  # its first lease request
         while time.time() < end:
             began, counting = time.monotonic(), time.time() >= measure_from
             try:
@@ -372,10 +381,12 @@ async def volunteers(args) -> None:
                     await asyncio.sleep(reply.retry_after)
                     continue
                 out["leased"] += counting * len(reply.seeds) * args.group
-                receipt = await call(peer, rpc.PUSH, sampled_batch(run_id, key, reply).to_wire())
+                receipt = await call(peer, rpc.PUSH, sampled_batch(run_id, key, reply).to_wire(), reply.expires_at)
                 out["acked"] += counting * receipt.accepted
                 out["acked_total"] += receipt.accepted
-                out["keys_acked"] += not mine and receipt.accepted > 0
+                if not mine and receipt.accepted > 0:
+                    out["keys_acked"] += 1
+                    out["first_accept_s"].append(time.monotonic() - asked)
                 mine += receipt.accepted
                 if receipt.latest_version > version:
                     version = receipt.latest_version
@@ -442,6 +453,7 @@ def run_size(n: int, args) -> dict:
     lease_ms = [x for p in parts for x in p["lease_ms"]]
     push_ms = [x for p in parts for x in p["push_ms"]]
     holders_ms = [x for p in parts for x in p["holders_ms"]]
+    first = [x for p in parts for x in p["first_accept_s"]]
     errors = sum((Counter(p["errors"]) for p in parts), Counter())
     acked = sum(p["acked"] for p in parts)
     leased = sum(p["leased"] for p in parts)
@@ -461,6 +473,9 @@ def run_size(n: int, args) -> dict:
         errors=dict(errors), busy_retries=sum(p["busy"] for p in parts), nowork=sum(p["nowork"] for p in parts),
         acked=acked, leased_samples=leased,
         keys_acked=sum(p["keys_acked"] for p in parts), acked_total=sum(p["acked_total"] for p in parts),
+        # the flash crowd: each key's first accepted push after its first lease request (s)
+        first_accept_p50_s=percentile(first, 50), first_accept_p99_s=percentile(first, 99),
+        first_accept_max_s=max(first, default=None), keys_never_accepted=n - len(first),
         acknowledged=stats["acknowledged"],
         # acknowledged, yet neither credited, dropped as stale nor waiting in the journal
         lost=stats["acknowledged"] - sum(stats["books"].values()),
@@ -521,6 +536,9 @@ def main() -> None:
               f"{r['push_p99_ms'] or 0:<8.1f} {r['cpu_ms_per_sample']:>13.2f} "
               f"{r['coordinator_cores']:>4.2f}+{r['volunteer_cores']:<4.2f} "
               f"{r['rss_mib_start']:>6.0f}->{r['rss_mib_end']:<6.0f} {r['errors'] or ''}")
+        print(f"       first accept per key p50/p99/max: {r['first_accept_p50_s'] or 0:.1f}/"
+              f"{r['first_accept_p99_s'] or 0:.1f}/{r['first_accept_max_s'] or 0:.1f} s, "
+              f"{r['keys_never_accepted']} keys never accepted")
         parts = r["cpu_ms_by_component"].items()
         print("       cpu ms/sample by component: " + ", ".join(f"{k} {v:.2f}" for k, v in parts))
         for line in r["memory_growth"] or ():

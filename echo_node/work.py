@@ -34,6 +34,7 @@ ROUND_FAILURES = (TransportError, ProtocolError, UpdateError, BackendCrashed)
 IDLE_POLL = 2.0  # seconds between looks at the pause file and the clock while idle
 CLOCK_SLACK = 600.0  # seconds a lease's expiry may lie in our past: the trainer's clock is not ours
 LONGEST_LEASE = 86_400.0  # seconds: a lease further out would hold our one push slot for days
+PUSH_BUSY_RETRY = 1.0  # seconds between pushes of a batch the trainer is too busy to judge yet
 
 
 def check_lease(lease: TaskLease, asked: LeaseRequest, now: float) -> TaskLease:
@@ -195,19 +196,23 @@ class Work:
             self.session.answered()
             return receipt
 
+        def busy(error: BaseException) -> bool:
+            # Other new keys' batches are being judged, or this peer's pushes are at their limit:
+            # no verdict, and a slot opens any moment. Asked again at a short, fixed interval up
+            # to the lease's end (a growing backoff gave up with up to 8 s of the lease left).
+            return isinstance(error, RemoteError) and error.code == "busy"
+
         async def wait(error: BaseException, delay: float) -> None:
-            log.warning("pushing lease %s failed (%s); retrying in %.1f s while the lease lasts",
-                        batch.lease_id, error, delay)
+            log.log(logging.INFO if busy(error) else logging.WARNING,
+                    "pushing lease %s failed (%s); retrying in %.1f s while the lease lasts", batch.lease_id, error, delay)
             await asyncio.sleep(delay)
 
         def give_up(error: BaseException, delay: float) -> bool:
-            # RemoteError: the trainer answered (stale, released, refused); pushing again cannot change
-            # that. But "busy" (other new keys' batches are being judged, or this peer's pushes are
-            # at their limit) is no verdict.
-            refused = isinstance(error, RemoteError) and error.code != "busy"
+            # RemoteError: the trainer answered (stale, released, refused); pushing again cannot change that.
+            refused = isinstance(error, RemoteError) and not busy(error)
             return refused or time.time() + delay >= expires_at
 
-        return await retry(attempt, TransportError, wait=wait, give_up=give_up)
+        return await retry(attempt, TransportError, wait=wait, give_up=give_up, busy=busy, busy_delay=PUSH_BUSY_RETRY)
 
     async def _finish(self, version: int) -> None:
         """Leave with the run's final policy if it can still be fetched; the run is over either way."""

@@ -13,6 +13,9 @@ Invariants
   Each key's lapses (leases that expired unanswered) since it last completed one are counted.
   An expired lease may still be completed late while none of its seeds has been leased again: a
   slow honest node's work is not lost to a short lease.
+- A lease whose batch is being judged (`pin`) does not expire until the judgment ends: the time
+  the trainer takes to judge is its own, and a queue of its making must not lapse an honest
+  key's lease and hand its seeds to another.
 - A shadow lease (`shadow`) repeats the seeds of another key's short (unproven) lease and owns
   none: the seeds stay that lease's, or pending once it expires. Whichever of the two is
   completed first completes them; the other is `beaten` from then on (never completes a seed).
@@ -79,6 +82,7 @@ class LeaseBook:
         self._shadowed: dict[str, set[str]] = {}  # lease id -> keys whose shadows of it are outstanding
         self._shadow_due = math.inf  # no shadow expires before this
         self._beaten: dict[str, Lease] = {}  # leases closed by a shadow's answer, newest last (`beaten`)
+        self._pinned: set[str] = set()  # leases whose batches are being judged: they do not expire (`pin`)
 
     @property
     def prefix(self) -> str:
@@ -257,15 +261,26 @@ class LeaseBook:
         self._lapses.pop(node_id, None)
         return lease
 
+    def pin(self, lease_id: str) -> None:
+        """Its batch is being judged: the lease does not expire until `unpin`."""
+        self._pinned.add(lease_id)
+
+    def unpin(self, lease_id: str) -> None:
+        """Judged: the lease expires as any other (at the next `expire`, if it is past due)."""
+        self._pinned.discard(lease_id)
+
     def expire(self, now: float) -> list[Lease]:
-        """Close leases with `expires_at <= now`, oldest first; their seeds go back to the front,
-        and each counts as a lapse of its key (so does an expired shadow: it has no seeds)."""
-        expired = [lease for lease in self._outstanding.values() if lease.expires_at <= now]
+        """Close leases with `expires_at <= now` that are not `pin`ned, oldest first; their seeds
+        go back to the front, and each counts as a lapse of its key (so does an expired shadow:
+        it has no seeds)."""
+        expired = [lease for lease in self._outstanding.values()
+                   if lease.expires_at <= now and lease.lease_id not in self._pinned]
         self._reopen(expired, "expired")
         self._expired_count += len(expired)
         shadows = []
         if now >= self._shadow_due:  # every call scans the shadows (up to MAX_SHADOWS) only once one is due
-            shadows = [lease for lease, _ in self._shadows.values() if lease.expires_at <= now]
+            shadows = [lease for lease, _ in self._shadows.values()
+                       if lease.expires_at <= now and lease.lease_id not in self._pinned]
             for lease in shadows:
                 self._drop_shadow(lease.lease_id, "expired")
             self._shadow_due = min((lease.expires_at for lease, _ in self._shadows.values()), default=math.inf)

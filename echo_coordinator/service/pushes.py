@@ -117,9 +117,12 @@ class Pushes:
             round_ = self.rounds.round_of(batch.lease_id)
         book = self.leasing.book if round_ is None else round_.book
         beaten = False  # another lease's answer completed its seeds first: judged for the key's proof only
+        pinned = False  # its lease waits for the verdict (only the holder's batch gets that far)
         try:
             with self.lock:
                 lease = self._held_lease(batch, now, round_)
+                book.pin(batch.lease_id)  # our time judging it is not the node's: the lease waits
+                pinned = True
                 beaten = book.beaten(batch.lease_id, batch.node_id) is not None
                 if round_ is None:
                     self.nodes.lease_answered(batch.node_id)
@@ -138,7 +141,7 @@ class Pushes:
                 self.policing.strike(self.ledger, batch.node_id, now)
                 raise
             waits = self.policing.verify(self.ledger, batch, now, round_, current=self.buffer.version)
-            now += time.monotonic() - started  # the lease may have expired while we judged
+            now += time.monotonic() - started  # (its lease was pinned: it has not expired meanwhile)
             groups = [] if round_ is not None else judging.groups(batch, rewards, peer_id, name, unchecked=waits)
             with self.lock:
                 # Another key's answer may have completed these seeds while this batch was judged.
@@ -167,6 +170,8 @@ class Pushes:
         finally:
             with self.lock:
                 self.judging.discard(judging_now)
+                if pinned:
+                    book.unpin(batch.lease_id)
                 if beaten:
                     book.drop_beaten(batch.lease_id)
 

@@ -18,7 +18,8 @@ def test_fifty_volunteers_are_served_and_nothing_acknowledged_is_lost():
     args = argparse.Namespace(seconds=10.0, warmup=3.0, period=4.0, procs=2, keys_per_peer=25, seeds=2)
     row = swarm_scale.run_size(50, args)
     assert row["errors"] == {} and row["rejections"] == {}, row
-    assert row["keys_acked"] == 50, row  # every volunteer had work accepted
+    assert row["keys_acked"] == 50 and row["keys_never_accepted"] == 0, row  # every volunteer had work accepted
+    assert 0 < row["first_accept_p50_s"] <= row["first_accept_max_s"] < 13, row  # within the run's 13 s
     assert row["acked_total"] == row["acknowledged"] > 0, row  # what the volunteers heard is what the service said
     assert row["books"]["in_buffer"] == 0 and row["lost"] == 0, row
     assert row["accepted_per_s"] > 0.5 * row["offered_per_s"], row

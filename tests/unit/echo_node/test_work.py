@@ -89,6 +89,21 @@ def test_a_push_is_retried_across_a_broken_stream_but_not_after_a_refusal(sessio
     assert work.endpoint.calls == 1
 
 
+def test_busy_is_pushed_again_at_a_short_interval_up_to_the_leases_end(session, monkeypatch):
+    """Issue 37's flash crowd: a new key's push refused `busy` again and again. The backoff grows
+    to 8 s and more, and the node gave up once the next try fell past the lease's expiry, with
+    seconds of the lease left; now "busy" is asked again every PUSH_BUSY_RETRY seconds."""
+    monkeypatch.setattr("protocols.supervise.Backoff.next", lambda self: 8.0)  # a grown backoff
+    monkeypatch.setattr("echo_node.work.PUSH_BUSY_RETRY", 0.05)
+    busy = [RemoteError("busy", "4 new keys' batches are being judged", "p", "echo.push") for _ in range(6)]
+    work = work_for(session, FlakyTrainer(*busy))
+    assert asyncio.run(work._push(factories.batch(), time.time() + 3)).accepted == 4 and work.endpoint.calls == 7
+    work = work_for(session, FlakyTrainer(*busy))  # the lease's last moment: given up, not pushed past it
+    with pytest.raises(RemoteError, match="busy"):
+        asyncio.run(work._push(factories.batch(), time.time() + 0.12))
+    assert 2 <= work.endpoint.calls <= 3
+
+
 class SlowTrainer:
     """Hands out `leases` leases, then says the run is over; answers each push after `seconds`,
     refusing the first as stale. Records what happened when, and the lease requests."""

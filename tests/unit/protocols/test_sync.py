@@ -113,6 +113,27 @@ def test_expire_reassigns_to_another_node_first():
     assert book.complete(new.lease_id, "c", 11.0) == new
 
 
+def test_a_lease_whose_batch_is_being_judged_does_not_expire_until_judged():
+    """Issue 37's flash crowd: a batch that arrived in time waits for the trainer's verdict; the
+    wait is the trainer's, so the lease is neither reissued nor counted as its key's lapse."""
+    book = book_with(range(3))
+    lease = book.issue("a", 2, 0, 0.0, ttl=5.0)  # a new key's short lease: until 5
+    shadow = book.shadow("b", 1, 0, 1.0, ttl=5.0)  # b repeats seed 0 until 6
+    for held in (lease, shadow):
+        book.pin(held.lease_id)
+    assert book.expire(30.0) == [] and book.issue("c", 3, 0, 30.0).seeds == (2,)  # 0 and 1 stay held
+    assert book.lapses("a") == (0, 0.0) and book.find(shadow.lease_id, 30.0) == shadow
+    assert book.complete(lease.lease_id, "a", 31.0) == lease and book.lapses("a") == (0, 0.0)
+    book.unpin(lease.lease_id)
+    book.unpin(shadow.lease_id)  # judged: the shadow (now beaten) goes as any other
+    assert book.shadows == ()
+    other = book_with(range(2))
+    held = other.issue("a", 1, 0, 0.0)
+    other.pin(held.lease_id)
+    other.unpin(held.lease_id)  # judged and refused without a release: it expires as usual
+    assert other.expire(10.0) == [held] and other.lapses("a")[0] == 1
+
+
 def test_expire_keeps_issue_order_of_several_leases():
     book = book_with(range(6))
     first = book.issue("a", 2, 0, 0.0)

@@ -833,6 +833,33 @@ def test_a_lease_given_in_the_moment_of_a_ban_goes_back_at_once(service, monkeyp
         (3, 4), (5, 6)]
 
 
+def test_a_batch_judged_past_its_leases_expiry_is_accepted_and_its_seeds_stay_its_own(tmp_path, made):
+    """Issue 37's flash crowd: the trainer's time judging a batch is not the node's. A new key's
+    batch arrived in time, and its verification (queued behind the trainer's work) outlasted the
+    lease: the lease must not lapse meanwhile, so its seeds are not handed to another key, and the
+    batch is accepted without a lapse counted against its key. Before, the seeds went to the next
+    key that asked and the batch was refused `expired`."""
+    asked = {}
+
+    def slow_evidence(samples, seeds, weights):
+        # Another key asks for work while this batch is judged, long after the lease's expiry.
+        asked["lease"] = svc.handle_lease(lease_request(generate_key(), max_seeds=1, time=NOW + 600), now=NOW + 600)
+        return toy_evidence(samples, seeds, weights)
+
+    verifier = Verifier(slow_evidence, SamplingRule(), keep_versions=0)
+    verifier.remember(0, {})
+    svc = make_service(Ledger(tmp_path / "ledger.sqlite"), LeaseSettings(lease_seconds=600, seeds_per_lease=1),
+                       Policing(verifier))
+    made.append(svc)
+    svc.open_step([5, 6])
+    key = generate_key()
+    lease = svc.handle_lease(lease_request(key, max_seeds=1), now=NOW)
+    assert lease.expires_at == NOW + 150  # a new key's first lease
+    assert push(svc, sampled_batch(key, lease), peer_id("n"), now=NOW + 100).accepted == GROUP
+    assert isinstance(asked["lease"], TaskLease) and asked["lease"].seeds == (6,)  # not the judged seed 5
+    assert svc.leasing.book.lapses(fingerprint(public_bytes(key))) == (0, 0.0)
+
+
 def test_new_keys_batches_hold_a_few_push_threads_and_the_rest_are_told_to_push_again(tmp_path, made):
     """Keys are free (issue 36 point 3): while NEW_KEY_PUSHES new keys' batches are being judged,
     another new key's push is refused `busy` at once, before any checking, and its lease stays
