@@ -4,10 +4,12 @@ sequential, 60 s leases, one honest node) twice, side by side: alone, and with t
 the run starts, keeping every lease and pushing nothing.
 
     .venv/bin/python bench/hoarding.py [--steps 4] [--threads 1] [--attack hoard|fresh|garbage] [--mode async]
+        [--keys 2]
 
 `--attack fresh`: the hoarders use a new key for every request, so no lapse ever makes one wait
 (issue 36 point 2). `--attack garbage`: instead, two fresh keys at a time that lease and at once
-push random maximum-length tokens, to keep the trainer verifying (issue 36 point 3).
+push random maximum-length tokens, to keep the trainer verifying (issue 36 point 3). `--keys`: that
+many attacking keys at once instead of two.
 
 Prints each run's step times and ends with a JSON line: `step_ratio` (mean step time with the
 attackers ÷ without; goal <= 2, issue 36: <= 1.5), the medians, and what the attackers were answered.
@@ -53,7 +55,8 @@ threads = {threads}{trainer}""")
     return path
 
 
-def one_run(directory: Path, steps: int, threads: int, attack: str | None, mode: str) -> tuple[list[float], dict]:
+def one_run(directory: Path, steps: int, threads: int, attack: str | None, mode: str,
+            keys: int = 2) -> tuple[list[float], dict]:
     """Step seconds of one run, and what the hoarders were answered."""
     directory.mkdir()
     log = open(directory / "coordinator.log", "w")
@@ -71,7 +74,7 @@ def one_run(directory: Path, steps: int, threads: int, attack: str | None, mode:
         node = subprocess.Popen([str(BIN / argv[0]), *argv[1:], "--model", str(demo_model_path()), "--name", "honest",
                                  "--data-dir", str(directory / "node"), "--threads", str(threads)],
                                 stdout=open(directory / "node.log", "w"), stderr=subprocess.STDOUT)
-        hoarders = Hoarders(argv[2], garbage=attack == "garbage", fresh=attack == "fresh")
+        hoarders = Hoarders(argv[2], keys, garbage=attack == "garbage", fresh=attack == "fresh")
         if attack:
             asyncio.run(hoarders.run(lambda: coordinator.poll() is not None))
         if coordinator.wait(timeout=60 * 60) != 0:
@@ -92,19 +95,20 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="the node's and the trainer's")
     parser.add_argument("--attack", choices=("hoard", "fresh", "garbage"), default="hoard")
     parser.add_argument("--mode", choices=("sequential", "async"), default="sequential", help="the run's sync mode")
+    parser.add_argument("--keys", type=int, default=2, help="attacking keys at once")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="echo-hoard-") as tmp:
         alone, _ = one_run(Path(tmp) / "alone", args.steps, args.threads, None, args.mode)
-        hoarded, replies = one_run(Path(tmp) / "hoarded", args.steps, args.threads, args.attack, args.mode)
+        hoarded, replies = one_run(Path(tmp) / "hoarded", args.steps, args.threads, args.attack, args.mode, args.keys)
     print(f"\n{'run':<16}{'steps (s)':<40}{'mean':>7}{'median':>8}")
-    for name, steps in (("alone", alone), (f"two keys, {args.attack}", hoarded)):
+    for name, steps in (("alone", alone), (f"{args.keys} keys, {args.attack}", hoarded)):
         print(f"{name:<16}{' '.join(f'{s:.1f}' for s in steps):<40}{statistics.mean(steps):>7.1f}"
               f"{statistics.median(steps):>8.1f}")
     print(f"the attackers were answered: {replies}")
     print(json.dumps(dict(step_ratio=round(statistics.mean(hoarded) / statistics.mean(alone), 3),
                           median_ratio=round(statistics.median(hoarded) / statistics.median(alone), 3),
                           alone_s=[round(s, 1) for s in alone], hoarded_s=[round(s, 1) for s in hoarded],
-                          attack=args.attack, mode=args.mode, attackers=replies, steps=args.steps,
+                          attack=args.attack, mode=args.mode, keys=args.keys, attackers=replies, steps=args.steps,
                           threads=args.threads)))
 
 
