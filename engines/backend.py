@@ -18,8 +18,9 @@ from typing import Protocol
 
 import numpy as np
 
-DEFAULT_PARALLEL = 8  # sequences at once: 1.9x one-at-a-time on 2 CPU threads (SmolLM2-135M); 32 gives 2.2x
 from protocols.errors import EchoError
+
+DEFAULT_PARALLEL = 8  # sequences at once: 1.9x one-at-a-time on 2 CPU threads (SmolLM2-135M); 32 gives 2.2x
 
 
 @dataclass(frozen=True)
