@@ -833,6 +833,16 @@ def test_a_lease_given_in_the_moment_of_a_ban_goes_back_at_once(service, monkeyp
         (3, 4), (5, 6)]
 
 
+def verified_by(evidence, tmp_path, made) -> RunService:
+    """A service whose pushes are all verified with `evidence`, 600 s leases of one seed."""
+    verifier = Verifier(evidence, SamplingRule(), keep_versions=0)
+    verifier.remember(0, {})
+    svc = make_service(Ledger(tmp_path / "ledger.sqlite"), LeaseSettings(lease_seconds=600, seeds_per_lease=1),
+                       Policing(verifier))
+    made.append(svc)
+    return svc
+
+
 def test_a_batch_judged_past_its_leases_expiry_is_accepted_and_its_seeds_stay_its_own(tmp_path, made):
     """Issue 37's flash crowd: the trainer's time judging a batch is not the node's. A new key's
     batch arrived in time, and its verification (queued behind the trainer's work) outlasted the
@@ -846,11 +856,7 @@ def test_a_batch_judged_past_its_leases_expiry_is_accepted_and_its_seeds_stay_it
         asked["lease"] = svc.handle_lease(lease_request(generate_key(), max_seeds=1, time=NOW + 600), now=NOW + 600)
         return toy_evidence(samples, seeds, weights)
 
-    verifier = Verifier(slow_evidence, SamplingRule(), keep_versions=0)
-    verifier.remember(0, {})
-    svc = make_service(Ledger(tmp_path / "ledger.sqlite"), LeaseSettings(lease_seconds=600, seeds_per_lease=1),
-                       Policing(verifier))
-    made.append(svc)
+    svc = verified_by(slow_evidence, tmp_path, made)
     svc.open_step([5, 6])
     key = generate_key()
     lease = svc.handle_lease(lease_request(key, max_seeds=1), now=NOW)
@@ -874,11 +880,7 @@ def test_new_keys_batches_hold_a_few_push_threads_and_the_rest_are_told_to_push_
         assert gate.wait(10)
         return toy_evidence(samples, seeds, weights)
 
-    verifier = Verifier(slow_evidence, SamplingRule(), keep_versions=0)
-    verifier.remember(0, {})
-    svc = make_service(Ledger(tmp_path / "ledger.sqlite"), LeaseSettings(lease_seconds=600, seeds_per_lease=1),
-                       Policing(verifier))
-    made.append(svc)
+    svc = verified_by(slow_evidence, tmp_path, made)
     svc.open_step(list(range(100)))
     keys = [generate_key() for _ in range(NEW_KEY_PUSHES + 1)]
     batches = [sampled_batch(k, svc.handle_lease(lease_request(k), now=NOW)) for k in keys]
