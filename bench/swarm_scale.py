@@ -370,17 +370,19 @@ async def volunteers(args) -> None:
         while time.time() < end:
             began, counting = time.monotonic(), time.time() >= measure_from
             try:
+                doing = "lease"
                 request = sign_message(LeaseRequest(run_id, public_bytes(key), peer.peer_id, f"v{i}", version,
                                                     args.seeds, time.time(), parallel=args.seeds * args.group), key)
                 reply = await call(peer, rpc.LEASE, request)
                 if isinstance(reply, NoWork):
                     out["nowork"] += counting
                     if reply.latest_version > version:
-                        version = reply.latest_version
+                        version, doing = reply.latest_version, "holders"
                         await move_to(peer, version)
                     await asyncio.sleep(reply.retry_after)
                     continue
                 out["leased"] += counting * len(reply.seeds) * args.group
+                doing = "push"
                 receipt = await call(peer, rpc.PUSH, sampled_batch(run_id, key, reply).to_wire(), reply.expires_at)
                 out["acked"] += counting * receipt.accepted
                 out["acked_total"] += receipt.accepted
@@ -389,10 +391,10 @@ async def volunteers(args) -> None:
                     out["first_accept_s"].append(time.monotonic() - asked)
                 mine += receipt.accepted
                 if receipt.latest_version > version:
-                    version = receipt.latest_version
+                    version, doing = receipt.latest_version, "holders"
                     await move_to(peer, version)
             except (TransportError, ProtocolError) as e:
-                out["errors"][e.code if isinstance(e, RemoteError) else type(e).__name__] += counting
+                out["errors"][f"{doing}: {e.code if isinstance(e, RemoteError) else type(e).__name__}"] += counting
                 await asyncio.sleep(1.0)
                 continue
             await asyncio.sleep(max(0.0, began + args.period - time.monotonic()))
