@@ -27,7 +27,7 @@ Per N, after the warm-up (medians of `--repeat` runs): lease, push and holders l
 coordinator's CPU ms per accepted sample and per push, split by component (`bench/cpu_split.py`;
 its DHT process and p2pd daemon included), the cores the coordinator and the volunteers used, the
 ledger thread's busy share and queue, the coordinator's RSS at the start and end of the measured
-window, each process's event-loop lag and how long lease and push calls waited for a handler thread,
+window (and each minute of it), each process's event-loop lag and how long lease and push calls waited for a handler thread,
 and whether every acknowledged sample was credited or dropped stale, and each key's time from its
 first lease request to its first accepted push (the keys start within one period of each other:
 a flash crowd of new keys, each verified; `--dashboard`: also the
@@ -60,6 +60,7 @@ sys.path.insert(0, str(ROOT))
 GOAL_P99_LEASE_MS = 100.0
 GOAL_CPU_MS = 2.0
 GRACE = 3.0  # seconds the coordinator keeps serving after the volunteers' last lease
+RSS_EVERY = 60.0  # seconds between the coordinator's RSS readings in the measured window
 
 
 # -- the coordinator ---------------------------------------------------------------------------
@@ -90,7 +91,10 @@ async def coordinator(args) -> None:
             end = args.start + args.warmup + args.seconds
             lags = Sample()
             lagging = asyncio.ensure_future(loop_lag(lags, args.start + args.warmup, end))
+            rss_series = []  # (seconds into the measured window, MiB), every RSS_EVERY seconds
             while time.time() < end:
+                if measuring and time.time() >= marks["at"] + RSS_EVERY * len(rss_series):
+                    rss_series.append((round(time.time() - marks["at"]), round(proc.memory_info().rss / 2**20, 1)))
                 if not measuring and time.time() >= args.start + args.warmup:
                     measuring = True
                     split.reset()
@@ -123,7 +127,7 @@ async def coordinator(args) -> None:
             kid_cpu = {k: v - marks["children"].get(k, 0.0) for k, v in kids.items()}
             print(json.dumps(dict(
                 accepted=accepted, seconds=elapsed, steps=steps - marks["steps"], cpu_s=cpu, children_s=kid_cpu,
-                split_s=dict(split.seconds), rss_start=marks["rss"], rss_end=rss_end,
+                split_s=dict(split.seconds), rss_start=marks["rss"], rss_end=rss_end, rss_mib_series=rss_series,
                 acknowledged=watch.acknowledged, native_threads_s=native_threads(), books=books(live), ledger_thread=ledger_stats,
                 lease_service_ms=lease_service_ms, memory_growth=growth,
                 # percentiles, not the samples: a line past the pipe's 64 KB would block this
@@ -483,6 +487,7 @@ def run_size(n: int, args) -> dict:
         lost=stats["acknowledged"] - sum(stats["books"].values()),
         cpu_ms_per_sample=1000 * (cpu_s + sum(kids.values())) / accepted, cpu_ms_by_component=split,
         rss_mib_start=stats["rss_start"] / 2**20, rss_mib_end=stats["rss_end"] / 2**20, steps=stats["steps"],
+        rss_mib_series=stats["rss_mib_series"],
         memory_growth=stats["memory_growth"],
         books=stats["books"], rejections=stats["rejections"], native_threads_s=stats["native_threads_s"],
         ledger_thread=stats["ledger_thread"], lease_in_service_p50_p99_ms=stats["lease_service_ms"],
@@ -543,6 +548,8 @@ def main() -> None:
               f"{r['keys_never_accepted']} keys never accepted")
         parts = r["cpu_ms_by_component"].items()
         print("       cpu ms/sample by component: " + ", ".join(f"{k} {v:.2f}" for k, v in parts))
+        if len(r["rss_mib_series"]) > 2:
+            print("       coordinator RSS MiB by minute: " + " ".join(f"{mib:.0f}" for _, mib in r["rss_mib_series"]))
         for line in r["memory_growth"] or ():
             print("       memory grew " + line)
     knee = next((r["nodes"] for r in rows if r["accepted_per_s"] < 0.9 * r["offered_per_s"]
