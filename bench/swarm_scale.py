@@ -15,7 +15,8 @@ Volunteers: `--procs` processes, each with its share of the N node keys spread o
 honest node: it asks for a lease of `--seeds` prompts, samples the toy model with the lease's
 noise, signs and pushes, then waits out the rest of its `--period`; on NoWork it takes the version
 it is told and asks again after the retry delay; "busy" is asked again as the node does (a push
-every `PUSH_BUSY_RETRY` seconds while its lease lasts, other calls with the node's backoff). A
+every `PUSH_BUSY_RETRY` seconds while its lease lasts, other calls with the node's backoff), and a
+lease request whose stream breaks is sent again once, as the node's is (`idempotent`). A
 key told of a newer version asks the coordinator once who holds it (`echo.holders`), as a node
 does before fetching it (the fetch itself is not played: the toy model has no weights).
 
@@ -346,7 +347,7 @@ async def volunteers(args) -> None:
             async with gates[peer.peer_id, method.name]:
                 started = time.perf_counter()
                 try:
-                    raw = await peer.endpoint.call_one(coordinator_peer, method, payload)
+                    raw = await peer.endpoint.call_one(coordinator_peer, method, payload, idempotent=method == rpc.LEASE)
                 except RemoteError as e:
                     if e.code != "busy":
                         raise

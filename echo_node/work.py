@@ -160,7 +160,9 @@ class Work:
             backend=self.backend.name, parallel=self.backend.parallel, hardware=self.backend.hardware[:HARDWARE_CHARS],
             update_failed=self.update_failed and self.latest > self.versions.version,
         ), s.key)
-        reply = await self.endpoint.call_one(self.trainer, rpc.LEASE, request)
+        # Sent again once if the stream breaks: the trainer answers the same signed request with
+        # the same lease, so a lost reply no longer leaves a lease to lapse against our key.
+        reply = await self.endpoint.call_one(self.trainer, rpc.LEASE, request, idempotent=True)
         return reply if isinstance(reply, NoWork) else check_lease(reply, request, time.time())
 
     async def _deliver(self, batch: RolloutBatch, expires_at: float) -> None:

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from echo_coordinator.capacity import Throughput
 from echo_coordinator.service.policing import RateLimit, relay_holders
 from protocols.errors import PeerRefused
-from protocols.messages import LeaseRequest
+from protocols.messages import LeaseRequest, TaskLease
 from protocols.supervise import Backoff
 
 LEASE_RATE = RateLimit(rate=4.0, burst=8.0)  # lease requests per key; an honest node asks every 0.5 s at most
@@ -42,6 +42,9 @@ class Registry:
         # what it leaves to lapse is measured (selective reporting, issue 36 point 4).
         self.leased: dict[str, int] = {}
         self.answered: dict[str, int] = {}
+        # node id -> (its last lease request's signed time, the lease it was given): a request sent
+        # again because its reply was lost gets the same lease, not a second one (`repeated`).
+        self.last_lease: dict[str, tuple[float, TaskLease]] = {}
 
     def heard(self, request: LeaseRequest, peer_id: str, now: float) -> None:
         """A signed lease request, from libp2p peer `peer_id` ("": unknown). Past its key's rate
@@ -111,10 +114,19 @@ class Registry:
             self.told_finished.pop(node_id, None)
             self.leased.pop(node_id, None)
             self.answered.pop(node_id, None)
+            self.last_lease.pop(node_id, None)
         self.lease_rate.forget_idle(now)
 
-    def lease_given(self, node_id: str) -> None:
-        self.leased[node_id] = self.leased.get(node_id, 0) + 1
+    def lease_given(self, request: LeaseRequest, lease: TaskLease) -> None:
+        if not lease.evaluation:
+            self.leased[request.node_id] = self.leased.get(request.node_id, 0) + 1
+        self.last_lease[request.node_id] = (request.time, lease)
+
+    def repeated(self, request: LeaseRequest) -> TaskLease | None:
+        """The lease given for this very request (same key, same signed time), if it was asked
+        before: its reply was lost with a broken stream, and the node sends it again."""
+        time, lease = self.last_lease.get(request.node_id, (None, None))
+        return lease if time == request.time else None
 
     def lease_answered(self, node_id: str) -> None:
         self.answered[node_id] = self.answered.get(node_id, 0) + 1

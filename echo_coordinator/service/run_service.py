@@ -272,12 +272,13 @@ class RunService:
             if self.leasing.finished:
                 self.nodes.told_finished[request.node_id] = request.version
                 return NoWork(self.buffer.version, RETRY_AFTER, finished=True)
+            if (again := self.nodes.repeated(request)) is not None and self._held(again, now):
+                return again  # the node lost our reply: the same lease, not a second one to lapse
             proven = self.nodes.proven(request.node_id, now)
             work = self.leasing.lease(request, now, self.buffer.version, len(self.buffer.replay), self.rounds, proven)
             if work is None:
                 return NoWork(self.buffer.version, RETRY_AFTER)
-            if not work.evaluation:
-                self.nodes.lease_given(request.node_id)
+            self.nodes.lease_given(request, work)
             # A shadow lease changes nothing a restart needs (`LeaseBook.shadow`).
             unsaved = work.evaluation or self.leasing.book.is_shadow(work.lease_id)
             saved = None if unsaved else self.journal.save(self.leasing.book_state())
@@ -291,6 +292,12 @@ class RunService:
             self.pushes.release(request.node_id, now)
             raise
         return work
+
+    def _held(self, lease: TaskLease, now: float) -> bool:
+        """Under the lock: is `lease` still out to its key, to be answered?"""
+        round_ = self.rounds.round_of(lease.lease_id)
+        held = (self.leasing.book if round_ is None else round_.book).find(lease.lease_id, now)
+        return held is not None and held.node_id == lease.node_id
 
     def handle_push(self, data: bytes, peer_id: str, now: float | None = None) -> PushReceipt:
         """Judge a pushed batch (wire bytes) and buffer its groups (`pushes`). Credit comes later,

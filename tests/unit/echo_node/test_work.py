@@ -60,7 +60,7 @@ class FlakyTrainer:
     def __init__(self, *errors):
         self.errors, self.calls = list(errors), 0
 
-    async def call_one(self, peer, handler, request):
+    async def call_one(self, peer, handler, request, idempotent=False):
         self.calls += 1
         if self.errors:
             raise self.errors.pop(0)
@@ -114,8 +114,9 @@ class SlowTrainer:
         self.left, self.seconds, self.events, self.pushing, self.most_pushing = leases, seconds, [], 0, 0
         self.requests: list[LeaseRequest] = []
 
-    async def call_one(self, peer, handler, request):
+    async def call_one(self, peer, handler, request, idempotent=False):
         if handler == rpc.LEASE:
+            assert idempotent  # sent again if the stream breaks: the trainer answers it with the same lease
             self.requests.append(request)
             if self.left == 0:
                 return NoWork(latest_version=7, retry_after=0.0, finished=True)
@@ -174,7 +175,7 @@ class Closed:
     def __init__(self, times: int = 0):
         self.times, self.calls = times, 0
 
-    async def call_one(self, peer, handler, request):
+    async def call_one(self, peer, handler, request, idempotent=False):
         self.calls += 1
         if self.calls <= self.times:
             raise TransportError("connection refused")
@@ -225,7 +226,7 @@ class Behind:
     def __init__(self):
         self.requests: list[LeaseRequest] = []
 
-    async def call_one(self, peer, handler, request):
+    async def call_one(self, peer, handler, request, idempotent=False):
         if handler == rpc.PUSH:
             return PushReceipt(accepted=2, rejected=0, reasons={}, latest_version=2)
         self.requests.append(request)

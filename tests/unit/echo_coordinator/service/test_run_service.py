@@ -1,6 +1,7 @@
 """The coordinator's handlers against good and bad input, with a real SQLite ledger."""
 
 import dataclasses
+import itertools
 import threading
 
 import pytest
@@ -55,9 +56,14 @@ def push(service, batch: RolloutBatch, peer: str, now: float = NOW):
     return service.handle_push(batch.to_wire(), peer, now=now)
 
 
+SIGNED = itertools.count(1)
+
+
 def lease_request(key, **kw) -> LeaseRequest:
-    fields = dict(run_id="run-1", node_key=public_bytes(key), peer_id=peer_id("Node"), name="alice", version=0, max_seeds=8,
-                  time=NOW)
+    """A signed lease request; each one signed at its own time, as a node's are (the same signed
+    request twice is one request sent again: `test_a_lease_request_sent_again_...`)."""
+    fields = dict(run_id="run-1", node_key=public_bytes(key), peer_id=peer_id("Node"), name="alice", version=0, max_seeds=8)
+    fields["time"] = kw.pop("time", NOW) + next(SIGNED) * 1e-6
     return sign_message(LeaseRequest(**{**fields, **kw}), key)
 
 
@@ -114,6 +120,23 @@ def test_leases_fill_a_proven_nodes_batch_and_a_claim_alone_earns_nothing(tmp_pa
     asked_less = lease_request(big, parallel=1024, max_seeds=3, time=NOW + 200)
     assert len(svc.handle_lease(asked_less, now=NOW + 200).seeds) == 3
     svc.ledger.close()
+
+
+def test_a_lease_request_sent_again_gets_the_same_lease_while_it_is_out(service):
+    """Issue 37: a lease request whose reply a broken stream lost is sent again (the node's
+    `idempotent` call). A second lease for it lapsed unanswered, and the key waited `lapse_wait`
+    for the first (hundreds of `lapsed` refusals a run at 1,000 volunteers)."""
+    service.open_step(list(range(10)))
+    key = generate_key()
+    request = lease_request(key, max_seeds=2)
+    first = service.handle_lease(request, now=NOW)
+    assert service.handle_lease(request, now=NOW + 1) == first  # the same signed request: the same lease
+    assert [x.lease_id for x in service.leasing.book.outstanding] == [first.lease_id]
+    assert service.nodes.leased[request.node_id] == 1
+    other = service.handle_lease(lease_request(key, max_seeds=2, time=NOW + 2), now=NOW + 2)
+    assert other.lease_id != first.lease_id  # a new request is new work
+    push(service, answer_batch(service, key, first), peer_id("n"), now=NOW + 3)
+    assert service.handle_lease(request, now=NOW + 4).lease_id not in (first.lease_id, other.lease_id)  # answered: not again
 
 
 def test_bad_lease_requests(service):
