@@ -8,6 +8,7 @@ One rule for tied embeddings: when `tie_word_embeddings` is set, `lm_head.weight
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import shutil
@@ -113,9 +114,8 @@ def gguf_checkpoint(path: Path) -> Path:
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from protocols.signing import sha256_file
-
-    target = checkpoint_dir(sha256_file(path))
+    stat = path.stat()
+    target = checkpoint_dir(_digest(str(path.resolve()), stat.st_size, stat.st_mtime_ns))
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -152,6 +152,16 @@ def gguf_checkpoint(path: Path) -> Path:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return target
+
+
+@functools.lru_cache(maxsize=64)
+def _digest(path: str, size: int, mtime_ns: int) -> str:
+    """A file's sha256, once a process for each version of it (its size and mtime): a full-mode
+    node finds its base's checkpoint for the shapes, the master weights and every export's config,
+    and a base of gigabytes must not be read through each time."""
+    from protocols.signing import sha256_file
+
+    return sha256_file(Path(path))
 
 
 @contextlib.contextmanager

@@ -120,15 +120,19 @@ KV_BYTES = {"f32": 4, "f16": 2}
 UBATCH = 512  # tokens a llama_decode step takes at most (engines.llama_batch.MAX_STEP_TOKENS)
 
 
+def context_bytes(layers: int, n_ctx: int, kv_width: int, n_head: int, settings: ContextSettings) -> tuple[int, int]:
+    """(KV cache, attention scores) bytes of `layers` layers over a context of `n_ctx` tokens:
+    without flash attention the compute buffer holds n_ctx x 512 x heads float scores."""
+    kv = layers * n_ctx * kv_width * KV_BYTES[settings.kv]
+    return kv, 0 if settings.flash_attn else n_ctx * UBATCH * n_head * 4
+
+
 def device_bytes(sizes: ModelSizes, layers: int, parallel: int, window: int, settings: ContextSettings) -> int:
     """An estimate of the device memory llama.cpp takes for `layers` offloaded layers (and the
     output head with them, once all are) and a context of `parallel` windows: weights, KV cache,
-    and the compute buffer (without flash attention its attention scores are n_ctx x 512 x heads
-    floats), and the logits."""
-    n_ctx = parallel * window
+    the compute buffer (`context_bytes`), and the logits."""
     weights = layers * sizes.layer_bytes + (sizes.other_bytes if layers >= sizes.n_layers else 0)
-    kv = layers * n_ctx * sizes.kv_width * KV_BYTES[settings.kv]
-    scores = 0 if settings.flash_attn else n_ctx * UBATCH * sizes.n_head * 4
+    kv, scores = context_bytes(layers, parallel * window, sizes.kv_width, sizes.n_head, settings)
     logits = sizes.vocab * max(parallel, 1) * 4
     return weights + kv + (scores + logits + RESERVE_BYTES if layers else 0)
 

@@ -31,7 +31,7 @@ from engines.backend import DEFAULT_PARALLEL, BackendCrashed, Completion, Follow
 from engines.full_weights import file_type
 from engines.gguf_io import FILE_TYPES, Layout, write_model
 from engines.hf import load_config, load_master
-from engines.llama_device import DeviceError
+from engines.llama_device import CPU_SETTINGS, DeviceError, context_bytes
 from engines.llama_worker import MAX_MESSAGE_BYTES, wire_request
 
 POLL_SECONDS = 0.1  # how soon a stop reaches a generation in the worker
@@ -57,9 +57,8 @@ def memory_cap(layout: Layout, file_bytes: int, parallel: int, window: int) -> i
     it is host memory (lavapipe), which the cap then covers. Honest workers held 0.10-0.26 of
     the cap on the CPU (SmolLM2-135M Q4_1, 1-32 sequences of 256-2048 tokens) and 0.33 on
     Vulkan's lavapipe (docs/volunteers.md)."""
-    n_ctx, head = parallel * window, layout.n_embd // max(layout.n_head, 1)
-    kv = layout.n_layers * n_ctx * 2 * layout.n_head_kv * head * 4
-    scores = n_ctx * 512 * layout.n_head * 4
+    kv_width = 2 * layout.n_head_kv * (layout.n_embd // max(layout.n_head, 1))
+    kv, scores = context_bytes(layout.n_layers, parallel * window, kv_width, layout.n_head, CPU_SETTINGS)
     return 2 * (file_bytes + kv + scores) + 2**30
 
 
