@@ -5,7 +5,8 @@ Tables in `ledger.sqlite`, written by the ledger's one writer (so a step's credi
 groups it trained leave the buffer in one transaction):
 - `buffer`: every accepted group not yet trained on, with `taken_for`, the version of the step
   that took it (NULL while it waits). A push is acknowledged only after its groups are here.
-- `accepted`: the lease ids the rollout gate accepted, so none is accepted twice across a restart.
+- `accepted`: the lease ids the rollout gate accepted, with their versions, so none is accepted
+  twice across a restart (`recover` reads back those of the versions the gate still admits).
 - `journal`: small JSON values: the training lease book and the next fresh seed.
 - `leases`: the lease book's outstanding leases, a row each. Every training lease and every
   accepted push saves the book; a save writes only the leases issued or closed since the last,
@@ -41,7 +42,7 @@ CREATE TABLE IF NOT EXISTS buffer (
     unchecked INTEGER NOT NULL DEFAULT 0,           -- 1: its verification waits for the step (Group.unchecked)
     PRIMARY KEY (lease_id, seed)
 );
-CREATE TABLE IF NOT EXISTS accepted (lease_id TEXT PRIMARY KEY);
+CREATE TABLE IF NOT EXISTS accepted (lease_id TEXT PRIMARY KEY, version INTEGER);  -- NULL: an older release's row
 CREATE TABLE IF NOT EXISTS journal (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS leases (lease_id TEXT PRIMARY KEY, lease TEXT NOT NULL);
 """
@@ -70,7 +71,7 @@ class Group:
 @dataclass(frozen=True)
 class Recovered:
     groups: list[Group]  # waiting to be trained on, oldest first
-    accepted: set[str]  # lease ids the gate accepted
+    accepted: dict[str, int | None]  # lease ids the gate accepted -> their versions (None: not written)
     values: dict[str, object]  # what `save` stored
 
 
@@ -87,15 +88,18 @@ class Journal:
         self._written: dict[str, list] = ledger.submit(self._read_leases).result()
 
     def _add_columns(self) -> None:
-        """A journal an older version wrote (a run resumed across an upgrade) lacks `unchecked`."""
+        """A journal an older version wrote (a run resumed across an upgrade) lacks `unchecked`
+        and the accepted lease ids' versions."""
         if "unchecked" not in {row[1] for row in self.ledger.db.execute("PRAGMA table_info(buffer)")}:
             self.ledger.db.execute("ALTER TABLE buffer ADD COLUMN unchecked INTEGER NOT NULL DEFAULT 0")
+        if "version" not in {row[1] for row in self.ledger.db.execute("PRAGMA table_info(accepted)")}:
+            self.ledger.db.execute("ALTER TABLE accepted ADD COLUMN version INTEGER")
 
-    def accept(self, lease_id: str, groups: list[Group], values: dict[str, object]) -> Future:
-        """A batch's groups, its lease id and the lease book after it, all or nothing."""
+    def accept(self, lease_id: str, version: int, groups: list[Group], values: dict[str, object]) -> Future:
+        """A batch's groups, its lease id and version, and the lease book after it, all or nothing."""
         def write() -> None:
             with self.ledger.transaction() as db:
-                db.execute("INSERT INTO accepted (lease_id) VALUES (?)", (lease_id,))
+                db.execute("INSERT INTO accepted (lease_id, version) VALUES (?, ?)", (lease_id, version))
                 db.executemany(
                     "INSERT INTO buffer (lease_id, seed, version, node_id, peer_id, name, tokens, count, samples, "
                     "unchecked) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
@@ -177,9 +181,10 @@ class Journal:
             self.ledger.credit(node_id, peer_id, name, samples, tokens, version=taken_for + 1)
         db.execute(f"DELETE FROM buffer WHERE {where}", (step,))
 
-    def recover(self, version: int) -> Recovered:
+    def recover(self, version: int, oldest: int = 0) -> Recovered:
         """After a restart at `version` (what `state.json` names): finish what steps below it
-        trained, put back what a step that did not finish took, and read the rest."""
+        trained, put back what a step that did not finish took, and read the rest (of the
+        accepted lease ids, those of versions from `oldest` on, the ones the gate still admits)."""
         def read() -> Recovered:
             with self.ledger.transaction() as db:
                 self._commit(db, "taken_for < ?", version)
@@ -188,7 +193,8 @@ class Journal:
                       for lease_id, seed, v, node_id, peer_id, name, tokens, blob, unchecked in self.ledger.db.execute(
                           "SELECT lease_id, seed, version, node_id, peer_id, name, tokens, samples, unchecked "
                           "FROM buffer ORDER BY rowid")]
-            accepted = {lease_id for (lease_id,) in self.ledger.db.execute("SELECT lease_id FROM accepted")}
+            accepted = dict(self.ledger.db.execute(
+                "SELECT lease_id, version FROM accepted WHERE version IS NULL OR version >= ?", (oldest,)))
             values = {k: json.loads(v) for k, v in self.ledger.db.execute("SELECT key, value FROM journal")}
             book = values.get(BOOK)
             if isinstance(book, dict) and "outstanding" not in book:  # (a journal of an older release holds them)

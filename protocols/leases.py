@@ -32,7 +32,7 @@ from typing import Any
 from protocols.errors import InvalidValue, LeaseError
 from protocols.sync import check_version
 
-MAX_CLOSED = 100_000  # closed lease ids a LeaseBook remembers the reason for
+MAX_CLOSED = 10_000  # closed lease ids a LeaseBook remembers the reason for (~1.6 MB)
 MAX_LAPSED = 100_000  # keys a LeaseBook remembers lapses of (the oldest forgotten first)
 MAX_LATE = 10_000  # expired leases a LeaseBook still takes a late answer for
 MAX_SHADOWS = 10_000  # shadow leases a LeaseBook holds at once (the oldest dropped first)
@@ -69,7 +69,7 @@ class LeaseBook:
         self._next_id = 0
         self._pending: deque[int] = deque()
         self._outstanding: dict[str, Lease] = {}  # insertion order == issue order
-        self._known: set[int] = set()
+        self._known: set[int] = set()  # the seeds it holds: pending or leased, not yet completed
         self._completed_count = 0
         self._expired_count = 0
         # Closed lease ids and why, so a late or repeated completion gets a precise error; only
@@ -146,8 +146,9 @@ class LeaseBook:
         for seed in new:
             if isinstance(seed, bool) or not isinstance(seed, int):
                 raise InvalidValue(f"task seeds must be ints, got {seed!r}")
-        # A seed added twice would sit in two states at once and break conservation; a
-        # run that wants to repeat a task must give the repeat its own seed.
+        # A seed the book holds, added again, would sit in two states at once and break
+        # conservation. The book forgets the seeds it completed (an async run draws fresh ones
+        # for as long as it lasts), so a completed seed added again is a new task.
         if len(set(new)) != len(new) or self._known.intersection(new):
             raise InvalidValue("task seeds must be unique within a lease book")
         self._known.update(new)
@@ -258,6 +259,7 @@ class LeaseBook:
             self._take_pending(lease.seeds)
         self._close(lease_id, "already completed")
         self._completed_count += len(lease.seeds)
+        self._known.difference_update(lease.seeds)  # a long async run completes millions of seeds
         self._lapses.pop(node_id, None)
         return lease
 
@@ -312,7 +314,7 @@ class LeaseBook:
         return lease
 
     def knows(self, seed: int) -> bool:
-        """Was `seed` ever added (pending, outstanding or completed)?"""
+        """Does the book hold `seed` (pending or leased, not completed)?"""
         return seed in self._known
 
     def to_dict(self) -> dict[str, Any]:

@@ -19,8 +19,10 @@ Invariants
   plays no part in sequential mode and the counter should say "answered the wrong request".
   (Sequential is async with a trainer bound of 0 and a node bound of 1.)
 - No rollout key is accepted twice, across restarts too (`to_dict` / `from_dict` carry the
-  accepted keys, the current version and every peer's counters). For every peer, the sum of
-  its counters equals the number of offers it made.
+  accepted keys, the current version and every peer's counters). A key names one rollout of
+  one version, so the gate remembers it only while the rule admits that version: seen again
+  later, it is refused as too old. For every peer, the sum of its counters equals the number
+  of offers it made.
 """
 
 from __future__ import annotations
@@ -95,9 +97,14 @@ def judge_version(mode: Mode, current: int, staleness: int, version: int) -> Ver
     """The trainer's version rule, in one place (duplicates are the gate's business)."""
     if version > current:
         return Verdict.FUTURE
-    if _check_mode(mode) is Mode.SEQUENTIAL:
-        return Verdict.ACCEPT if version == current else Verdict.WRONG_VERSION
-    return Verdict.ACCEPT if current - version <= staleness else Verdict.STALE
+    if version >= oldest_admitted(mode, current, staleness):
+        return Verdict.ACCEPT
+    return Verdict.WRONG_VERSION if _check_mode(mode) is Mode.SEQUENTIAL else Verdict.STALE
+
+
+def oldest_admitted(mode: Mode, current: int, staleness: int) -> int:
+    """The oldest version the trainer at `current` accepts: `current - S` (async), `current` (sequential)."""
+    return current if _check_mode(mode) is Mode.SEQUENTIAL else current - staleness
 
 
 def lease_version(mode: Mode, staleness: int, current: int, held: int, update_failed: bool) -> int | None:
@@ -167,10 +174,14 @@ class ReplayBuffer:
 class RolloutGate:
     """Trainer-side acceptance: version rule, duplicate keys and per-peer counters.
 
-    A key names one rollout, e.g. `(lease_id, sample_index)`. To survive `to_dict`, keys must
-    be str, int or (nested) tuples of those; tuples come back from `from_dict` as tuples even
-    after a JSON or msgpack round trip turned them into lists. Accepted keys are kept for the
-    whole run: a replayed rollout may claim any version, so its key is the only reliable tell.
+    A key names one rollout of one version, e.g. `(lease_id, sample_index)`: the caller binds
+    each key to its version (the service's lease fixes the version its batch must claim,
+    `judging.check_claimed_version`). An accepted key is refused as a duplicate whatever version
+    it claims next, and is forgotten once the rule no longer admits the version it was accepted
+    at: offered again with that version it is refused as too old, so what the gate holds is
+    bounded by S versions' keys, not by the run. To survive `to_dict`, keys must be str, int or
+    (nested) tuples of those; tuples come back from `from_dict` as tuples even after a JSON or
+    msgpack round trip turned them into lists.
     """
 
     def __init__(self, mode: Mode, staleness: int, version: int = 0) -> None:
@@ -178,7 +189,7 @@ class RolloutGate:
         # Kept in sequential mode too, unused there, so one config serves both modes.
         self.staleness = _check_staleness(staleness)
         self.version = check_version("version", version)
-        self._accepted: set[Hashable] = set()
+        self._accepted: dict[Hashable, int] = {}  # key -> the version it was accepted at
         self._counts: dict[str, dict[str, int]] = {}
 
     def offer(self, peer_id: str, key: Hashable, version: int) -> Verdict:
@@ -188,7 +199,7 @@ class RolloutGate:
         else:
             verdict = judge_version(self.mode, self.version, self.staleness, version)
         if verdict is Verdict.ACCEPT:
-            self._accepted.add(key)
+            self._accepted[key] = version
         counts = self._counts.setdefault(peer_id, dict.fromkeys(COUNTERS, 0))
         counts[COUNTER_OF[verdict]] += 1
         return verdict
@@ -199,6 +210,13 @@ class RolloutGate:
         if new_version <= self.version:
             raise InvalidValue(f"version must increase: at {self.version}, got {new_version}")
         self.version = new_version
+        self._forget_old()
+
+    def _forget_old(self) -> None:
+        """Drop the keys of versions the rule no longer admits (they can only come back stale)."""
+        oldest = oldest_admitted(self.mode, self.version, self.staleness)
+        if any(v < oldest for v in self._accepted.values()):
+            self._accepted = {k: v for k, v in self._accepted.items() if v >= oldest}
 
     def staleness_of(self, version: int) -> int:
         """Versions behind the trainer; negative for a FUTURE rollout. For metrics."""
@@ -220,8 +238,8 @@ class RolloutGate:
             "staleness": self.staleness,
             "version": self.version,
             "counts": {peer: dict(c) for peer, c in self._counts.items()},
-            # Sorted by repr only so snapshots of equal states are byte-identical.
-            "accepted_keys": [_key_out(k) for k in sorted(self._accepted, key=repr)],
+            # [version, key] pairs, sorted by repr only so snapshots of equal states are byte-identical.
+            "accepted": [[v, _key_out(k)] for k, v in sorted(self._accepted.items(), key=repr)],
         }
 
     @classmethod
@@ -230,18 +248,25 @@ class RolloutGate:
             raise InvalidValue("gate state must be a mapping")
         try:
             gate = cls(data["mode"], data["staleness"], data["version"])
-            counts, keys = data["counts"], data["accepted_keys"]
+            counts = data["counts"]
+            # An older release wrote `accepted_keys`, the keys without their versions: taken as
+            # of the current version, they are forgotten S versions later.
+            pairs, keys = data.get("accepted", []), data.get("accepted_keys", [])
         except KeyError as e:
             raise InvalidValue(f"gate state is missing or has a bad field: {e}") from e
-        if not isinstance(counts, Mapping) or not isinstance(keys, (list, tuple)):
-            raise InvalidValue("gate state: counts must be a mapping and accepted_keys a list")
+        if not isinstance(counts, Mapping) or not all(isinstance(x, (list, tuple)) for x in (pairs, keys)):
+            raise InvalidValue("gate state: counts must be a mapping, accepted and accepted_keys lists")
+        if not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs):
+            raise InvalidValue("gate state: accepted must hold [version, key] pairs")
         for peer, c in counts.items():
             if not isinstance(peer, str) or not isinstance(c, Mapping) or set(c) != set(COUNTERS):
                 raise InvalidValue(f"gate state: bad counters for peer {peer!r}")
             if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in c.values()):
                 raise InvalidValue(f"gate state: counters of {peer!r} must be ints >= 0")
             gate._counts[peer] = {name: c[name] for name in COUNTERS}
-        gate._accepted = {_key_in(k) for k in keys}
+        gate._accepted = {_key_in(k): gate.version for k in keys}
+        gate._accepted.update((_key_in(k), check_version("accepted key's version", v)) for v, k in pairs)
+        gate._forget_old()
         return gate
 
 

@@ -18,7 +18,7 @@ from echo_coordinator.service.judging import Refused
 from echo_coordinator.trainer.samples import TrainSample
 from protocols.messages import RolloutBatch
 from protocols.sampling import TRAINING_NOISE, sample_seeds
-from protocols.sync import Entry, Mode, ReplayBuffer, RolloutGate, Verdict
+from protocols.sync import Entry, Mode, ReplayBuffer, RolloutGate, Verdict, oldest_admitted
 
 
 @dataclass(frozen=True)
@@ -82,17 +82,17 @@ class TrainingBuffer:
         return {entry.item.seed for entry in self.replay}
 
     def offer(self, batch: RolloutBatch) -> None:
-        """The rollout gate's verdict, counted; accepted batches are remembered for good."""
+        """The rollout gate's verdict, counted; accepted batches are remembered while their version is admitted."""
         verdict = self.gate.offer(batch.node_id, batch.lease_id, batch.version)
         if verdict is not Verdict.ACCEPT:
             raise Refused(verdict, f"batch of version {batch.version} refused at version {self.version}: {verdict.value}")
 
-    def add(self, lease_id: str, groups: list[Group], book_state: dict) -> Future:
+    def add(self, batch: RolloutBatch, groups: list[Group], book_state: dict) -> Future:
         """Buffer an accepted batch's groups; returns their journal write (with the lease book's
         state, `book_state`, the lease now answered)."""
         for group in groups:
             self.replay.add(group.node_id, group.version, group)
-        return self.journal.accept(lease_id, groups, book_state)
+        return self.journal.accept(batch.lease_id, batch.version, groups, book_state)
 
     def prune(self) -> Future | None:
         """Drop the groups the staleness bound no longer admits; their journal write, if any."""
@@ -126,10 +126,15 @@ class TrainingBuffer:
         batch.unchecked = [Unchecked(tuple(g), tuple(p)) for g, p in unchecked.values()]
         return batch, saved
 
+    def oldest_admitted(self, version: int) -> int:
+        return oldest_admitted(self.gate.mode, version, self.gate.staleness)
+
     def restore(self, gate: dict, version: int, recovered: Recovered) -> None:
         """After a restart at `version`: the gate (its counters from `gate`, its accepted lease ids
-        from the journal) and every accepted group not yet trained on."""
-        self.gate = RolloutGate.from_dict({**gate, "version": version, "accepted_keys": sorted(recovered.accepted)})
+        from the journal; one an older release wrote without its version counts as `version`'s)
+        and every accepted group not yet trained on."""
+        accepted = [[version if v is None else v, lease_id] for lease_id, v in sorted(recovered.accepted.items())]
+        self.gate = RolloutGate.from_dict({**gate, "version": version, "accepted": accepted, "accepted_keys": []})
         for group in recovered.groups:
             self.replay.add(group.node_id, group.version, group)
 

@@ -161,7 +161,7 @@ class Pushes:
                     return None
                 for group in groups:
                     self.leasing.answered(group.seed)
-                return self.buffer.add(batch.lease_id, groups, self.leasing.book_state())
+                return self.buffer.add(batch, groups, self.leasing.book_state())
         except ProtocolError:
             # The holder's (signed) attempt failed: its seeds go straight back to other nodes, and
             # so do those of its other leases if that was a strike: a banned key never answers them.

@@ -198,7 +198,7 @@ class RunService:
         nodes working now. (Its accepted lease ids are in the journal, written as they are
         accepted: a file rewritten each step must not grow with the run.)"""
         with self.lock:
-            return {"gate": {**self.buffer.gate.to_dict(), "accepted_keys": []},
+            return {"gate": {**self.buffer.gate.to_dict(), "accepted": []},
                     "working": self.nodes.working(time.time() if now is None else now)}
 
     def restore(self, state: dict, version: int) -> None:
@@ -206,7 +206,7 @@ class RunService:
         accepted group not yet trained on and the training leases, so the staleness bound and
         single-use leases hold across the restart (cf. AReaL #1388) and nodes push what they hold;
         and the nodes working before it, told the run's end even if it comes before they ask."""
-        recovered = self.journal.recover(version)
+        recovered = self.journal.recover(version, self.buffer.oldest_admitted(version))
         with self.lock:
             self.nodes.expect(state.get("working", []))
             self.buffer.restore(state["gate"], version, recovered)

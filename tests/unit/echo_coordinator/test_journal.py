@@ -18,14 +18,29 @@ def test_accepted_groups_come_back_whole_after_a_restart(tmp_path):
     ledger = Ledger(tmp_path / "ledger.sqlite")
     journal = Journal(ledger)
     first, second = group("L1", 10), group("L2", 11, version=1, node="n2")
-    journal.accept("L1", [first], {"next_seed": 12}).result()
-    journal.accept("L2", [second], {"next_seed": 13, "leases": {"x": 1}}).result()
+    journal.accept("L1", 0, [first], {"next_seed": 12}).result()
+    journal.accept("L2", 1, [second], {"next_seed": 13, "leases": {"x": 1}}).result()
     ledger.close()
 
     recovered = Journal(Ledger(tmp_path / "ledger.sqlite")).recover(version=0)
     assert recovered.groups == [first, second]  # samples bit for bit, oldest first
-    assert recovered.accepted == {"L1", "L2"}
+    assert recovered.accepted == {"L1": 0, "L2": 1}
     assert recovered.values == {"next_seed": 13, "leases": {"x": 1, "outstanding": []}}  # the last save wins
+
+
+def test_only_the_accepted_lease_ids_of_versions_the_gate_admits_are_read_back(tmp_path):
+    """A long run accepts a lease id per push; a restart reads back only those the staleness
+    rule still admits (older ones come back stale), and an older release's ids, whose versions
+    it did not write, all of them."""
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    ledger.submit(ledger.db.executescript, "CREATE TABLE accepted (lease_id TEXT PRIMARY KEY);"
+                                           "INSERT INTO accepted VALUES ('Old');").result()  # an older release's table
+    journal = Journal(ledger)
+    for version in range(5):
+        journal.accept(f"L{version}", version, [group(f"L{version}", version, version)], {}).result()
+    ledger.close()
+    recovered = Journal(Ledger(tmp_path / "ledger.sqlite")).recover(version=4, oldest=3)
+    assert recovered.accepted == {"Old": None, "L3": 3, "L4": 4}
 
 
 def book(*leases: str) -> dict:
@@ -42,7 +57,7 @@ def test_a_save_writes_only_the_leases_that_changed_and_a_restart_reads_the_whol
     journal.save(book("L1", "L2", "L3")).result()
     statements = []
     ledger.submit(ledger.db.set_trace_callback, statements.append).result()
-    journal.accept("L2", [group("L2", 2)], book("L1", "L3", "L4")).result()  # L2 answered, L4 issued
+    journal.accept("L2", 0, [group("L2", 2)], book("L1", "L3", "L4")).result()  # L2 answered, L4 issued
     ledger.submit(ledger.db.set_trace_callback, None).result()
     lease_rows = [x for x in statements if x.startswith(("DELETE FROM leases", "INSERT INTO leases"))]
     assert len(lease_rows) == 2 and "'L2'" in lease_rows[0] and "'L4'" in lease_rows[1], lease_rows
@@ -66,7 +81,7 @@ def test_a_save_writes_only_the_leases_that_changed_and_a_restart_reads_the_whol
 
 def test_a_journal_of_an_older_release_with_the_whole_book_in_one_value_is_read(tmp_path):
     ledger = Ledger(tmp_path / "ledger.sqlite")
-    journal = Journal(ledger)
+    Journal(ledger)  # its tables
     ledger.submit(Journal._save_values, ledger.db, book("L1", "L2")).result()  # as releases before 2026-12-05 wrote it
     ledger.close()
     assert Journal(Ledger(tmp_path / "ledger.sqlite")).recover(version=0).values == book("L1", "L2")
@@ -76,8 +91,8 @@ def test_a_step_that_finished_is_credited_once_and_one_that_did_not_is_trained_a
     ledger = Ledger(tmp_path / "ledger.sqlite")
     journal = Journal(ledger)
     a, b, c = group("L1", 1), group("L1", 2), group("L2", 3, node="n2")
-    journal.accept("L1", [a, b], {}).result()
-    journal.accept("L2", [c], {}).result()
+    journal.accept("L1", 0, [a, b], {}).result()
+    journal.accept("L2", 0, [c], {}).result()
     journal.take([a], step=0, dropped=[]).result()
     journal.commit_step(0).result()  # step 0 saved: a credited, gone from the buffer
     journal.take([b, c], step=1, dropped=[]).result()  # step 1 crashes before its state.json
@@ -95,7 +110,7 @@ def test_a_crash_after_state_json_but_before_the_credits_is_finished_on_recovery
     ledger = Ledger(tmp_path / "ledger.sqlite")
     journal = Journal(ledger)
     a = group("L1", 1)
-    journal.accept("L1", [a], {}).result()
+    journal.accept("L1", 0, [a], {}).result()
     journal.take([a], step=0, dropped=[]).result()  # state.json names version 1; commit_step never ran
     ledger.close()
 
@@ -111,8 +126,8 @@ def test_dropped_groups_leave_the_buffer_and_count_against_their_node(tmp_path):
     ledger = Ledger(tmp_path / "ledger.sqlite")
     journal = Journal(ledger)
     old, fresh = group("L1", 1, samples=3), group("L2", 2)
-    journal.accept("L1", [old], {}).result()
-    journal.accept("L2", [fresh], {}).result()
+    journal.accept("L1", 0, [old], {}).result()
+    journal.accept("L2", 0, [fresh], {}).result()
     journal.take([fresh], step=4, dropped=[old]).result()
     assert ledger.rejection_totals() == {"stale": 3}
     assert Journal(ledger).recover(version=4).groups == [fresh]  # taken by the unfinished step 4

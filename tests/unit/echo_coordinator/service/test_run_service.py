@@ -527,6 +527,32 @@ def test_a_restart_keeps_the_gate_the_buffer_and_the_leases(async_service, tmp_p
     again.ledger.close()
 
 
+def test_an_accepted_lease_the_gate_forgot_stays_refused_whatever_version_its_batch_claims(async_service, tmp_path):
+    """The gate keeps a lease id only while the staleness rule admits its version (a thousand
+    volunteers accept ~100 leases a second: kept for the run, they grew the coordinator's
+    memory). A forgotten lease's batch is still refused by the lease book: sent again, or
+    signed again claiming the newest version, and after a restart too."""
+    svc, node = async_service, generate_key()  # staleness 1
+    lease = svc.handle_lease(lease_request(node), now=NOW)
+    batch = answer_batch(svc, node, lease)
+    push(svc, batch, peer_id("Node"), now=NOW)
+    advance(svc, 1)
+    assert svc.gate.is_accepted(lease.lease_id)
+    advance(svc, 2)
+    assert not svc.gate.is_accepted(lease.lease_id) and svc.gate.to_dict()["accepted"] == []
+    claims_newest = answer_batch(svc, node, lease, version=2)
+    for again in (batch, claims_newest):
+        with pytest.raises(LeaseError, match="already completed"):
+            push(svc, again, peer_id("Node"), now=NOW + 1)
+    svc.ledger.close()
+    restarted = restart(svc, 2, tmp_path / "ledger.sqlite")
+    for again in (batch, claims_newest):
+        with pytest.raises(LeaseError):
+            push(restarted, again, peer_id("Node"), now=NOW + 2)
+    assert restarted.gate.to_dict()["accepted"] == []
+    restarted.ledger.close()
+
+
 def test_a_step_that_dies_before_its_checkpoint_is_trained_again_and_credited_once(async_service, tmp_path):
     svc, node = async_service, generate_key()
     for _ in range(2):
