@@ -8,7 +8,10 @@ shipped GGUF) join one after another; each is timed from its process start to th
 on its first accepted rollout, which also names its phases (DHT, manifest, base model, model
 load, first lease, generation, push); "start" is the rest: Python and library imports.
 
-    .venv/bin/python bench/join_latency.py [--trials 5] [--threads 2]
+    .venv/bin/python bench/join_latency.py [--trials 5] [--threads 2] [--pin]
+
+`--pin`: the coordinator on CPU 0, each timed node on CPU 1 with one thread, as a volunteer on a
+machine of its own (one core of this one) joining a coordinator on another.
 
 Ends with a JSON line: `join_to_first_accept_s` (median) and the median of each phase.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shlex
 import signal
@@ -57,13 +61,20 @@ threads = 1
     return path
 
 
-def join(line: str, directory: Path, name: str, threads: int) -> tuple[float, dict[str, float]]:
+def pinned(cpus: set[int] | None):
+    """A `preexec_fn` that keeps the child on `cpus` (None: anywhere)."""
+    return None if cpus is None else lambda: os.sched_setaffinity(0, cpus)
+
+
+def join(line: str, directory: Path, name: str, threads: int,
+         cpus: set[int] | None = None) -> tuple[float, dict[str, float]]:
     """One node from process start to its first accepted rollout: (seconds, phases); then stopped."""
     argv = shlex.split(line)
     args = [str(BIN / argv[0]), *argv[1:], "--model", str(demo_model_path()), "--name", name,
             "--data-dir", str(directory / name), "--threads", str(threads)]
     started = time.monotonic()
-    node = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    node = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=pinned(cpus))
     try:
         for text in node.stdout:
             found = ACCEPTED.search(text)
@@ -85,12 +96,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--pin", action="store_true",
+                        help="the coordinator and the warm-up node on CPU 0, each timed node (one thread) on CPU 1 "
+                             "alone, as on a volunteer's own machine")
     args = parser.parse_args()
+    shared, own = ({0}, {1}) if args.pin else (None, None)
+    if args.pin:
+        args.threads = 1
     with tempfile.TemporaryDirectory(prefix="echo-join-") as tmp:
         work = Path(tmp)
         log = open(work / "coordinator.log", "w")
         coordinator = subprocess.Popen([str(BIN / "echo-coordinator"), "start", "--demo", "--config",
-                                        str(config(work)), "--verbose"], stdout=log, stderr=subprocess.STDOUT)
+                                        str(config(work)), "--verbose"], stdout=log, stderr=subprocess.STDOUT,
+                                       preexec_fn=pinned(shared))
         try:
             join_file = work / "run" / "join.txt"
             deadline = time.monotonic() + 300
@@ -99,10 +117,10 @@ def main() -> None:
                     raise SystemExit(f"the coordinator did not start: {(work / 'coordinator.log').read_text()[-2000:]}")
                 time.sleep(0.2)
             line = join_file.read_text().strip()
-            join(line, work, "warm-up", args.threads)  # starts the run
+            join(line, work, "warm-up", args.threads, shared)  # starts the run
             trials = []
             for i in range(args.trials):
-                wall, phases = join(line, work, f"trial{i}", args.threads)
+                wall, phases = join(line, work, f"trial{i}", args.threads, own)
                 trials.append((wall, phases))
                 print(f"trial {i}: {wall:.2f} s  ({', '.join(f'{k} {v:.2f}' for k, v in phases.items())})", flush=True)
         finally:
@@ -117,7 +135,7 @@ def main() -> None:
         print(f"{k:<14}{v:>9.2f}")
     print(f"{'total':<14}{total:>9.2f}")
     print(json.dumps(dict(join_to_first_accept_s=round(total, 2), phases=medians, trials=args.trials,
-                          threads=args.threads)))
+                          threads=args.threads, pinned=args.pin)))
 
 
 if __name__ == "__main__":

@@ -58,6 +58,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import swarm_joiner  # noqa: E402
+
 GOAL_P99_LEASE_MS = 100.0
 GOAL_CPU_MS = 2.0
 GRACE = 3.0  # seconds the coordinator keeps serving after the volunteers' last lease
@@ -79,10 +81,11 @@ async def coordinator(args) -> None:
     step_groups = max(4, args.nodes * args.seeds // 5)  # a step every ~2 s at one push per 10 s per key
     settings = LeaseSettings(lease_seconds=60, seeds_per_lease=args.seeds, max_ahead=4 * step_groups)
     with tempfile.TemporaryDirectory() as tmp:
-        async with LiveService(Path(tmp), mode="async", settings=settings, seeds=0) as live:
+        async with LiveService(Path(tmp), mode="async", settings=settings, seeds=0, reach=args.reach) as live:
             live.publish(1)
             dashboard, url = serve_dashboard(live) if args.dashboard else (None, None)
-            print(json.dumps(dict(address=live.address, run_id=live.manifest.run_id, dashboard=url)), flush=True)
+            print(json.dumps(dict(address=live.address, run_id=live.manifest.run_id, run_key=live.fp, dashboard=url)),
+                  flush=True)
             args.start = float(await asyncio.to_thread(sys.stdin.readline))  # the driver's, once volunteers start
             split = CpuSplit().start()
             service, proc = live.service, psutil.Process()
@@ -432,7 +435,7 @@ def run_size(n: int, args) -> dict:
     # Verification on one numba thread: the toy model's rows are tiny, and numba's OpenMP threads
     # spin-wait after each parallel region for longer than the region takes (measured: ~1 ms of
     # CPU a sample, as large as the transport's). A real model's rows keep them busy instead.
-    flags = [f for f in ("--memory", "--dashboard") if getattr(args, f[2:], False)]
+    flags = [f for f in ("--memory", "--dashboard") if getattr(args, f[2:], False)] + ["--reach"] * bool(args.join)
     coord = subprocess.Popen([*here, "_coordinator", "--nodes", str(n), *common, *flags], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True, env=dict(os.environ, NUMBA_NUM_THREADS="1"))
     hello = json.loads(coord.stdout.readline())
@@ -453,9 +456,15 @@ def run_size(n: int, args) -> dict:
                               args=(hello["dashboard"], start + args.warmup, start + args.warmup + args.seconds, dashboard))
     if hello["dashboard"]:
         poller.start()
+    joins: dict = {}
+    if args.join:
+        joining, joins = swarm_joiner.start_probe(hello["address"], hello["run_key"], start + args.warmup,
+                                                  start + args.warmup + args.seconds, args.seeds, args.join)
     parts = [json.loads(v.communicate()[0].strip().splitlines()[-1]) for v in vols]
     if poller.is_alive():
         poller.join()  # its last poll, before its figures are read
+    if args.join:
+        joining.join()
     stats = json.loads(coord.communicate()[0].strip().splitlines()[-1])
     lease_ms = [x for p in parts for x in p["lease_ms"]]
     push_ms = [x for p in parts for x in p["push_ms"]]
@@ -479,7 +488,8 @@ def run_size(n: int, args) -> dict:
         holders_p99_ms=percentile(holders_ms, 99), holders_named=sum(p["holders_named"] for p in parts),
         errors=dict(errors), busy_retries=sum(p["busy"] for p in parts), nowork=sum(p["nowork"] for p in parts),
         acked=acked, leased_samples=leased,
-        keys_acked=sum(p["keys_acked"] for p in parts), acked_total=sum(p["acked_total"] for p in parts),
+        keys_acked=sum(p["keys_acked"] for p in parts),
+        acked_total=sum(p["acked_total"] for p in parts) + sum(j["accepted"] for j in joins.get("joins", [])),
         # the flash crowd: each key's first accepted push after its first lease request (s)
         first_accept_p50_s=percentile(first, 50), first_accept_p99_s=percentile(first, 99),
         first_accept_max_s=max(first, default=None), keys_never_accepted=n - len(first),
@@ -501,7 +511,8 @@ def run_size(n: int, args) -> dict:
         loop_lag_ms=dict(coordinator=stats["loop_lag_ms"],
                          volunteers=[percentile([x for p in parts for x in p["loop_lag_ms"]], q) for q in (50, 99)]),
         dashboard={k: percentile(v, 50) if isinstance(v, list) else v for k, v in dashboard.items()} | {
-            k.replace("_ms", "_p99_ms"): percentile(v, 99) for k, v in dashboard.items() if isinstance(v, list)})
+            k.replace("_ms", "_p99_ms"): percentile(v, 99) for k, v in dashboard.items() if isinstance(v, list)},
+        **(swarm_joiner.summary(joins) if args.join else {}))
 
 
 def main() -> None:
@@ -516,6 +527,7 @@ def main() -> None:
         p.add_argument("--run-id")
         p.add_argument("--memory", action="store_true")
         p.add_argument("--dashboard", action="store_true")
+        p.add_argument("--reach", action="store_true")  # answer `echo.reach`, for `--join`'s volunteers
         args = p.parse_args(rest)
         asyncio.run(coordinator(args) if role == "_coordinator" else volunteers(args))
         return
@@ -534,6 +546,9 @@ def main() -> None:
     p.add_argument("--dashboard", action="store_true",
                    help="serve the run's dashboard and ask it what an open page asks every 2 s: "
                         "latency and size of /api/run and /api/peer-page in the JSON")
+    p.add_argument("--join", type=int, default=0, metavar="K",
+                   help="K fresh volunteers join one after another in the measured window, each timed from its "
+                        "process start to its first accepted push (bench/swarm_joiner.py): join_s and its phases")
     args = p.parse_args()
     rows = [median_row([run_size(int(n), args) for _ in range(args.repeat)]) for n in args.sizes.split(",")]
     print(f"{'N':>6} {'offered/s':>9} {'accepted/s':>10} {'lease p50/p99 ms':>17} {'push p50/p99 ms':>16} "
@@ -551,6 +566,9 @@ def main() -> None:
         print("       cpu ms/sample by component: " + ", ".join(f"{k} {v:.2f}" for k, v in parts))
         if len(r["rss_mib_series"]) > 2:
             print("       coordinator RSS MiB by minute: " + " ".join(f"{mib:.0f}" for _, mib in r["rss_mib_series"]))
+        if r.get("join_s") is not None:
+            print(f"       join to first accept (median of {r['joins']}): {r['join_s']:.2f} s  ("
+                  + ", ".join(f"{k} {v:.2f}" for k, v in r["join_phases"].items()) + ")")
         for line in r["memory_growth"] or ():
             print("       memory grew " + line)
     knee = next((r["nodes"] for r in rows if r["accepted_per_s"] < 0.9 * r["offered_per_s"]

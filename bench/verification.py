@@ -391,7 +391,10 @@ def main() -> None:
         trainer.optimizer.load_state_dict(optimiser)
         costs.append((verify_s, timed.busy_seconds))
         rewards = train(trainer, task, tokenizer, train_batch)
-        print(f"v{version}: reward {statistics.mean(rewards):.3f}; verify {verify_s:.1f}s vs train step "
+        # How far training moved the adapter (B starts at 0: on a task the model never earns, it stays there).
+        moved = max(float(np.abs(w).max()) for name, w in trainer.weights().items() if ".lora_B." in name)
+        print(f"v{version}: reward {statistics.mean(rewards):.3f} (sd {statistics.pstdev(rewards):.3f}), "
+              f"adapter's largest |B| after its step {moved:.4f}; verify {verify_s:.1f}s vs train step "
               f"{timed.busy_seconds:.1f}s on {len(train_batch)} samples", flush=True)
 
     result = summarize(records, lease_size, rule)

@@ -1,8 +1,8 @@
 """bench/swarm_scale.py at 50 volunteers: a coordinator's network side serves them over the real
 transport without an error, every key gets work accepted and asks who holds each new version,
 and every acknowledged sample is
-credited in the ledger or dropped as stale (nothing acknowledged is lost). Speed is the bench's
-business, not this test's."""
+credited in the ledger or dropped as stale (nothing acknowledged is lost); one more volunteer
+joins the running swarm. Speed is the bench's business, not this test's."""
 
 import argparse
 import sys
@@ -15,7 +15,7 @@ import swarm_scale  # noqa: E402
 
 
 def test_fifty_volunteers_are_served_and_nothing_acknowledged_is_lost():
-    args = argparse.Namespace(seconds=10.0, warmup=3.0, period=4.0, procs=2, keys_per_peer=25, seeds=2)
+    args = argparse.Namespace(seconds=10.0, warmup=3.0, period=4.0, procs=2, keys_per_peer=25, seeds=2, join=1)
     row = swarm_scale.run_size(50, args)
     assert row["errors"] == {} and row["rejections"] == {}, row
     assert row["keys_acked"] == 50 and row["keys_never_accepted"] == 0, row  # every volunteer had work accepted
@@ -24,3 +24,6 @@ def test_fifty_volunteers_are_served_and_nothing_acknowledged_is_lost():
     assert row["books"]["in_buffer"] == 0 and row["lost"] == 0, row
     assert row["accepted_per_s"] > 0.5 * row["offered_per_s"], row
     assert row["holders_asks"] > 0, row  # keys moving to a new version ask who holds it
+    # A volunteer joining the running swarm as a node does (its DHT, reachability and manifest
+    # code) has a push accepted.
+    assert row["joins"] == 1 and row["join_errors"] == [] and row["join_phases"]["push"] > 0, row

@@ -81,8 +81,10 @@ class LiveService:
     the coordinator builds it, `UploadBudget(trainer_upload_copies=2)`)."""
 
     def __init__(self, tmp_path: Path, mode: str = "sequential", settings: LeaseSettings | None = None,
-                 budget: UploadBudget | None = None, seeds: int = 100):
+                 budget: UploadBudget | None = None, seeds: int = 100, reach: bool = False):
         self.tmp_path, self.mode, self.seeds = tmp_path, mode, seeds
+        self.reach = reach  # answer `echo.reach` as the coordinator does (a real node's join asks it)
+        self.prober = None
         self.settings = settings or LeaseSettings(lease_seconds=60, seeds_per_lease=1)
         self.budget = budget if budget is not None else UploadBudget(2)
         self.key = generate_key()
@@ -113,13 +115,20 @@ class LiveService:
         self.service.begin()
         endpoint = await self.dht.endpoint()
         self.peer = endpoint.peer_id
-        await register_handlers(endpoint, self.service, self.presence, prober=None)
+        if self.reach:
+            from protocols.transport.reach import Prober
+
+            self.prober = Prober("127.0.0.1", self.address)
+            await self.prober.start()
+        await register_handlers(endpoint, self.service, self.presence, prober=self.prober)
         self.refresh = asyncio.create_task(self.presence.refresh(self.manifest, self.service), name="dht-refresh")
         return self
 
     async def __aexit__(self, *exc) -> None:
         self.refresh.cancel()
         await asyncio.gather(self.refresh, return_exceptions=True)
+        if self.prober is not None:
+            await self.prober.close()
         self.dht.shutdown()
         self.torch.shutdown()
         self.ledger.close()
