@@ -21,7 +21,7 @@ key told of a newer version asks the coordinator once who holds it (`echo.holder
 does before fetching it (the fetch itself is not played: the toy model has no weights).
 
     .venv/bin/python bench/swarm_scale.py [--sizes 16,100,300,1000] [--seconds 60] [--warmup 20]
-        [--repeat 3]
+        [--repeat 3] [--memory] [--dashboard] [--join K]
 
 Per N, after the warm-up (medians of `--repeat` runs): lease, push and holders latency p50/p99
 (the call, not the volunteer's own queue), accepted samples/s against offered, errors by code, the
@@ -32,7 +32,9 @@ window (and each minute of it), each process's event-loop lag and how long lease
 and whether every acknowledged sample was credited or dropped stale, and each key's time from its
 first lease request to its first accepted push (the keys start within one period of each other:
 a flash crowd of new keys, each verified; `--dashboard`: also the
-latency and size of what an open dashboard asks every 2 s). The knee is the first
+latency and size of what an open dashboard asks every 2 s; `--join K`: K fresh volunteers join
+the running swarm one after another as a node does, each timed to its first accepted push,
+`bench/swarm_joiner.py`). The knee is the first
 N where accepted/s falls under 90 % of offered or p99 lease latency passes 100 ms. Ends with one
 JSON line.
 """
