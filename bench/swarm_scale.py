@@ -21,7 +21,7 @@ key told of a newer version asks the coordinator once who holds it (`echo.holder
 does before fetching it (the fetch itself is not played: the toy model has no weights).
 
     .venv/bin/python bench/swarm_scale.py [--sizes 16,100,300,1000] [--seconds 60] [--warmup 20]
-        [--repeat 3] [--memory] [--dashboard] [--join K]
+        [--repeat 3] [--memory] [--dashboard] [--join K] [--pin]
 
 Per N, after the warm-up (medians of `--repeat` runs): lease, push and holders latency p50/p99
 (the call, not the volunteer's own queue), accepted samples/s against offered, errors by code, the
@@ -438,8 +438,12 @@ def run_size(n: int, args) -> dict:
     # spin-wait after each parallel region for longer than the region takes (measured: ~1 ms of
     # CPU a sample, as large as the transport's). A real model's rows keep them busy instead.
     flags = [f for f in ("--memory", "--dashboard") if getattr(args, f[2:], False)] + ["--reach"] * bool(args.join)
+    def on(cpu: int):  # `--pin`: the coordinator (its daemons too) on CPU 0, the volunteers on CPU 1
+        return (lambda: os.sched_setaffinity(0, {cpu})) if args.pin else None
+
     coord = subprocess.Popen([*here, "_coordinator", "--nodes", str(n), *common, *flags], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True, env=dict(os.environ, NUMBA_NUM_THREADS="1"))
+                             stdout=subprocess.PIPE, text=True, env=dict(os.environ, NUMBA_NUM_THREADS="1"),
+                             preexec_fn=on(0))
     hello = json.loads(coord.stdout.readline())
     start = time.time() + 3 + n / 100  # room for the volunteers' p2pd daemons to start
     coord.stdin.write(f"{start}\n")
@@ -451,7 +455,8 @@ def run_size(n: int, args) -> dict:
     vols = [subprocess.Popen([*here, "_volunteers", "--address", hello["address"], "--run-id", hello["run_id"],
                               "--group", str(GROUP),
                               "--nodes", str(n // procs + (i < n % procs)), "--keys-per-peer", str(args.keys_per_peer),
-                              "--period", str(args.period), *common], stdout=subprocess.PIPE, text=True)
+                              "--period", str(args.period), *common], stdout=subprocess.PIPE, text=True,
+                             preexec_fn=on(1))
             for i in range(procs)]
     dashboard: dict = {}
     poller = threading.Thread(target=poll_dashboard, daemon=True,
@@ -548,6 +553,9 @@ def main() -> None:
     p.add_argument("--dashboard", action="store_true",
                    help="serve the run's dashboard and ask it what an open page asks every 2 s: "
                         "latency and size of /api/run and /api/peer-page in the JSON")
+    p.add_argument("--pin", action="store_true",
+                   help="the coordinator on CPU 0 and the volunteers on CPU 1: a core of its own, as on a machine of "
+                        "its own, instead of sharing both cores with the volunteers")
     p.add_argument("--join", type=int, default=0, metavar="K",
                    help="K fresh volunteers join one after another in the measured window, each timed from its "
                         "process start to its first accepted push (bench/swarm_joiner.py): join_s and its phases")
