@@ -127,6 +127,8 @@ async def coordinator(args) -> None:
             lease_service_ms = [1000 * took[int(len(took) * q)] for q in (0.5, 0.99)]
             await lagging
             await asyncio.sleep(GRACE)  # for the pushes still in flight
+            while watch.pushing and time.time() < end + GRACE + 60:  # (every push settled before the books are read)
+                await asyncio.sleep(0.1)
             await step(live, None)  # the rest of the buffer, so that every acknowledged sample is settled
             if dashboard:
                 dashboard.cancel()
@@ -276,6 +278,8 @@ class Watch:
 
     def __init__(self, service):
         self.acknowledged, self.lease_seconds = 0, Sample()
+        self.pushing = 0  # pushes being handled now
+        self.lock = threading.Lock()  # push threads count together: `+=` is no atomic step
         lease, push = service.handle_lease, service.handle_push
 
         def timed_lease(*args, **kwargs):
@@ -286,9 +290,17 @@ class Watch:
                 self.lease_seconds.append(time.perf_counter() - started)
 
         def counted_push(*args, **kwargs):
-            receipt = push(*args, **kwargs)
-            self.acknowledged += receipt.accepted
-            return receipt
+            with self.lock:
+                self.pushing += 1
+            accepted = 0
+            try:
+                receipt = push(*args, **kwargs)
+                accepted = receipt.accepted
+                return receipt
+            finally:
+                with self.lock:
+                    self.acknowledged += accepted
+                    self.pushing -= 1
 
         service.handle_lease, service.handle_push = timed_lease, counted_push
 

@@ -59,7 +59,11 @@ threads = 1
     wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, 240, "two versions", [coordinator])
     gate.touch()
     late = start_node(processes, join, tmp_path, "late")
-    wait_for(lambda: "joined run" in (tmp_path / "late.log").read_text(), 120, "the late node to join", [late])
+    # Steps wait until it asks for work: it prints "joined run" before its master weights are built,
+    # and on a busy machine the run once ended before its first lease request (14 s later), leaving
+    # it dialling a coordinator that was gone. (A sequential node updates when work needs it.)
+    wait_for(lambda: "waiting for work" in (tmp_path / "late.log").read_text(), 120, "the late node to ask for work",
+             [late])
     gate.unlink()
     assert coordinator.wait(timeout=300) == 0, (tmp_path / "coordinator.log").read_text()[-3000:]
     for node, name in ((llama, "llama"), (hf, "hf"), (late, "late")):
