@@ -121,3 +121,8 @@ def children() -> dict[str, float]:
 def own_cpu() -> float:
     times = psutil.Process().cpu_times()
     return times.user + times.system
+
+
+def pinned(cpus: set[int] | None):
+    """A `preexec_fn` that keeps a child process (and what it starts) on `cpus`; None: anywhere."""
+    return None if cpus is None else lambda: os.sched_setaffinity(0, cpus)

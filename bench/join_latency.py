@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shlex
 import signal
@@ -34,6 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.cpu_split import pinned  # noqa: E402
 from echo_coordinator.main import demo_model_path  # noqa: E402
 
 BIN = Path(sys.executable).parent
@@ -59,11 +59,6 @@ dashboard = false
 threads = 1
 """)
     return path
-
-
-def pinned(cpus: set[int] | None):
-    """A `preexec_fn` that keeps the child on `cpus` (None: anywhere)."""
-    return None if cpus is None else lambda: os.sched_setaffinity(0, cpus)
 
 
 def join(line: str, directory: Path, name: str, threads: int,

@@ -61,6 +61,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import swarm_joiner  # noqa: E402
+from bench.cpu_split import pinned  # noqa: E402
 
 GOAL_P99_LEASE_MS = 100.0
 GOAL_CPU_MS = 2.0
@@ -450,12 +451,9 @@ def run_size(n: int, args) -> dict:
     # spin-wait after each parallel region for longer than the region takes (measured: ~1 ms of
     # CPU a sample, as large as the transport's). A real model's rows keep them busy instead.
     flags = [f for f in ("--memory", "--dashboard") if getattr(args, f[2:], False)] + ["--reach"] * bool(args.join)
-    def on(cpu: int):  # `--pin`: the coordinator (its daemons too) on CPU 0, the volunteers on CPU 1
-        return (lambda: os.sched_setaffinity(0, {cpu})) if args.pin else None
-
     coord = subprocess.Popen([*here, "_coordinator", "--nodes", str(n), *common, *flags], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True, env=dict(os.environ, NUMBA_NUM_THREADS="1"),
-                             preexec_fn=on(0))
+                             preexec_fn=pinned({0} if args.pin else None))  # (its daemons too)
     hello = json.loads(coord.stdout.readline())
     start = time.time() + 3 + n / 100  # room for the volunteers' p2pd daemons to start
     coord.stdin.write(f"{start}\n")
@@ -468,7 +466,7 @@ def run_size(n: int, args) -> dict:
                               "--group", str(GROUP),
                               "--nodes", str(n // procs + (i < n % procs)), "--keys-per-peer", str(args.keys_per_peer),
                               "--period", str(args.period), *common], stdout=subprocess.PIPE, text=True,
-                             preexec_fn=on(1))
+                             preexec_fn=pinned({1} if args.pin else None))
             for i in range(procs)]
     dashboard: dict = {}
     poller = threading.Thread(target=poll_dashboard, daemon=True,
