@@ -232,14 +232,15 @@ class RolloutGate:
     def is_accepted(self, key: Hashable) -> bool:
         return key in self._accepted
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, keys: bool = True) -> dict[str, Any]:
+        """The gate's state; `keys`=False leaves its accepted keys out (a caller that keeps them elsewhere)."""
         return {
             "mode": self.mode.value,
             "staleness": self.staleness,
             "version": self.version,
             "counts": {peer: dict(c) for peer, c in self._counts.items()},
             # [version, key] pairs, sorted by repr only so snapshots of equal states are byte-identical.
-            "accepted": [[v, _key_out(k)] for k, v in sorted(self._accepted.items(), key=repr)],
+            "accepted": [[v, _key_out(k)] for k, v in sorted(self._accepted.items(), key=repr)] if keys else [],
         }
 
     @classmethod

@@ -198,7 +198,7 @@ class RunService:
         nodes working now. (Its accepted lease ids are in the journal, written as they are
         accepted: a file rewritten each step must not grow with the run.)"""
         with self.lock:
-            return {"gate": {**self.buffer.gate.to_dict(), "accepted": []},
+            return {"gate": self.buffer.gate.to_dict(keys=False),
                     "working": self.nodes.working(time.time() if now is None else now)}
 
     def restore(self, state: dict, version: int) -> None:
