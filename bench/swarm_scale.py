@@ -16,7 +16,8 @@ honest node: it asks for a lease of `--seeds` prompts, samples the toy model wit
 noise, signs and pushes, then waits out the rest of its `--period`; on NoWork it takes the version
 it is told and asks again after the retry delay; "busy" is asked again as the node does (a push
 every `PUSH_BUSY_RETRY` seconds while its lease lasts, other calls with the node's backoff), and a
-lease request whose stream breaks is sent again once, as the node's is (`idempotent`). A
+call whose stream breaks is sent again as the node's is (a lease request or a holders ask once,
+`idempotent`; a push while its lease lasts), and counted (`broken_streams`). A
 key told of a newer version asks the coordinator once who holds it (`echo.holders`), as a node
 does before fetching it (the fetch itself is not played: the toy model has no weights).
 
@@ -354,18 +355,20 @@ async def volunteers(args) -> None:
     coordinator_peer, run_id = peer_of(args.address), args.run_id
     measure_from, end = args.start + args.warmup, args.start + args.warmup + args.seconds
     out = dict(lease_ms=[], push_ms=[], holders_ms=[], holders_named=0, errors=Counter(), acked=0, leased=0,
-               nowork=0, acked_total=0, keys_acked=0, busy=0, first_accept_s=[])
+               nowork=0, acked_total=0, keys_acked=0, busy=0, broken=Counter(), first_accept_s=[])
 
     async def call(peer, method, payload: bytes, until: float | None = None) -> bytes:
         """One call as a node makes it: "busy" (the peer's calls in flight at the coordinator's
         limit, or new keys' batches being judged) is no verdict, and is asked again; a push
-        (`until`: its lease's expiry) at a fixed interval, given up when the lease is over."""
-        backoff = Backoff()
+        (`until`: its lease's expiry) at a fixed interval, given up when the lease is over. A
+        broken stream (no answer) is counted, and the call made again as the node makes it: a
+        lease request or a holders ask once (`idempotent`), a push while its lease lasts."""
+        backoff, resent = Backoff(), False
         while True:
             async with gates[peer.peer_id, method.name]:
                 started = time.perf_counter()
                 try:
-                    raw = await peer.endpoint.call_one(coordinator_peer, method, payload, idempotent=method == rpc.LEASE)
+                    raw = await peer.endpoint.call_one(coordinator_peer, method, payload)
                 except RemoteError as e:
                     if e.code != "busy":
                         raise
@@ -374,6 +377,15 @@ async def volunteers(args) -> None:
                     if until is not None and time.time() + delay >= until:
                         raise
                     await asyncio.sleep(delay)
+                    continue
+                except TransportError:
+                    out["broken"][method.name] += time.time() >= measure_from
+                    delay = backoff.next()
+                    if (resent if until is None else time.time() + delay >= until):
+                        raise
+                    resent = True
+                    if until is not None:
+                        await asyncio.sleep(delay)
                     continue
                 if time.time() >= measure_from:
                     out[timed[method]].append(1000 * (time.perf_counter() - started))
@@ -503,7 +515,8 @@ def run_size(n: int, args) -> dict:
         push_p50_ms=percentile(push_ms, 50), push_p99_ms=percentile(push_ms, 99),
         holders_asks=len(holders_ms), holders_p50_ms=percentile(holders_ms, 50),
         holders_p99_ms=percentile(holders_ms, 99), holders_named=sum(p["holders_named"] for p in parts),
-        errors=dict(errors), busy_retries=sum(p["busy"] for p in parts), nowork=sum(p["nowork"] for p in parts),
+        errors=dict(errors), busy_retries=sum(p["busy"] for p in parts),
+        broken_streams=dict(sum((Counter(p["broken"]) for p in parts), Counter())), nowork=sum(p["nowork"] for p in parts),
         acked=acked, leased_samples=leased,
         keys_acked=sum(p["keys_acked"] for p in parts),
         acked_total=sum(p["acked_total"] for p in parts) + sum(j["accepted"] for j in joins.get("joins", [])),
@@ -581,7 +594,8 @@ def main() -> None:
               f"{r['rss_mib_start']:>6.0f}->{r['rss_mib_end']:<6.0f} {r['errors'] or ''}")
         print(f"       first accept per key p50/p99/max: {r['first_accept_p50_s'] or 0:.1f}/"
               f"{r['first_accept_p99_s'] or 0:.1f}/{r['first_accept_max_s'] or 0:.1f} s, "
-              f"{r['keys_never_accepted']} keys never accepted")
+              f"{r['keys_never_accepted']} keys never accepted; broken streams (sent again): "
+              f"{r['broken_streams'] or 'none'}")
         parts = r["cpu_ms_by_component"].items()
         print("       cpu ms/sample by component: " + ", ".join(f"{k} {v:.2f}" for k, v in parts))
         if len(r["rss_mib_series"]) > 2:
@@ -608,7 +622,7 @@ def median_row(runs: list[dict]) -> dict:
             row[key] = {k: statistics.median(r[key].get(k, 0.0) for r in runs) for k in value}
     row["lost"] = max(r["lost"] for r in runs)
     row["runs"] = [{k: r[k] for k in ("accepted_per_s", "lease_p99_ms", "push_p99_ms", "cpu_ms_per_sample", "books",
-                                      "acknowledged")} for r in runs]
+                                      "acknowledged", "errors", "broken_streams")} for r in runs]
     return row
 
 

@@ -15,7 +15,8 @@ Invariants
   slow honest node's work is not lost to a short lease.
 - A lease whose batch is being judged (`pin`) does not expire until the judgment ends: the time
   the trainer takes to judge is its own, and a queue of its making must not lapse an honest
-  key's lease and hand its seeds to another.
+  key's lease and hand its seeds to another. Nor does a queue of its making count against a key
+  whose batch it told to wait (`excuse`): if the lease expires meanwhile, that is no lapse.
 - A shadow lease (`shadow`) repeats the seeds of another key's short (unproven) lease and owns
   none: the seeds stay that lease's, or pending once it expires. Whichever of the two is
   completed first completes them; the other is `beaten` from then on (never completes a seed).
@@ -83,6 +84,7 @@ class LeaseBook:
         self._shadow_due = math.inf  # no shadow expires before this
         self._beaten: dict[str, Lease] = {}  # leases closed by a shadow's answer, newest last (`beaten`)
         self._pinned: set[str] = set()  # leases whose batches are being judged: they do not expire (`pin`)
+        self._excused: set[str] = set()  # leases whose batches were told to wait: their expiry is no lapse (`excuse`)
 
     @property
     def prefix(self) -> str:
@@ -271,18 +273,27 @@ class LeaseBook:
         """Judged: the lease expires as any other (at the next `expire`, if it is past due)."""
         self._pinned.discard(lease_id)
 
+    def excuse(self, lease_id: str, node_id: str) -> None:
+        """`node_id` pushed its batch for `lease_id` and was told to push again later (the trainer
+        is busy): if the lease expires before its batch gets in, the wait was ours, not a lapse."""
+        lease = self._outstanding.get(lease_id) or self._shadows.get(lease_id, (None, ""))[0]
+        if lease is not None and lease.node_id == node_id:
+            self._excused.add(lease_id)
+
     def expire(self, now: float) -> list[Lease]:
         """Close leases with `expires_at <= now` that are not `pin`ned, oldest first; their seeds
         go back to the front, and each counts as a lapse of its key (so does an expired shadow:
-        it has no seeds)."""
+        it has no seeds) unless it was `excuse`d."""
         expired = [lease for lease in self._outstanding.values()
                    if lease.expires_at <= now and lease.lease_id not in self._pinned]
+        excused = self._excused.intersection(lease.lease_id for lease in expired) if self._excused else set()
         self._reopen(expired, "expired")
         self._expired_count += len(expired)
         shadows = []
         if now >= self._shadow_due:  # every call scans the shadows (up to MAX_SHADOWS) only once one is due
             shadows = [lease for lease, _ in self._shadows.values()
                        if lease.expires_at <= now and lease.lease_id not in self._pinned]
+            excused.update(self._excused.intersection(lease.lease_id for lease in shadows))
             for lease in shadows:
                 self._drop_shadow(lease.lease_id, "expired")
             self._shadow_due = min((lease.expires_at for lease, _ in self._shadows.values()), default=math.inf)
@@ -290,6 +301,8 @@ class LeaseBook:
             self._late[lease.lease_id] = lease
             if len(self._late) > MAX_LATE:
                 del self._late[next(iter(self._late))]
+            if lease.lease_id in excused:
+                continue
             count, _ = self._lapses.pop(lease.node_id, (0, 0.0))
             self._lapses[lease.node_id] = (count + 1, lease.expires_at)  # re-inserted: the newest last
             if len(self._lapses) > MAX_LAPSED:
@@ -352,6 +365,7 @@ class LeaseBook:
 
     def _close(self, lease_id: str, reason: str) -> None:
         self._closed[lease_id] = reason
+        self._excused.discard(lease_id)
         if len(self._closed) > MAX_CLOSED:
             del self._closed[next(iter(self._closed))]  # dicts keep insertion order: the oldest
 

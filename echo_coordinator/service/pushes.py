@@ -62,6 +62,7 @@ class Pushes:
             raise
         with self.lock:
             name = self.nodes.name(node_id)
+        new = self._new_key_slot(node_id, body.get("lease_id"))
         samples = 1  # what a batch that does not even decode is counted as
         try:
             batch = RolloutBatch.from_dict(body)
@@ -74,6 +75,9 @@ class Pushes:
                 self.rejections[e.code] += samples
             self.ledger.reject(node_id, peer_id, name, e.code, samples, now)
             raise
+        finally:
+            if new:
+                self.new_keys.release()
         if saved is None:  # an evaluation answer
             tokens = sum(sum(s.loss_mask) for s in batch.samples)
             self.ledger.credit_eval(node_id, peer_id, name, len(batch.samples), tokens, now)
@@ -87,23 +91,29 @@ class Pushes:
         if batch.run_id != self.manifest.run_id:
             raise InvalidValue(f"batch for run {batch.run_id!r}, this is {self.manifest.run_id!r}")
         try:
-            trust = self.policing.admit(self.ledger, batch.node_id, now)
+            self.policing.admit(self.ledger, batch.node_id, now)
         except PeerRefused:
             # A lease can be given in the moment of a ban (issue 36 point 11): its push is the
             # first word of it, and its seeds must not wait out the lease.
             self.release(batch.node_id, now)
             raise
-        # Keys are free: new keys' batches (verified behind the trainer's other work) hold at
-        # most NEW_KEY_PUSHES of the push threads, and the others are told to push again; the
-        # lease stays theirs.
-        new = self.policing.verifier is not None and trust.new
-        if new and not self.new_keys.acquire(blocking=False):
-            raise PeerRefused("busy", f"{NEW_KEY_PUSHES} new keys' batches are being judged; push again shortly")
-        try:
-            return self._judge(batch, peer_id, name, now)
-        finally:
-            if new:
-                self.new_keys.release()
+        return self._judge(batch, peer_id, name, now)
+
+    def _new_key_slot(self, node_id: str, lease_id: object) -> bool:
+        """Keys are free: new keys' batches (verified behind the trainer's other work) hold at
+        most NEW_KEY_PUSHES of the push threads; True if this one now holds one of those slots.
+        The others are told to push again (`busy`: no verdict, nothing counted), before their
+        batch is even decoded, since a crowd of new nodes pushes again every second. Their lease
+        stays theirs, and if it ends before their turn comes, that is no lapse of theirs."""
+        if self.policing.verifier is None or not self.ledger.trust(node_id).new:
+            return False
+        if self.new_keys.acquire(blocking=False):
+            return True
+        if isinstance(lease_id, str):  # (the signed body, not yet decoded: a malformed one is told the same)
+            with self.lock:
+                round_ = self.rounds.round_of(lease_id)
+                (self.leasing.book if round_ is None else round_.book).excuse(lease_id, node_id)
+        raise PeerRefused("busy", f"{NEW_KEY_PUSHES} new keys' batches are being judged; push again shortly")
 
     def _judge(self, batch: RolloutBatch, peer_id: str, name: str, now: float) -> Future | None:
         started = time.monotonic()

@@ -686,6 +686,30 @@ def test_returned_seeds_go_to_proven_keys_first_and_lapses_are_counted_until_a_k
     assert book.lapses("sybil") == (0, 0.0) and again.seeds
 
 
+def test_a_lease_whose_batch_was_told_to_wait_expires_without_a_lapse():
+    """The trainer told the holder's batch to push again later (`excuse`): the lease still expires
+    and its seeds go back, but its key is not counted as one that left a lease to lapse. Only the
+    holder's own lease can be excused, and an excuse ends with its lease."""
+    book = LeaseBook(ttl=60.0)
+    book.add_seeds(range(8))
+    waited = book.issue("new", 2, 0, now=0.0, ttl=15.0, proven=False)
+    left = book.issue("idle", 2, 0, now=0.0, ttl=15.0, proven=False)
+    book.excuse(waited.lease_id, "new")
+    book.excuse(left.lease_id, "new")  # not its lease: no excuse for "idle"
+    assert [x.lease_id for x in book.expire(16.0)] == [waited.lease_id, left.lease_id]
+    assert book.lapses("new") == (0, 0.0) and book.lapses("idle") == (1, 15.0)
+    assert book.pending_seeds[:4] == waited.seeds + left.seeds  # the seeds go back all the same
+    # The excuse was for that lease only: the key's next one, left unanswered, is a lapse.
+    nxt = book.issue("new", 2, 0, now=20.0)
+    book.expire(100.0)
+    assert book.lapses("new") == (1, nxt.expires_at)
+    # A completed lease takes its excuse with it.
+    done = book.issue("new", 1, 0, now=100.0)
+    book.excuse(done.lease_id, "new")
+    book.complete(done.lease_id, "new", now=101.0)
+    assert not book._excused
+
+
 def test_a_book_saved_before_leases_carried_their_issue_time_restores():
     state = {"ttl": 60.0, "prefix": "x-", "next_id": 1, "pending": [], "outstanding": [["x-0", "a", [1], 0, 100.0]]}
     (lease,) = LeaseBook.from_dict(state).outstanding

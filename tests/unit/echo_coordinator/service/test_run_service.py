@@ -674,6 +674,32 @@ def test_an_async_seed_left_to_lapse_is_sampled_again_with_the_same_noise_at_a_n
     assert push(svc, sampled_batch(other, again), peer_id("Other"), now=at).accepted == GROUP
 
 
+def test_a_new_keys_lease_that_ends_while_it_is_told_busy_is_no_lapse_of_its_key(policed):
+    """New keys' batches are judged a few at a time; the others are told `busy` and push again
+    until their lease ends (a flash crowd of new nodes). One whose lease ended that way asks for
+    the next at once: the wait was ours, and nothing is charged to it. A key that left its lease
+    unanswered still waits."""
+    from echo_coordinator.service.pushes import NEW_KEY_PUSHES
+
+    svc, waiting, idle = policed(), generate_key(), generate_key()
+    lease = svc.handle_lease(lease_request(waiting), now=NOW)
+    svc.handle_lease(lease_request(idle), now=NOW)
+    for _ in range(NEW_KEY_PUSHES):  # other new keys' batches are being judged
+        svc.pushes.new_keys.acquire()
+    with pytest.raises(PeerRefused) as e:
+        push(svc, sampled_batch(waiting, lease), peer_id("Waiting"), now=NOW + 1)
+    assert e.value.code == "busy"
+    # No verdict: nothing is charged to the key (a crowd of new nodes pushes again every second).
+    assert "busy" not in svc.rejection_counts() and all(p["rejected"] == 0 for p in svc.ledger.peers())
+    for _ in range(NEW_KEY_PUSHES):
+        svc.pushes.new_keys.release()
+    at = lease.expires_at + 1
+    assert isinstance(svc.handle_lease(lease_request(waiting, time=at), now=at), TaskLease)
+    with pytest.raises(PeerRefused) as e:
+        svc.handle_lease(lease_request(idle, time=at), now=at)
+    assert e.value.code == "lapsed"
+
+
 def test_written_tokens_are_refused_struck_and_banned_for_a_growing_time(policed):
     svc, honest, cheat = policed(), generate_key(), generate_key()
     lease = svc.handle_lease(lease_request(honest), now=NOW)
