@@ -129,7 +129,8 @@ async def coordinator(args) -> None:
             lease_service_ms = [1000 * took[int(len(took) * q)] for q in (0.5, 0.99)]
             await lagging
             await asyncio.sleep(GRACE)  # for the pushes still in flight
-            while watch.pushing and time.time() < end + GRACE + 60:  # (every push settled before the books are read)
+            # Every push settled, and the new keys' line empty, before the books are read.
+            while (watch.pushing or service.pushes.line_bytes) and time.time() < end + GRACE + 60:
                 await asyncio.sleep(0.1)
             await step(live, None)  # the rest of the buffer, so that every acknowledged sample is settled
             if dashboard:
@@ -273,8 +274,8 @@ def time_ledger_thread(ledger) -> LedgerTimes:
 
 
 class Watch:
-    """What the service's handlers do, seen from inside (they look `handle_lease` and
-    `handle_push` up at each call): the samples acknowledged so far, and the seconds each
+    """What the service's handlers do, seen from inside (they look `handle_lease` and the push
+    path's `_receive` up at each call): the samples acknowledged so far, and the seconds each
     `handle_lease` took on its lease thread (against the latency a volunteer sees: what the
     service itself costs, and what is queueing before it)."""
 
@@ -282,7 +283,7 @@ class Watch:
         self.acknowledged, self.lease_seconds = 0, Sample()
         self.pushing = 0  # pushes being handled now
         self.lock = threading.Lock()  # push threads count together: `+=` is no atomic step
-        lease, push = service.handle_lease, service.handle_push
+        lease, push = service.handle_lease, service.pushes._receive
 
         def timed_lease(*args, **kwargs):
             started = time.perf_counter()
@@ -304,7 +305,7 @@ class Watch:
                     self.acknowledged += accepted
                     self.pushing -= 1
 
-        service.handle_lease, service.handle_push = timed_lease, counted_push
+        service.handle_lease, service.pushes._receive = timed_lease, counted_push
 
 
 async def step(live, groups: int | None) -> None:

@@ -3,7 +3,9 @@
 Each handler gets its request decoded (`protocols.rpc`) and hands it to the service: a lease and a push run on a
 thread of their own (a lease waits for its journal write, a push for its verification on the
 torch thread), so the event loop never waits for them. Leases and pushes have separate pools:
-pushes can wait minutes for the torch thread, and must never hold the threads leases need."""
+pushes can wait minutes for the torch thread, and must never hold the threads leases need. A new
+key's batch waits its turn in their line holding no thread, and is judged on threads of its own
+(`service.pushes.Queued`)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from echo_coordinator.display import Display
 from echo_coordinator.presence import Presence
 from echo_coordinator.service import RunService
+from echo_coordinator.service.pushes import NEW_KEY_PUSHES, Queued
 from protocols import rpc
 from protocols.messages import HoldersRequest, LeaseRequest, ReachRequest
 
@@ -29,6 +32,7 @@ async def register_handlers(endpoint, service: RunService, presence: Presence, p
     loop = asyncio.get_running_loop()
     leases = ThreadPoolExecutor(LEASE_THREADS, thread_name_prefix="lease")
     pushes = ThreadPoolExecutor(PUSH_THREADS, thread_name_prefix="push")
+    new_keys = ThreadPoolExecutor(NEW_KEY_PUSHES, thread_name_prefix="new-key")  # its queue is their line
 
     async def manifest(request: None, peer: str):
         yield service.manifest
@@ -38,7 +42,15 @@ async def register_handlers(endpoint, service: RunService, presence: Presence, p
         yield await loop.run_in_executor(leases, service.handle_lease, request, peer)
 
     async def push(request: bytes, peer: str):  # the wire bytes: the service decodes them in stages
-        yield await loop.run_in_executor(pushes, service.handle_push, request, peer)
+        reply = await loop.run_in_executor(pushes, service.receive_push, request, peer)
+        if isinstance(reply, Queued):
+            queued, judged = reply, loop.run_in_executor(new_keys, reply.judge)
+            try:
+                reply = await judged
+            finally:
+                if judged.cancelled():  # the stream went away: out of the line, if its turn has not come
+                    queued.abandon()
+        yield reply
 
     async def reach(request: ReachRequest, peer: str, observed: str):
         reply = await prober.answer(request, peer, observed)

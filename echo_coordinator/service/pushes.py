@@ -7,6 +7,13 @@ the rollout gate, the lease, the replay buffer. When the lease holder's signed b
 the lease is released and its seeds go straight to the next node that asks. A batch's groups
 are in the journal before its push is acknowledged. Evaluation answers take the same path to a
 different end: scored for held-out accuracy, credited at once, never trained on.
+
+A new key's batch is always verified, behind the trainer's other work, and keys are free: its
+signature checked, it waits in the new keys' line (`Queued`: its bytes, no thread; its lease does
+not expire meanwhile) and is judged on one of NEW_KEY_PUSHES threads of its own, in turn. Past
+the line's size it is told `busy` (push again shortly: no verdict). A crowd of new nodes that were
+all told `busy` pushed again every second, each push paying its transfer and signature again
+(1,000 keys at once: lease p99 253 ms, first accept p99 12 s; the line: see docs/scaling.md).
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 from echo_coordinator.evaluation import EvalRound
 from echo_coordinator.ledger import Ledger
@@ -28,11 +36,30 @@ from echo_coordinator.service.settings import Work
 from engines.episodes import score
 from protocols.errors import Beaten, InvalidValue, LeaseError, PeerRefused, ProtocolError, Truncated
 from protocols.messages import PushReceipt, RolloutBatch, RunManifest
-from protocols.leases import Lease
+from protocols.leases import Lease, LeaseBook
 from protocols.sync import Mode, Verdict, judge_version
 
 
-NEW_KEY_PUSHES = 4  # new keys' batches judged at once (of echo_coordinator.handlers' 16 push threads)
+NEW_KEY_PUSHES = 4  # new keys' batches judged at once: their own threads (echo_coordinator.handlers)
+NEW_KEY_LINE_BYTES = 64 * 2**20  # new keys' batches waiting their turn, by size; past it they are told busy
+
+
+@dataclass(eq=False)
+class Queued:
+    """A new key's batch, its signature checked, waiting in the new keys' line: `judge` it on one
+    of their threads, or `abandon` it if nobody waits for the answer any more."""
+
+    pushes: Pushes
+    data: bytes  # the wire bytes (decoded again when its turn comes: bytes are the smallest to hold)
+    peer_id: str
+    pinned: tuple[LeaseBook, str] | None  # its lease, kept from expiring while it waits
+    state: str = "waiting"  # -> "judging" | "abandoned"
+
+    def judge(self, now: float | None = None) -> PushReceipt:
+        return self.pushes.judge_queued(self, time.time() if now is None else now)
+
+    def abandon(self) -> None:
+        self.pushes.leave_line(self, "abandoned")
 
 
 class Pushes:
@@ -47,22 +74,73 @@ class Pushes:
         self.judging: set[tuple[str, str]] = set()  # (lease id, signer) of batches being judged now
         self.rejections: Counter[str] = Counter()  # samples refused by reason (the buffer counts its stale drops)
         self.unsigned: Counter[str] = Counter()  # pushes refused before a key could be named (since start)
-        self.new_keys = threading.Semaphore(NEW_KEY_PUSHES)  # push threads new keys' batches hold
+        self.line_bytes = 0  # new keys' batches in their line (`Queued`), waiting or being judged
 
     def handle(self, data: bytes, peer_id: str, now: float) -> PushReceipt:
-        """Judge a pushed batch (wire bytes) and buffer its groups. Credit comes later, when a step
-        trains on them."""
+        """Judge a pushed batch (wire bytes) on this thread, a new key's too, and buffer its
+        groups. Credit comes later, when a step trains on them."""
+        reply = self.receive(data, peer_id, now)
+        return reply.judge(now) if isinstance(reply, Queued) else reply
+
+    def receive(self, data: bytes, peer_id: str, now: float) -> PushReceipt | Queued:
+        """A proven key's batch judged (`handle`); a new key's put in line (`Queued`), or refused `busy`."""
+        node_id, body = self._signed(data)
+        if self.policing.verifier is not None and self.ledger.trust(node_id).new:
+            return self._line_up(data, peer_id, node_id, body.get("lease_id"), now)
+        return self._receive(node_id, body, peer_id, now)
+
+    def _signed(self, data: bytes) -> tuple[str, dict]:
         try:
-            node_id, body = RolloutBatch.signed_body(data)
+            return RolloutBatch.signed_body(data)
         except ProtocolError as e:
             # Whoever sent it cannot be named: no ledger row changes, not even the claimed key's.
             with self.lock:
                 self.rejections[e.code] += 1
                 self.unsigned[e.code] += 1
             raise
+
+    def _line_up(self, data: bytes, peer_id: str, node_id: str, lease_id: object, now: float) -> Queued:
+        with self.lock:
+            book, lease = None, None
+            if isinstance(lease_id, str):  # (from the signed body, not yet decoded)
+                round_ = self.rounds.round_of(lease_id)
+                book = self.leasing.book if round_ is None else round_.book
+                lease = book.find(lease_id, now)
+            held = lease is not None and lease.node_id == node_id
+            if self.line_bytes + len(data) > NEW_KEY_LINE_BYTES:
+                if held:
+                    book.excuse(lease_id, node_id)  # if it ends before this key's turn, the wait was ours
+                raise PeerRefused("busy", "new keys' batches fill their line; push again shortly")
+            self.line_bytes += len(data)
+            if held:
+                book.pin(lease_id)  # our line is not the key's delay (`LeaseBook.pin`)
+        return Queued(self, data, peer_id, (book, lease_id) if held else None)
+
+    def judge_queued(self, queued: Queued, now: float) -> PushReceipt:
+        with self.lock:
+            if queued.state != "waiting":
+                raise PeerRefused("busy", "this push was given up while it waited")
+            queued.state = "judging"
+        try:
+            node_id, body = RolloutBatch.signed_body(queued.data)
+            return self._receive(node_id, body, queued.peer_id, now)
+        finally:
+            self.leave_line(queued, "judged")
+
+    def leave_line(self, queued: Queued, state: str) -> None:
+        """`queued` leaves the line: judged, or abandoned before its turn (then it is never judged)."""
+        with self.lock:
+            if state == "abandoned" and queued.state != "waiting":
+                return  # being judged: it leaves when that ends
+            queued.state = state
+            self.line_bytes -= len(queued.data)
+            if queued.pinned is not None:
+                book, lease_id = queued.pinned
+                book.unpin(lease_id)
+
+    def _receive(self, node_id: str, body: dict, peer_id: str, now: float) -> PushReceipt:
         with self.lock:
             name = self.nodes.name(node_id)
-        new = self._new_key_slot(node_id, body.get("lease_id"))
         samples = 1  # what a batch that does not even decode is counted as
         try:
             batch = RolloutBatch.from_dict(body)
@@ -75,9 +153,6 @@ class Pushes:
                 self.rejections[e.code] += samples
             self.ledger.reject(node_id, peer_id, name, e.code, samples, now)
             raise
-        finally:
-            if new:
-                self.new_keys.release()
         if saved is None:  # an evaluation answer
             tokens = sum(sum(s.loss_mask) for s in batch.samples)
             self.ledger.credit_eval(node_id, peer_id, name, len(batch.samples), tokens, now)
@@ -98,22 +173,6 @@ class Pushes:
             self.release(batch.node_id, now)
             raise
         return self._judge(batch, peer_id, name, now)
-
-    def _new_key_slot(self, node_id: str, lease_id: object) -> bool:
-        """Keys are free: new keys' batches (verified behind the trainer's other work) hold at
-        most NEW_KEY_PUSHES of the push threads; True if this one now holds one of those slots.
-        The others are told to push again (`busy`: no verdict, nothing counted), before their
-        batch is even decoded, since a crowd of new nodes pushes again every second. Their lease
-        stays theirs, and if it ends before their turn comes, that is no lapse of theirs."""
-        if self.policing.verifier is None or not self.ledger.trust(node_id).new:
-            return False
-        if self.new_keys.acquire(blocking=False):
-            return True
-        if isinstance(lease_id, str):  # (the signed body, not yet decoded: a malformed one is told the same)
-            with self.lock:
-                round_ = self.rounds.round_of(lease_id)
-                (self.leasing.book if round_ is None else round_.book).excuse(lease_id, node_id)
-        raise PeerRefused("busy", f"{NEW_KEY_PUSHES} new keys' batches are being judged; push again shortly")
 
     def _judge(self, batch: RolloutBatch, peer_id: str, name: str, now: float) -> Future | None:
         started = time.monotonic()

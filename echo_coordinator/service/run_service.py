@@ -23,7 +23,7 @@ from echo_coordinator.service.buffer import StepBatch, TrainingBuffer, Unchecked
 from echo_coordinator.service.evaluating import EvalRounds
 from echo_coordinator.service.leasing import Leasing
 from echo_coordinator.service.policing import Policing
-from echo_coordinator.service.pushes import Pushes
+from echo_coordinator.service.pushes import Pushes, Queued
 from echo_coordinator.service.registry import Registry
 from echo_coordinator.service.settings import LeaseSettings, Work
 from engines.episodes import Transcripts
@@ -303,3 +303,8 @@ class RunService:
         """Judge a pushed batch (wire bytes) and buffer its groups (`pushes`). Credit comes later,
         when a step trains on them."""
         return self.pushes.handle(data, peer_id, time.time() if now is None else now)
+
+    def receive_push(self, data: bytes, peer_id: str) -> PushReceipt | Queued:
+        """`handle_push` for the stream handler: a new key's batch comes back `Queued`, to be
+        judged in turn on the new keys' threads."""
+        return self.pushes.receive(data, peer_id, time.time())

@@ -1,9 +1,11 @@
-"""The coordinator's handlers: pushes waiting for verification never hold up lease requests."""
+"""The coordinator's handlers: pushes waiting for verification never hold up lease requests, and
+new keys' batches waiting their turn never hold up proven keys' pushes."""
 
 import asyncio
 import threading
 
 from echo_coordinator.handlers import PUSH_THREADS, register_handlers
+from echo_coordinator.service.pushes import NEW_KEY_PUSHES, Queued
 from protocols import rpc
 from protocols.messages import NoWork, PushReceipt
 from tests.unit.protocols import factories
@@ -27,13 +29,24 @@ class Service:
 
     def __init__(self):
         self.release, self.relay = threading.Event(), self
+        self.left = []  # how queued batches left the line (`leave_line`)
 
     async def serve(self, endpoint):  # the relay's handlers
         pass
 
-    def handle_push(self, request, peer):
-        self.release.wait(30)
+    def receive_push(self, request, peer):
+        if request == b"new":  # a new key's batch: judged in the new keys' line (`judge_queued`)
+            return Queued(self, request, peer, None)
+        if request == b"batch":
+            self.release.wait(30)
         return PushReceipt(accepted=1, rejected=0, latest_version=0)
+
+    def judge_queued(self, queued, now):
+        self.release.wait(30)
+        return PushReceipt(accepted=2, rejected=0, latest_version=0)
+
+    def leave_line(self, queued, state):
+        self.left.append(state)
 
     def handle_lease(self, request, peer):
         return NoWork(0, 1.0)
@@ -53,5 +66,27 @@ def test_a_lease_is_answered_while_every_push_thread_waits_for_verification():
         assert lease[0].retry_after == 1.0
         service.release.set()
         assert len(await asyncio.gather(*waiting)) == PUSH_THREADS + 4
+
+    asyncio.run(go())
+
+
+def test_new_keys_batches_waiting_their_turn_hold_no_push_thread_and_leave_the_line_when_dropped():
+    async def go():
+        endpoint, service = Served(), Service()
+        await register_handlers(endpoint, service, presence=None, prober=None)
+
+        async def one(name, request):
+            return [reply async for reply in endpoint.handlers[name](request, peer_id("Peer"))]
+
+        # Every new-key thread judging, and more than all the push threads' worth waiting in line.
+        line = [asyncio.create_task(one(rpc.PUSH.name, b"new")) for _ in range(NEW_KEY_PUSHES + PUSH_THREADS + 4)]
+        proven = await asyncio.wait_for(one(rpc.PUSH.name, b"proven"), 5)
+        assert proven[0].accepted == 1
+        line[-1].cancel()  # its node went away while it waited: it leaves the line, never judged
+        await asyncio.sleep(0.1)
+        assert service.left == ["abandoned"]
+        service.release.set()
+        replies = await asyncio.gather(*line[:-1])
+        assert [r[0].accepted for r in replies] == [2] * (NEW_KEY_PUSHES + PUSH_THREADS + 3)
 
     asyncio.run(go())

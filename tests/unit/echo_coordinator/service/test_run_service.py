@@ -674,25 +674,37 @@ def test_an_async_seed_left_to_lapse_is_sampled_again_with_the_same_noise_at_a_n
     assert push(svc, sampled_batch(other, again), peer_id("Other"), now=at).accepted == GROUP
 
 
-def test_a_new_keys_lease_that_ends_while_it_is_told_busy_is_no_lapse_of_its_key(policed):
-    """New keys' batches are judged a few at a time; the others are told `busy` and push again
-    until their lease ends (a flash crowd of new nodes). One whose lease ended that way asks for
-    the next at once: the wait was ours, and nothing is charged to it. A key that left its lease
-    unanswered still waits."""
-    from echo_coordinator.service.pushes import NEW_KEY_PUSHES
+def test_a_new_keys_batch_waits_in_line_with_its_lease_kept_and_past_the_line_is_told_busy(policed, monkeypatch):
+    """New keys' batches wait their turn in a line of their own (`Queued`), their leases kept
+    from expiring meanwhile: the line is ours, not the key's. Past the line's size a batch is
+    told `busy` (push again: no verdict, nothing charged); a lease that ends while its holder is
+    told so is no lapse of the key. A key that left its lease unanswered still waits."""
+    from echo_coordinator.service import pushes as pushes_module
 
-    svc, waiting, idle = policed(), generate_key(), generate_key()
+    svc, queued_key, gone, waiting, idle = policed(), generate_key(), generate_key(), generate_key(), generate_key()
+    lease = svc.handle_lease(lease_request(queued_key), now=NOW)
+    queued = svc.pushes.receive(sampled_batch(queued_key, lease).to_wire(), peer_id("Queued"), NOW + 1)
+    assert isinstance(queued, pushes_module.Queued) and svc.pushes.line_bytes > 0
+    late = lease.expires_at + 30  # its turn comes after its lease's end: the lease waited for it
+    assert queued.judge(late).accepted == GROUP and svc.pushes.line_bytes == 0
+    # Proven now: its next batch is judged at once, not in line.
+    again = svc.handle_lease(lease_request(queued_key, time=late), now=late)
+    assert svc.pushes.receive(sampled_batch(queued_key, again).to_wire(), peer_id("Queued"), late).accepted == GROUP
+    lease = svc.handle_lease(lease_request(gone, time=late), now=late)
+    abandoned = svc.pushes.receive(sampled_batch(gone, lease).to_wire(), peer_id("Gone"), late)
+    abandoned.abandon()  # its node went away before its turn: out of the line, never judged, lease free to expire
+    assert svc.pushes.line_bytes == 0 and not svc.leasing.book._pinned
+    with pytest.raises(PeerRefused):
+        abandoned.judge(late)
+
     lease = svc.handle_lease(lease_request(waiting), now=NOW)
     svc.handle_lease(lease_request(idle), now=NOW)
-    for _ in range(NEW_KEY_PUSHES):  # other new keys' batches are being judged
-        svc.pushes.new_keys.acquire()
+    monkeypatch.setattr(pushes_module, "NEW_KEY_LINE_BYTES", 0)  # the line is full
     with pytest.raises(PeerRefused) as e:
         push(svc, sampled_batch(waiting, lease), peer_id("Waiting"), now=NOW + 1)
     assert e.value.code == "busy"
     # No verdict: nothing is charged to the key (a crowd of new nodes pushes again every second).
     assert "busy" not in svc.rejection_counts() and all(p["rejected"] == 0 for p in svc.ledger.peers())
-    for _ in range(NEW_KEY_PUSHES):
-        svc.pushes.new_keys.release()
     at = lease.expires_at + 1
     assert isinstance(svc.handle_lease(lease_request(waiting, time=at), now=at), TaskLease)
     with pytest.raises(PeerRefused) as e:
@@ -941,10 +953,11 @@ def test_a_batch_judged_past_its_leases_expiry_is_accepted_and_its_seeds_stay_it
     assert svc.leasing.book.lapses(fingerprint(public_bytes(key))) == (0, 0.0)
 
 
-def test_new_keys_batches_hold_a_few_push_threads_and_the_rest_are_told_to_push_again(tmp_path, made):
-    """Keys are free (issue 36 point 3): while NEW_KEY_PUSHES new keys' batches are being judged,
-    another new key's push is refused `busy` at once, before any checking, and its lease stays
-    its own: pushed again later, it is accepted."""
+def test_past_the_new_keys_line_a_push_is_told_to_push_again(tmp_path, made, monkeypatch):
+    """Keys are free (issue 36 point 3): while new keys' batches fill their line (here: the
+    NEW_KEY_PUSHES being judged), another new key's push is refused `busy` at once, before any
+    checking, and its lease stays its own: pushed again later, it is accepted."""
+    from echo_coordinator.service import pushes as pushes_module
     from echo_coordinator.service.pushes import NEW_KEY_PUSHES
 
     gate, entered, lock = threading.Event(), [], threading.Lock()
@@ -959,6 +972,7 @@ def test_new_keys_batches_hold_a_few_push_threads_and_the_rest_are_told_to_push_
     svc.open_step(list(range(100)))
     keys = [generate_key() for _ in range(NEW_KEY_PUSHES + 1)]
     batches = [sampled_batch(k, svc.handle_lease(lease_request(k), now=NOW)) for k in keys]
+    monkeypatch.setattr(pushes_module, "NEW_KEY_LINE_BYTES", sum(len(b.to_wire()) for b in batches[:-1]))
     receipts = {}
     threads = [threading.Thread(target=lambda i=i: receipts.update({i: push(svc, batches[i], peer_id(f"n{i}"))}))
                for i in range(NEW_KEY_PUSHES)]
