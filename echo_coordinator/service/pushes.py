@@ -12,8 +12,8 @@ A new key's batch is always verified, behind the trainer's other work, and keys 
 signature checked, it waits in the new keys' line (`Queued`: its bytes, no thread; its lease does
 not expire meanwhile) and is judged on one of NEW_KEY_PUSHES threads of its own, in turn. Past
 the line's size it is told `busy` (push again shortly: no verdict). A crowd of new nodes that were
-all told `busy` pushed again every second, each push paying its transfer and signature again
-(1,000 keys at once: lease p99 253 ms, first accept p99 12 s; the line: see docs/scaling.md).
+all told `busy` pushed again every second, each push paying its transfer and checks again, and
+slowed every other call (docs/scaling.md, "The flash crowd's busy storm").
 """
 
 from __future__ import annotations
