@@ -42,10 +42,6 @@ from protocols.sync import Mode, Verdict, judge_version
 
 NEW_KEY_PUSHES = 4  # new keys' batches judged at once: their own threads (echo_coordinator.handlers)
 NEW_KEY_LINE_BYTES = 64 * 2**20  # new keys' batches waiting their turn, by size; past it they are told busy
-# Pushes whose Python runs at once (decoding, replay, judging; not their waits for the trainer or
-# the journal). Python runs one thread at a time: more only made every other thread wait longer
-# for its turn, the ledger's (which every lease waits on) first (docs/scaling.md, "CPU slots").
-CPU_SLOTS = 2
 
 
 @dataclass(eq=False)
@@ -79,7 +75,6 @@ class Pushes:
         self.rejections: Counter[str] = Counter()  # samples refused by reason (the buffer counts its stale drops)
         self.unsigned: Counter[str] = Counter()  # pushes refused before a key could be named (since start)
         self.line_bytes = 0  # new keys' batches in their line (`Queued`), waiting or being judged
-        self.cpu = threading.BoundedSemaphore(CPU_SLOTS)
 
     def handle(self, data: bytes, peer_id: str, now: float) -> PushReceipt:
         """Judge a pushed batch (wire bytes) on this thread, a new key's too, and buffer its
@@ -96,8 +91,7 @@ class Pushes:
 
     def _signed(self, data: bytes) -> tuple[str, dict]:
         try:
-            with self.cpu:
-                return RolloutBatch.signed_body(data)
+            return RolloutBatch.signed_body(data)
         except ProtocolError as e:
             # Whoever sent it cannot be named: no ledger row changes, not even the claimed key's.
             with self.lock:
@@ -128,7 +122,7 @@ class Pushes:
                 raise PeerRefused("busy", "this push was given up while it waited")
             queued.state = "judging"
         try:
-            node_id, body = self._signed(queued.data)
+            node_id, body = RolloutBatch.signed_body(queued.data)
             return self._receive(node_id, body, queued.peer_id, now)
         finally:
             self.leave_line(queued, "judged")
@@ -149,10 +143,9 @@ class Pushes:
             name = self.nodes.name(node_id)
         samples = 1  # what a batch that does not even decode is counted as
         try:
-            with self.cpu:  # (let go of while it waits for the trainer: `_judge`)
-                batch = RolloutBatch.from_dict(body)
-                samples = len(batch.samples)
-                saved = self._accept(batch, peer_id, name, now)
+            batch = RolloutBatch.from_dict(body)
+            samples = len(batch.samples)
+            saved = self._accept(batch, peer_id, name, now)
         except Beaten:
             raise  # it lost a race for its seeds: work lost, no bad input (its proof is counted)
         except ProtocolError as e:
@@ -216,11 +209,7 @@ class Pushes:
                 # is on every batch, spot-checked or not.
                 self.policing.strike(self.ledger, batch.node_id, now)
                 raise
-            self.cpu.release()  # (`_receive` holds a CPU slot) verified now, it waits for the torch thread
-            try:
-                waits = self.policing.verify(self.ledger, batch, now, round_, current=self.buffer.version)
-            finally:
-                self.cpu.acquire()
+            waits = self.policing.verify(self.ledger, batch, now, round_, current=self.buffer.version)
             now += time.monotonic() - started  # (its lease was pinned: it has not expired meanwhile)
             groups = [] if round_ is not None else judging.groups(batch, rewards, peer_id, name, unchecked=waits)
             with self.lock:
