@@ -33,7 +33,7 @@ from typing import Any
 from protocols.errors import InvalidValue, LeaseError
 from protocols.sync import check_version
 
-MAX_CLOSED = 10_000  # closed lease ids a LeaseBook remembers the reason for (~1.6 MB)
+MAX_CLOSED = 10_000  # closed lease ids a LeaseBook remembers the reason for, and who completed each (~2 MB)
 MAX_LAPSED = 100_000  # keys a LeaseBook remembers lapses of (the oldest forgotten first)
 MAX_LATE = 10_000  # expired leases a LeaseBook still takes a late answer for
 MAX_SHADOWS = 10_000  # shadow leases a LeaseBook holds at once (the oldest dropped first)
@@ -75,7 +75,7 @@ class LeaseBook:
         self._expired_count = 0
         # Closed lease ids and why, so a late or repeated completion gets a precise error; only
         # the newest MAX_CLOSED are remembered (older ones are "unknown": refused all the same).
-        self._closed: dict[str, str] = {}
+        self._closed: dict[str, tuple[str, str]] = {}  # lease id -> (reason, the key that completed it or "")
         self._returned: dict[int, float] = {}  # pending seed -> when a lease gave it back
         self._late: dict[str, Lease] = {}  # expired leases, newest last, for a late answer
         self._lapses: dict[str, tuple[int, float]] = {}  # key -> (lapses since it last delivered, last one)
@@ -234,7 +234,7 @@ class LeaseBook:
         leases whose seeds went out again."""
         lease = self.find(lease_id, now)
         if lease is None:
-            reason = self._closed.get(lease_id, "unknown")
+            reason = self._closed.get(lease_id, ("unknown", ""))[0]
             raise LeaseError(f"lease {lease_id!r} is {reason}")
         if lease.node_id != node_id:
             # Left outstanding: the rightful holder may still complete it.
@@ -259,7 +259,7 @@ class LeaseBook:
         else:  # late: its seeds leave pending
             del self._late[lease_id]
             self._take_pending(lease.seeds)
-        self._close(lease_id, "already completed")
+        self._close(lease_id, "already completed", node_id)
         self._completed_count += len(lease.seeds)
         self._known.difference_update(lease.seeds)  # a long async run completes millions of seeds
         self._lapses.pop(node_id, None)
@@ -363,8 +363,12 @@ class LeaseBook:
         book._outstanding = {x.lease_id: x for x in leases}
         return book
 
-    def _close(self, lease_id: str, reason: str) -> None:
-        self._closed[lease_id] = reason
+    def completed_by(self, lease_id: str) -> str | None:
+        """The key that completed `lease_id` (among the newest MAX_CLOSED closed), if one did."""
+        return self._closed.get(lease_id, ("", ""))[1] or None
+
+    def _close(self, lease_id: str, reason: str, by: str = "") -> None:
+        self._closed[lease_id] = (reason, by)
         self._excused.discard(lease_id)
         if len(self._closed) > MAX_CLOSED:
             del self._closed[next(iter(self._closed))]  # dicts keep insertion order: the oldest

@@ -44,6 +44,10 @@ NEW_KEY_PUSHES = 4  # new keys' batches judged at once: their own threads (echo_
 NEW_KEY_LINE_BYTES = 64 * 2**20  # new keys' batches waiting their turn, by size; past it they are told busy
 
 
+SAVED: Future = Future()  # what a batch sent again after it was taken waits for: nothing
+SAVED.set_result(None)
+
+
 @dataclass(eq=False)
 class Queued:
     """A new key's batch, its signature checked, waiting in the new keys' line: `judge` it on one
@@ -189,6 +193,10 @@ class Pushes:
         pinned = False  # its lease waits for the verdict (only the holder's batch gets that far)
         try:
             with self.lock:
+                if book.completed_by(batch.lease_id) == batch.node_id:
+                    # Its holder did not hear our answer (a broken stream) and sent it again: it
+                    # was taken (it is in the journal, or an evaluation answer was credited).
+                    return SAVED
                 lease = self._held_lease(batch, now, round_)
                 book.pin(batch.lease_id)  # our time judging it is not the node's: the lease waits
                 pinned = True

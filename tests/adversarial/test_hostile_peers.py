@@ -216,6 +216,7 @@ threads = 1
 
     attacker_dht = SwarmDHT.start("127.0.0.1", 0, [address])  # no validator: it stores whatever it likes
     results: dict[str, str] = {}
+    replayed: dict[str, object] = {}  # the control batch's key and sample count
 
     async def attack() -> tuple[float, float]:
         endpoint = await attacker_dht.endpoint()
@@ -229,7 +230,8 @@ threads = 1
         async with mallory.lock:
             control = mallory.batch(key, lease, mallory.honest(lease))
         results["control: honest batch"] = await mallory.push(control)
-        results["replayed batch"] = await mallory.push(control)
+        results["replayed batch"] = await mallory.push(control)  # told again it was taken: taken once
+        replayed.update(node=fingerprint(control.node_key), samples=len(control.samples))
 
         async def token_cheat(name: str) -> None:
             key = generate_key()
@@ -348,7 +350,7 @@ threads = 1
 
     print(json.dumps(results, indent=1))
     assert results["control: honest batch"] == "accepted"
-    assert results["replayed batch"] == "bad_lease"
+    assert results["replayed batch"] == "accepted"  # (as a node sending again a push whose answer it lost)
     for name in TOKEN_CHEATS:
         assert results[name] in ("bad_sampling", "bad_logprobs"), (name, results[name])
         assert results[name + " / then"] == "banned"
@@ -378,5 +380,8 @@ threads = 1
     # Credit went only to the keys that sent honest batches (the control and the lease holder).
     assert all(p["failed_batches"] == 0 and p["rejected_by_reason"].keys() <= {"bad_lease"}
                for p in cheaters if p["accepted"])
+    # The replayed batch was credited once, and charged nothing.
+    (control_row,) = [p for p in rows if p["node_id"] == replayed["node"]]
+    assert (control_row["accepted"], control_row["rejected"]) == (replayed["samples"], 0)
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 8

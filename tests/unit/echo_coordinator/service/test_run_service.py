@@ -266,9 +266,10 @@ def test_lease_of_another_node_double_push_and_expiry(service):
     with pytest.raises(LeaseError, match="another node"):
         stolen = answer_batch(service, thief, lease)
         push(service, stolen, peer_id("Thief"), now=NOW)
-    push(service, answer_batch(service, node, lease), peer_id("Node"), now=NOW)
-    with pytest.raises(LeaseError):
-        push(service, answer_batch(service, node, lease), peer_id("Node"), now=NOW)
+    taken = push(service, answer_batch(service, node, lease), peer_id("Node"), now=NOW)
+    # Pushed twice (its answer lost): told again that it was taken, nothing taken twice.
+    assert push(service, answer_batch(service, node, lease), peer_id("Node"), now=NOW) == taken
+    assert service.buffered_groups() == 2
     late = service.handle_lease(lease_request(node), now=NOW)
     # The expired lease's seeds are reassigned: at once to a key that delivers, to another (the
     # thief) once they have waited `first_lease_seconds`. Until they are, a late answer is taken.
@@ -541,9 +542,12 @@ def test_an_accepted_lease_the_gate_forgot_stays_refused_whatever_version_its_ba
     advance(svc, 2)
     assert not svc.gate.is_accepted(lease.lease_id) and svc.gate.to_dict()["accepted"] == []
     claims_newest = answer_batch(svc, node, lease, version=2)
-    for again in (batch, claims_newest):
-        with pytest.raises(LeaseError, match="already completed"):
-            push(svc, again, peer_id("Node"), now=NOW + 1)
+    buffered = svc.buffered_groups()
+    for again in (batch, claims_newest):  # its holder, sent again: told it was taken, nothing more is
+        assert push(svc, again, peer_id("Node"), now=NOW + 1).accepted == GROUP
+    assert svc.buffered_groups() == buffered
+    with pytest.raises(LeaseError, match="already completed"):  # and anyone else's batch for it is refused
+        push(svc, answer_batch(svc, generate_key(), lease, version=2), peer_id("Other"), now=NOW + 1)
     svc.ledger.close()
     restarted = restart(svc, 2, tmp_path / "ledger.sqlite")
     for again in (batch, claims_newest):
@@ -551,6 +555,23 @@ def test_an_accepted_lease_the_gate_forgot_stays_refused_whatever_version_its_ba
             push(restarted, again, peer_id("Node"), now=NOW + 2)
     assert restarted.gate.to_dict()["accepted"] == []
     restarted.ledger.close()
+
+
+def test_a_push_sent_again_after_its_answer_was_lost_is_told_it_was_taken_and_counted_once(service):
+    """A node whose push's answer was lost (a broken stream) sends it again, as it must: it had no
+    answer. The batch was taken: the node is told so again, and nothing is charged, buffered or
+    credited twice."""
+    node = generate_key()
+    service.open_step([10, 11])
+    lease = service.handle_lease(lease_request(node), now=NOW)
+    batch = answer_batch(service, node, lease)
+    assert push(service, batch, peer_id("Node")).accepted == 4
+    assert push(service, batch, peer_id("Node"), now=NOW + 1).accepted == 4  # sent again
+    assert service.rejection_counts() == {} and service.buffered_groups() == 2
+    assert len(service.take_batch().samples) == 4
+    service.commit_step(0)
+    (peer,) = service.ledger.peers()
+    assert (peer["accepted"], peer["rejected"]) == (4, 0)
 
 
 def test_a_step_that_dies_before_its_checkpoint_is_trained_again_and_credited_once(async_service, tmp_path):
