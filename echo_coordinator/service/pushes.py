@@ -126,7 +126,7 @@ class Pushes:
                 raise PeerRefused("busy", "this push was given up while it waited")
             queued.state = "judging"
         try:
-            node_id, body = RolloutBatch.signed_body(queued.data)
+            node_id, body = self._signed(queued.data)  # (checked when it joined the line)
             return self._receive(node_id, body, queued.peer_id, now)
         finally:
             self.leave_line(queued, "judged")

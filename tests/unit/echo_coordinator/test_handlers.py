@@ -21,6 +21,10 @@ class Served:
     async def serve(self, what, handler, with_address=False):
         self.handlers[what.name] = handler
 
+    async def call(self, name, request):
+        """The replies the handler `name` yields for `request`."""
+        return [reply async for reply in self.handlers[name](request, peer_id("Peer"))]
+
 
 class Service:
     """Pushes wait (as for the torch thread, behind a training step) until `release` is set."""
@@ -57,12 +61,9 @@ def test_a_lease_is_answered_while_every_push_thread_waits_for_verification():
         endpoint, service = Served(), Service()
         await register_handlers(endpoint, service, presence=None, prober=None)
 
-        async def one(name, request):
-            return [reply async for reply in endpoint.handlers[name](request, peer_id("Peer"))]
-
         # Submitted first (tasks start in order): every push thread is taken, more pushes queue.
-        waiting = [asyncio.create_task(one(rpc.PUSH.name, b"batch")) for _ in range(PUSH_THREADS + 4)]
-        lease = await asyncio.wait_for(one(rpc.LEASE.name, factories.lease_request()), 5)
+        waiting = [asyncio.create_task(endpoint.call(rpc.PUSH.name, b"batch")) for _ in range(PUSH_THREADS + 4)]
+        lease = await asyncio.wait_for(endpoint.call(rpc.LEASE.name, factories.lease_request()), 5)
         assert lease[0].retry_after == 1.0
         service.release.set()
         assert len(await asyncio.gather(*waiting)) == PUSH_THREADS + 4
@@ -75,15 +76,12 @@ def test_new_keys_batches_waiting_their_turn_hold_no_push_thread_and_leave_the_l
         endpoint, service = Served(), Service()
         await register_handlers(endpoint, service, presence=None, prober=None)
 
-        async def one(name, request):
-            return [reply async for reply in endpoint.handlers[name](request, peer_id("Peer"))]
-
         # Every new-key thread judging, and more than all the push threads' worth waiting in line.
-        line = [asyncio.create_task(one(rpc.PUSH.name, b"new")) for _ in range(NEW_KEY_PUSHES + PUSH_THREADS + 4)]
-        proven = await asyncio.wait_for(one(rpc.PUSH.name, b"proven"), 5)
+        line = [asyncio.create_task(endpoint.call(rpc.PUSH.name, b"new")) for _ in range(NEW_KEY_PUSHES + PUSH_THREADS + 4)]
+        proven = await asyncio.wait_for(endpoint.call(rpc.PUSH.name, b"proven"), 5)
         assert proven[0].accepted == 1
         line[-1].cancel()  # its node went away while it waited: it leaves the line, never judged
-        await asyncio.sleep(0.1)
+        await asyncio.gather(line[-1], return_exceptions=True)
         assert service.left == ["abandoned"]
         service.release.set()
         replies = await asyncio.gather(*line[:-1])
