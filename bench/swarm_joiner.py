@@ -58,9 +58,10 @@ def start_probe(address: str, run_key: str, start: float, end: float, seeds: int
 def summary(out: dict) -> dict:
     """The median join and phases, for the bench's row."""
     joins = out.get("joins", [])
-    phases = {k: round(statistics.median(j["phases"][k] for j in joins), 2) for k in joins[0]["phases"]} if joins else {}
+    phases = {k: round(statistics.median(j["phases"][k] for j in joins), 3) for k in joins[0]["phases"]} if joins else {}
     return dict(joins=len(joins), join_s=round(statistics.median(j["total"] for j in joins), 2) if joins else None,
-                join_phases=phases, join_errors=out.get("errors", []))
+                join_phases=phases, joins_accepted=sum(j["accepted"] > 0 for j in joins),
+                join_errors=out.get("errors", []))
 
 
 async def join(args) -> dict:

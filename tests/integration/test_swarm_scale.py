@@ -29,5 +29,6 @@ def test_fifty_volunteers_are_served_and_nothing_acknowledged_is_lost():
     assert row["accepted_per_s"] > 0.5 * row["offered_per_s"], row
     assert row["holders_asks"] > 0, row  # keys moving to a new version ask who holds it
     # A volunteer joining the running swarm as a node does (its DHT, reachability and manifest
-    # code) has a push accepted.
-    assert row["joins"] == 1 and row["join_errors"] == [] and row["join_phases"]["push"] > 0, row
+    # code) has a push accepted. (Its push phase can take under a millisecond on a fast machine.)
+    assert row["joins"] == 1 and row["join_errors"] == [] and row["joins_accepted"] == 1, row
+    assert set(row["join_phases"]) == {"start", "DHT", "manifest", "first lease", "push"}, row
