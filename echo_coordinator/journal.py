@@ -11,7 +11,10 @@ groups it trained leave the buffer in one transaction):
 - `leases`: the lease book's outstanding leases, a row each. Every training lease and every
   accepted push saves the book; a save writes only the leases issued or closed since the last,
   not the whole book (a thousand volunteers hold a thousand leases: the whole book was ~1 ms of
-  JSON and a 115 KB row each time, the largest part of the ledger thread's work).
+  JSON and a 115 KB row each time, the largest part of the ledger thread's work). Saves coalesce
+  (`save`): a write commits the newest book given, so the book on disk can be a little ahead of
+  the groups, never behind. A crash in between loses only a batch whose node was not yet told it
+  was taken (its lease is closed in the book, its groups not written): not acknowledged, so not lost.
 
 A step marks the groups it takes; once its checkpoint and `state.json` name the next version,
 `commit_step` credits their nodes and deletes them. After a crash, `recover(V)` (V: the version
@@ -23,6 +26,7 @@ samples were judged before they were written, and we read back only what we wrot
 from __future__ import annotations
 
 import json
+import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -86,6 +90,12 @@ class Journal:
         ledger.submit(self._add_columns).result()
         # The leases in the table, as the ledger's thread (which alone writes it) last wrote them.
         self._written: dict[str, list] = ledger.submit(self._read_leases).result()
+        # Values given to `save` and `accept`, coalesced (`save`): under `_lock`, taken by any thread.
+        self._lock = threading.Lock()
+        self._newest: tuple[int, dict[str, object]] = (0, {})  # how many were given; all of them merged
+        self._unstarted = 0  # queued writes not yet started: each will write `_newest` as it starts
+        self._waiting: list[tuple[int, Future]] = []  # saves not yet committed: (their number, their Future)
+        self._committed = 0  # the number of the newest values committed (the ledger's thread alone)
 
     def _add_columns(self) -> None:
         """A journal an older version wrote (a run resumed across an upgrade) lacks `unchecked`
@@ -96,27 +106,80 @@ class Journal:
             self.ledger.db.execute("ALTER TABLE accepted ADD COLUMN version INTEGER")
 
     def accept(self, lease_id: str, version: int, groups: list[Group], values: dict[str, object]) -> Future:
-        """A batch's groups, its lease id and version, and the lease book after it, all or nothing."""
-        def write() -> None:
-            with self.ledger.transaction() as db:
-                db.execute("INSERT INTO accepted (lease_id, version) VALUES (?, ?)", (lease_id, version))
-                db.executemany(
-                    "INSERT INTO buffer (lease_id, seed, version, node_id, peer_id, name, tokens, count, samples, "
-                    "unchecked) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    [(g.lease_id, g.seed, g.version, g.node_id, g.peer_id, g.name, g.tokens, len(g.samples),
-                      codec.encode(g.samples), int(g.unchecked)) for g in groups])
-                written = self._save(db, values)
-            self._written = written  # committed
+        """A batch's groups and its lease id and version, all or nothing with the newest values
+        given (`values`, the lease book with this lease answered, or a later book)."""
+        def insert(db) -> None:
+            db.execute("INSERT INTO accepted (lease_id, version) VALUES (?, ?)", (lease_id, version))
+            db.executemany(
+                "INSERT INTO buffer (lease_id, seed, version, node_id, peer_id, name, tokens, count, samples, "
+                "unchecked) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [(g.lease_id, g.seed, g.version, g.node_id, g.peer_id, g.name, g.tokens, len(g.samples),
+                  codec.encode(g.samples), int(g.unchecked)) for g in groups])
 
-        return self.ledger.submit(write)
+        with self._lock:
+            self._give(values)
+            return self._queue(insert)
 
     def save(self, values: dict[str, object]) -> Future:
-        def write() -> None:
-            with self.ledger.transaction() as db:
-                written = self._save(db, values)
-            self._written = written
+        """`values` in the journal; done once a write has committed them or newer ones. Saves ride
+        on the writes already queued: every write commits the newest values given when it starts,
+        so a save waits for the first queued `accept` (or its own write, if none is queued), not
+        behind every write in the queue. (At 1,000 volunteers each lease waited for its own write
+        behind the pushes': the queue for lease threads formed there.)"""
+        saved: Future = Future()
+        with self._lock:
+            self._waiting.append((self._give(values), saved))
+            if self._unstarted == 0:
+                self._queue(None)
+        return saved
 
-        return self.ledger.submit(write)
+    def _give(self, values: dict[str, object]) -> int:
+        """Under `_lock`: the values given so far, merged, newest last; their number."""
+        given, newest = self._newest
+        self._newest = given + 1, {**newest, **values}
+        return given + 1
+
+    def _queue(self, change) -> Future:
+        """Under `_lock`: a write of `change(db)` (if any) and the newest values, on the ledger's thread."""
+        self._unstarted += 1
+        return self.ledger.submit(self._write, change)
+
+    def _write(self, change) -> None:
+        """On the ledger's thread: `change` and the newest values given (unless a write already
+        committed them), one transaction."""
+        with self._lock:
+            self._unstarted -= 1
+            given, values = self._newest
+        fresh = given > self._committed
+        if change is None and not fresh:
+            return  # an earlier write committed them
+        try:
+            with self.ledger.transaction() as db:
+                if change is not None:
+                    change(db)
+                written = self._save(db, values) if fresh else self._written
+        except Exception as e:
+            self._failed(change, given, e)
+            raise
+        self._written, self._committed = written, max(self._committed, given)
+        self._settle(given, lambda saved: saved.set_result(None))
+
+    def _failed(self, change, given: int, error: Exception) -> None:
+        """A write that failed wrote no values: a save's own write fails its waiters; one that
+        came with a change (an accepted batch) leaves them to a write of their own."""
+        if change is None:
+            self._settle(given, lambda saved: saved.set_exception(error))
+            return
+        with self._lock:
+            if self._waiting and self._unstarted == 0:
+                self._queue(None)
+
+    def _settle(self, given: int, settle) -> None:
+        with self._lock:
+            done = [saved for n, saved in self._waiting if n <= given]
+            self._waiting = [(n, saved) for n, saved in self._waiting if n > given]
+        for saved in done:
+            settle(saved)
 
     def _save(self, db, values: dict[str, object]) -> dict[str, list]:
         """Write `values`, the lease book's outstanding leases as rows: only those that changed

@@ -3,6 +3,12 @@ credited once, whatever step a crash interrupts."""
 
 from __future__ import annotations
 
+import sqlite3
+import threading
+from contextlib import closing
+
+import pytest
+
 from echo_coordinator.journal import Group, Journal
 from echo_coordinator.ledger import Ledger
 from echo_coordinator.trainer.samples import TrainSample
@@ -77,6 +83,49 @@ def test_a_save_writes_only_the_leases_that_changed_and_a_restart_reads_the_whol
     recovered = again.recover(version=0)
     assert recovered.values == book("L3", "L4", "L5")  # in the order they were issued
     again.ledger.close()
+
+
+def stored_book(path) -> list[str]:
+    """The outstanding lease ids the file holds, read beside the ledger's thread (WAL readers do not wait)."""
+    with closing(sqlite3.connect(path)) as db:
+        return [row[0] for row in db.execute("SELECT lease_id FROM leases ORDER BY rowid")]
+
+
+def test_a_save_rides_on_the_first_queued_accept_not_behind_the_queue(tmp_path):
+    """A lease's save waits for the first queued write that starts after it, which commits the
+    newest book given: not for a write of its own behind every other queued write."""
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    journal = Journal(ledger)
+    first, later = threading.Event(), threading.Event()
+    ledger.submit(first.wait)  # the thread is busy
+    accepted = journal.accept("L1", 0, [group("L1", 1)], book("L2"))
+    ledger.submit(later.wait)  # and more work is queued behind the push's write
+    saved = journal.save(book("L2", "L3"))  # a lease issued while both wait
+    first.set()
+    saved.result(timeout=10)  # done with the push's write, while the later work still waits
+    assert accepted.done() and not later.is_set()
+    assert stored_book(tmp_path / "ledger.sqlite") == ["L2", "L3"]  # the newest book, not the push's
+    later.set()
+    journal.save(book("L3")).result(timeout=10)  # nothing queued: a write of its own
+    assert stored_book(tmp_path / "ledger.sqlite") == ["L3"]
+    ledger.close()
+
+
+def test_a_save_that_rode_on_a_failed_accept_is_written_by_itself(tmp_path):
+    """An accepted batch's write that fails (here a lease id accepted twice) takes no lease with it."""
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    journal = Journal(ledger)
+    journal.accept("L1", 0, [group("L1", 1)], book("L2")).result()
+    busy = threading.Event()
+    ledger.submit(busy.wait)
+    again = journal.accept("L1", 0, [group("L1", 1)], book("L2"))
+    saved = journal.save(book("L2", "L3"))
+    busy.set()
+    with pytest.raises(sqlite3.IntegrityError):
+        again.result(timeout=10)
+    saved.result(timeout=10)
+    assert stored_book(tmp_path / "ledger.sqlite") == ["L2", "L3"]
+    ledger.close()
 
 
 def test_a_journal_of_an_older_release_with_the_whole_book_in_one_value_is_read(tmp_path):
