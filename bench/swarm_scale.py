@@ -280,7 +280,7 @@ class Watch:
     service itself costs, and what is queueing before it)."""
 
     def __init__(self, service):
-        self.acknowledged, self.lease_seconds = 0, Sample()
+        self.service, self.receipts, self.lease_seconds = service, 0, Sample()
         self.pushing = 0  # pushes being handled now
         self.lock = threading.Lock()  # push threads count together: `+=` is no atomic step
         lease, push = service.handle_lease, service.pushes._receive
@@ -302,10 +302,16 @@ class Watch:
                 return receipt
             finally:
                 with self.lock:
-                    self.acknowledged += accepted
+                    self.receipts += accepted
                     self.pushing -= 1
 
         service.handle_lease, service.pushes._receive = timed_lease, counted_push
+
+    @property
+    def acknowledged(self) -> int:
+        """Samples the service said it took, each once: a batch sent again after its answer was
+        lost (a broken stream) is told again that it was taken, and not taken twice."""
+        return self.receipts - self.service.pushes.told_again
 
 
 async def step(live, groups: int | None) -> None:

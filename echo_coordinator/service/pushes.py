@@ -79,6 +79,7 @@ class Pushes:
         self.rejections: Counter[str] = Counter()  # samples refused by reason (the buffer counts its stale drops)
         self.unsigned: Counter[str] = Counter()  # pushes refused before a key could be named (since start)
         self.line_bytes = 0  # new keys' batches in their line (`Queued`), waiting or being judged
+        self.told_again = 0  # samples of batches sent again after they were taken: told so, not taken twice
 
     def handle(self, data: bytes, peer_id: str, now: float) -> PushReceipt:
         """Judge a pushed batch (wire bytes) on this thread, a new key's too, and buffer its
@@ -196,6 +197,7 @@ class Pushes:
                 if book.completed_by(batch.lease_id) == batch.node_id:
                     # Its holder did not hear our answer (a broken stream) and sent it again: it
                     # was taken (it is in the journal, or an evaluation answer was credited).
+                    self.told_again += len(batch.samples)
                     return SAVED
                 lease = self._held_lease(batch, now, round_)
                 book.pin(batch.lease_id)  # our time judging it is not the node's: the lease waits

@@ -568,6 +568,7 @@ def test_a_push_sent_again_after_its_answer_was_lost_is_told_it_was_taken_and_co
     assert push(service, batch, peer_id("Node")).accepted == 4
     assert push(service, batch, peer_id("Node"), now=NOW + 1).accepted == 4  # sent again
     assert service.rejection_counts() == {} and service.buffered_groups() == 2
+    assert service.pushes.told_again == 4  # (so that receipts less these count each batch once)
     assert len(service.take_batch().samples) == 4
     service.commit_step(0)
     (peer,) = service.ledger.peers()
