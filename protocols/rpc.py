@@ -23,6 +23,9 @@ from protocols.messages import (
 )
 from protocols.wire import decode_one_of
 
+# hivemind's daemons carry unary messages of up to 4 MiB, headers included; ours leave room for them.
+UNARY_MAX_BYTES = 4 * 2**20 - 64 * 1024
+
 
 @dataclass(frozen=True)
 class Rpc:
@@ -33,6 +36,15 @@ class Rpc:
     timeout: float  # seconds for the whole call, on both sides
     per_peer: int  # calls one peer may have in flight at once
     max_replies: int = 1  # reply frames in one call: the caller refuses more (more than 1: a stream)
+    # Small and one reply: called over the daemon's persistent connection (a libp2p "unary" call)
+    # rather than a stream of its own, and also served as a stream for callers of older releases.
+    # A stream costs a new daemon connection at each end: ~3x the CPU of a unary call
+    # (docs/protocols.md, "Unary calls").
+    unary: bool = False
+
+    def __post_init__(self):
+        if self.unary and (self.max_replies != 1 or max(self.max_request_bytes, self.max_reply_bytes) > UNARY_MAX_BYTES):
+            raise ValueError(f"{self.name}: a unary call carries one reply and at most {UNARY_MAX_BYTES} bytes each way")
 
     @property
     def max_reply_bytes(self) -> int:
@@ -58,16 +70,16 @@ def encode(message) -> bytes:
     return message if isinstance(message, bytes) else message.to_wire()
 
 
-MANIFEST = Rpc("echo.manifest", None, (RunManifest,), 1024, 60.0, per_peer=4)
-LEASE = Rpc("echo.lease", LeaseRequest, (TaskLease, NoWork), LeaseRequest.MAX_BYTES, 60.0, per_peer=2)
+MANIFEST = Rpc("echo.manifest", None, (RunManifest,), 1024, 60.0, per_peer=4, unary=True)
+LEASE = Rpc("echo.lease", LeaseRequest, (TaskLease, NoWork), LeaseRequest.MAX_BYTES, 60.0, per_peer=2, unary=True)
 PUSH = Rpc("echo.push", bytes, (PushReceipt,), RolloutBatch.MAX_BYTES, 300.0, per_peer=2)
-UPDATES = Rpc("echo.updates", None, (UpdateIndex,), 1024, 60.0, per_peer=4)
+UPDATES = Rpc("echo.updates", None, (UpdateIndex,), 1024, 60.0, per_peer=4, unary=True)
 UPDATE = Rpc("echo.update", UpdateRequest, (WeightUpdate,), UpdateRequest.MAX_BYTES, 60.0, per_peer=4)
 BASE = Rpc("echo.base", None, (ModelFile,), 1024, 60.0, per_peer=4)
 CHUNKS = Rpc("echo.chunks", ChunkRequest, (Chunk,), ChunkRequest.MAX_BYTES, 120.0, per_peer=4,
              max_replies=MAX_CHUNKS_PER_REQUEST)  # a chunk a digest asked for, at most
 # Who holds a version: asked of the coordinator, once per version a node fetches (not polled).
-HOLDERS = Rpc("echo.holders", HoldersRequest, (Holders,), HoldersRequest.MAX_BYTES, 30.0, per_peer=2)
+HOLDERS = Rpc("echo.holders", HoldersRequest, (Holders,), HoldersRequest.MAX_BYTES, 30.0, per_peer=2, unary=True)
 REACH = Rpc("echo.reach", ReachRequest, (ReachReply,), ReachRequest.MAX_BYTES, 20.0, per_peer=1)
 
 ALL = (MANIFEST, LEASE, PUSH, UPDATES, UPDATE, BASE, CHUNKS, HOLDERS, REACH)

@@ -79,7 +79,7 @@ class TaskLease(WireMessage):
     `version`, greedy or sampled; they are scored for held-out accuracy and never trained on."""
 
     KIND = "task_lease"
-    MAX_BYTES = 4 * 2**20
+    MAX_BYTES = 4 * 2**20 - 64 * 1024  # (a unary call's reply: `rpc.UNARY_MAX_BYTES`)
 
     lease_id: str
     run_id: str

@@ -4,8 +4,14 @@ A call opens a libp2p stream to a named handler, writes one request frame and re
 frames until an end frame. A frame is an 8-byte big-endian length, then a status byte
 (OK / ERROR) and the payload; an ERROR payload is an ErrorReply and becomes a `RemoteError`
 naming the peer and handler. Lengths are checked against the handler's limit *before* reading,
-so a peer cannot make us buffer more than we agreed to. Streams (not unary calls) carry
-everything: hivemind caps unary messages at 4 MiB.
+so a peer cannot make us buffer more than we agreed to.
+
+Small one-reply calls (`Rpc.unary`: a lease, a holders ask) go over the daemon's persistent
+connection instead, as libp2p "unary" calls: the request whole, then one status byte and the
+reply. A stream costs a new connection to the daemon at each end; a unary call reuses one, at
+about a third of the CPU (docs/protocols.md). The daemon reads a unary request whole (at most
+4 MiB) before we can check its length: the price of a bad one is that much, not a header's.
+Everything else, and callers of older releases, use streams.
 """
 
 from __future__ import annotations
@@ -50,6 +56,11 @@ async def read_frame(reader: asyncio.StreamReader, max_bytes: int) -> tuple[byte
         raise MessageTooLarge(f"frame of {length} bytes outside 1..{max_bytes + 1}")
     frame = await reader.readexactly(length)
     return frame[:1], frame[1:]
+
+
+def unary_name(rpc: Rpc) -> str:
+    """The protocol a unary call (`Rpc.unary`) goes to: the stream's name stays for older callers."""
+    return f"{rpc.name}/unary"
 
 
 class Endpoint:
@@ -112,6 +123,44 @@ class Endpoint:
                     del active[peer]
 
         await self.p2p.add_binary_stream_handler(name, on_stream)
+        if not rpc.unary:
+            return
+
+        async def on_unary(data: bytes, remote: PeerID) -> bytes:
+            """The same call over the daemon's persistent connection: the request whole, one
+            status byte and the reply (or an ErrorReply) back. Never raises: hivemind would send
+            the exception's repr."""
+            peer = remote.to_base58()
+            if active[peer] >= rpc.per_peer:
+                self.errors[name, "busy"] += 1
+                return ERROR + ErrorReply("busy", f"{rpc.per_peer} {name} calls already in flight").to_wire()
+            active[peer] += 1
+            try:
+                if len(data) > max_request_bytes:  # (the daemon read at most UNARY_MAX_BYTES)
+                    raise MessageTooLarge(f"request of {len(data)} bytes exceeds {max_request_bytes}")
+                request = rpc.decode_request(data)
+                async with asyncio.timeout(timeout):
+                    replies = [encode(reply) async for reply in handler(request, peer)]
+                if len(replies) != 1:
+                    raise RuntimeError(f"{len(replies)} replies to a unary call")
+                return OK + replies[0]
+            except ProtocolError as e:
+                self.errors[name, e.code] += 1
+                log.info("%s from %s refused: %s", name, peer[-8:], e)
+                return ERROR + ErrorReply(e.code, str(e)).to_wire()
+            except TimeoutError:  # the caller's own timeout is the same: it has given up by now
+                self.errors[name, "disconnected"] += 1
+                return ERROR + ErrorReply("timeout", f"no reply within {timeout:.0f} s").to_wire()
+            except Exception:  # a bug in a handler must not take the server down; the caller is told
+                self.errors[name, "internal"] += 1
+                log.exception("%s from %s: handler failed", name, peer[-8:])
+                return ERROR + ErrorReply("internal", "internal error in handler").to_wire()
+            finally:
+                active[peer] -= 1
+                if not active[peer]:
+                    del active[peer]
+
+        await self.p2p._client.add_unary_handler(unary_name(rpc), on_unary)
 
     @classmethod
     async def _refuse(cls, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, reply: ErrorReply,
@@ -157,6 +206,13 @@ class Endpoint:
             async with asyncio.timeout(timeout):
                 if peer in self.relays:
                     await self._dial_relayed(peer)
+                if rpc.unary:
+                    raw = await self.p2p._client.call_unary_handler(PeerID.from_base58(peer), unary_name(rpc),
+                                                                    encode(request))
+                    reply = self._unary_reply(peer, rpc, raw)
+                    if on_reply is not None and (pending := on_reply(reply)) is not None:
+                        await pending
+                    return [] if on_reply is not None else [reply]
                 _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), name)
                 await write_frame(writer, OK, encode(request))
                 while True:
@@ -185,6 +241,20 @@ class Endpoint:
         finally:
             if writer is not None:
                 writer.close()
+
+    @staticmethod
+    def _unary_reply(peer: str, rpc: Rpc, raw: bytes):
+        """A unary call's answer (`serve`'s `on_unary`): its reply, decoded as `rpc` declares, or
+        the handler's ErrorReply raised as a RemoteError."""
+        status, payload = raw[:1], raw[1:]
+        if status == ERROR:
+            reply = ErrorReply.from_wire(payload)
+            raise RemoteError(reply.code, reply.message, peer, rpc.name)
+        if status != OK:
+            raise ProtocolError(f"{rpc.name} on peer {peer[-8:]}: a reply with status {status!r}")
+        if len(payload) > rpc.max_reply_bytes:
+            raise MessageTooLarge(f"{rpc.name} on peer {peer[-8:]}: a reply of {len(payload)} bytes")
+        return rpc.decode_reply(payload)
 
     def learn_relays(self, peers, relay: str) -> None:
         """Reach `peers` (behind NAT, as the coordinator at `relay` found) through its relay

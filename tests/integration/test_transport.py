@@ -254,3 +254,101 @@ def test_a_flood_of_reachability_checks_is_told_busy_not_queued(swarm):
     assert len(busy) == 2 * MAX_WAITING and {r.code for r in busy} == {"busy"}
     answered = [r for r in results if isinstance(r, ReachReply)]
     assert len(answered) == MAX_WAITING == probes and not any(r.reachable for r in answered)
+
+
+class SmallReply:
+    MAX_BYTES = 64 * 1024
+
+
+U_ECHO = Rpc("t.u_echo", bytes, (SmallReply,), 1024, 10.0, per_peer=4, unary=True)
+U_SLOW = Rpc("t.u_slow", bytes, (SmallReply,), 1024, 60.0, per_peer=1, unary=True)
+U_TYPED = Rpc("t.u_typed", HoldersRequest, (Holders,), 256, 10.0, per_peer=4, unary=True)
+U_HOSTILE = Rpc("t.u_hostile", bytes, (SmallReply,), 1024, 10.0, per_peer=4, unary=True)
+
+
+def test_unary_calls_carry_replies_errors_and_limits_and_older_callers_still_stream(swarm):
+    """Small one-reply calls go over the daemon's persistent connection (`Rpc.unary`). Each bad
+    input gets the typed error a stream gives it, counted; the server keeps serving; a caller of
+    an older release (streams only) is served the same; a hostile server's bytes are refused."""
+    import dataclasses
+
+    from protocols.errors import ProtocolError
+    from protocols.transport.streams import unary_name
+
+    boot, joiner = swarm
+
+    async def go():
+        server, client = await boot.endpoint(), await joiner.endpoint()
+        entered = asyncio.Event()
+
+        async def echo(request: bytes, peer: str):
+            if request == b"refuse":
+                raise InvalidValue("no thanks")
+            if request == b"bug":
+                raise KeyError("a bug")
+            if request == b"twice":
+                yield b"one"
+            yield request + peer[-4:].encode()
+
+        async def slow(request: bytes, peer: str):
+            entered.set()
+            await asyncio.sleep(30)
+            yield b""
+
+        async def typed(request: HoldersRequest, peer: str):
+            yield Holders((peer,))
+
+        await server.serve(U_ECHO, echo)
+        await server.serve(U_SLOW, slow)
+        await server.serve(U_TYPED, typed)
+        assert await client.call_one(server.peer_id, U_ECHO, b"hi") == b"hi" + client.peer_id[-4:].encode()
+        raw = await client.p2p._client.call_unary_handler(server.p2p.peer_id, unary_name(U_ECHO), b"hi")
+        assert raw == b"\x00hi" + client.peer_id[-4:].encode()  # (a unary call it was: a status byte, the reply)
+        older = dataclasses.replace(U_ECHO, unary=False)  # what a caller of an older release sends: a stream
+        assert await client.call_one(server.peer_id, older, b"hi") == b"hi" + client.peer_id[-4:].encode()
+        assert await client.call_one(server.peer_id, U_TYPED, HoldersRequest(3)) == Holders((client.peer_id,))
+
+        for request, code in ((b"refuse", "invalid_value"), (b"bug", "internal"), (b"twice", "internal"),
+                              (b"x" * 4096, "too_large")):
+            with pytest.raises(RemoteError) as e:
+                await client.call_one(server.peer_id, U_ECHO, request)
+            assert e.value.code == code, request[:8]
+        assert server.errors["t.u_echo", "too_large"] == 1 and server.errors["t.u_echo", "internal"] == 2
+        with pytest.raises(RemoteError) as e:
+            await client.call_one(server.peer_id, U_TYPED, b"\x00 junk")
+        assert e.value.code == "malformed"
+
+        # One peer may hold U_SLOW.per_peer calls at once; the next is told busy; the first ends
+        # by the caller's timeout, a typed TransportError.
+        first = asyncio.create_task(client.call(server.peer_id, U_SLOW, b"x", timeout=3))
+        await entered.wait()
+        with pytest.raises(RemoteError) as e:
+            await client.call(server.peer_id, U_SLOW, b"x", timeout=3)
+        assert e.value.code == "busy" and server.errors["t.u_slow", "busy"] == 1
+        with pytest.raises(TransportError, match="within 3 s"):
+            await first
+        with pytest.raises(TransportError):  # nobody serves it
+            await client.call_one(server.peer_id, dataclasses.replace(U_ECHO, name="t.u_nobody"), b"x")
+
+        # A hostile server: a status byte that is none, a reply past the declared size, an error
+        # that is no ErrorReply. Typed errors, never a crash or an undeclared reply.
+        answers = iter([b"\x07 what", b"\x00" + b"y" * (SmallReply.MAX_BYTES + 1), b"\x01 junk"])
+
+        async def hostile(data: bytes, peer) -> bytes:
+            return next(answers)
+
+        await server.p2p._client.add_unary_handler(unary_name(U_HOSTILE), hostile)
+        for _ in range(3):
+            with pytest.raises(ProtocolError):
+                await client.call_one(server.peer_id, U_HOSTILE, b"x")
+        # The server keeps serving after all of that.
+        assert await client.call_one(server.peer_id, U_ECHO, b"still") == b"still" + client.peer_id[-4:].encode()
+
+    asyncio.run(go())
+
+
+def test_a_unary_declaration_must_be_small_and_one_reply():
+    with pytest.raises(ValueError, match="one reply"):
+        Rpc("t.big", bytes, (Reply,), 1024, 10.0, per_peer=1, unary=True)  # a 4 MiB reply: too large
+    with pytest.raises(ValueError, match="one reply"):
+        Rpc("t.many", bytes, (SmallReply,), 1024, 10.0, per_peer=1, max_replies=2, unary=True)
