@@ -1,10 +1,11 @@
-"""Every stream handler a peer serves, declared once: the caller and the server both use these.
+"""Every handler a peer serves, declared once: the caller and the server both use these.
 
 Each `Rpc` names its handler, its request and reply message types, the largest request the
-server reads (checked before reading), the longest it takes (server and caller alike), and how
-many calls one peer may have in flight at once (the server refuses more with `busy` before
-reading a byte), and how many reply frames a call takes (the caller refuses more, so a reply
-is never endless). docs/protocols.md lists them.
+server reads (checked before reading a stream; a unary call's daemon reads it whole first), the
+longest it takes (server and caller alike), and how many calls one peer may have in flight at
+once (the server refuses more with `busy`), how many reply frames a call takes (the caller
+refuses more, so a reply is never endless), and whether it is a unary call. docs/protocols.md
+lists them.
 
 The types are what `Endpoint.serve` and `Endpoint.call` decode with: a handler gets the declared
 request (None for an empty one) and yields declared replies; a caller sends a message and gets

@@ -115,6 +115,7 @@ class SwarmDHT:
 
     def __init__(self, dht: hivemind.DHT):
         self.dht = dht
+        self._replica: tuple[asyncio.AbstractEventLoop, P2P] | None = None  # `endpoint`'s, and its loop
 
     @classmethod
     def start(
@@ -159,8 +160,15 @@ class SwarmDHT:
         return [str(m) for m in self.dht.get_visible_maddrs()]
 
     async def endpoint(self) -> Endpoint:
-        """Stream endpoint in the caller's event loop, sharing the DHT's p2pd daemon."""
-        return Endpoint(await self.dht.replicate_p2p())
+        """An endpoint in the caller's event loop, sharing the DHT's p2pd daemon. One per loop
+        (hivemind's `replicate_p2p` keeps one per process): its persistent connection to the
+        daemon, which carries unary calls, is read by a task of the loop that opened it, and a
+        replica from a finished loop answers no unary call (a process runs one loop; tests many)."""
+        loop = asyncio.get_running_loop()
+        if self._replica is None or self._replica[0] is not loop:
+            daemon = self.dht.run_coroutine(hivemind.DHT._get_p2p_daemon_listen_maddr)
+            self._replica = loop, await P2P.replicate(daemon)
+        return Endpoint(self._replica[1])
 
     async def put(self, key: str, value: bytes, ttl: float, subkey: str | None = None, timeout: float = 15.0) -> bool:
         if len(value) > MAX_RECORD_BYTES:

@@ -151,6 +151,12 @@ class Endpoint:
             except TimeoutError:  # the caller's own timeout is the same: it has given up by now
                 self.errors[name, "disconnected"] += 1
                 return ERROR + ErrorReply("timeout", f"no reply within {timeout:.0f} s").to_wire()
+            except asyncio.CancelledError:
+                # The caller cancelled (hivemind cancels this task for it). Answered, not raised:
+                # hivemind forgets a call's task only when it returns, so each cancelled call
+                # would stay in its table, a few hundred bytes a caller could add without end.
+                self.errors[name, "disconnected"] += 1
+                return ERROR + ErrorReply("cancelled", "the caller cancelled").to_wire()
             except Exception:  # a bug in a handler must not take the server down; the caller is told
                 self.errors[name, "internal"] += 1
                 log.exception("%s from %s: handler failed", name, peer[-8:])

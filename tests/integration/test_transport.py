@@ -327,6 +327,13 @@ def test_unary_calls_carry_replies_errors_and_limits_and_older_callers_still_str
         assert e.value.code == "busy" and server.errors["t.u_slow", "busy"] == 1
         with pytest.raises(TransportError, match="within 3 s"):
             await first
+        # The server's side of the cancelled call is forgotten, not kept for ever (hivemind keeps
+        # a call's task until it returns: a caller cancelling calls would grow that table).
+        for _ in range(50):
+            if not server.p2p._client.control._handler_tasks:
+                break
+            await asyncio.sleep(0.1)
+        assert not server.p2p._client.control._handler_tasks and server.errors["t.u_slow", "disconnected"] == 1
         with pytest.raises(TransportError):  # nobody serves it
             await client.call_one(server.peer_id, dataclasses.replace(U_ECHO, name="t.u_nobody"), b"x")
 
