@@ -39,8 +39,8 @@ class Rpc:
     max_replies: int = 1  # reply frames in one call: the caller refuses more (more than 1: a stream)
     # Small and one reply: called over the daemon's persistent connection (a libp2p "unary" call)
     # rather than a stream of its own, and also served as a stream for callers of older releases.
-    # A stream costs a new daemon connection at each end: ~3x the CPU of a unary call
-    # (docs/protocols.md, "Unary calls").
+    # A stream costs a new daemon connection at each end: 2.5x the CPU of a unary call
+    # (bench/unary_calls.py; docs/protocols.md, "Unary calls").
     unary: bool = False
 
     def __post_init__(self):

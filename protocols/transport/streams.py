@@ -9,7 +9,7 @@ so a peer cannot make us buffer more than we agreed to.
 Small one-reply calls (`Rpc.unary`: a lease, a holders ask) go over the daemon's persistent
 connection instead, as libp2p "unary" calls: the request whole, then one status byte and the
 reply. A stream costs a new connection to the daemon at each end; a unary call reuses one, at
-about a third of the CPU (docs/protocols.md). The daemon reads a unary request whole (at most
+40 % of the CPU (`bench/unary_calls.py`). The daemon reads a unary request whole (at most
 4 MiB) before we can check its length: the price of a bad one is that much, not a header's.
 Everything else, and callers of older releases, use streams.
 """
