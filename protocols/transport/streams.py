@@ -83,14 +83,15 @@ class Endpoint:
         name, max_request_bytes, timeout = rpc.name, rpc.max_request_bytes, rpc.timeout
         active: Counter[str] = Counter()  # peer -> calls in flight
 
+        busy = ErrorReply("busy", f"{rpc.per_peer} {name} calls already in flight")  # (both ways of calling)
+
         async def on_stream(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             peer = info.peer_id.to_base58()
             if "/p2p-circuit" in str(info.addr):
                 self._dial_back(info.peer_id)
             if active[peer] >= rpc.per_peer:
                 self.errors[name, "busy"] += 1
-                await self._refuse(reader, writer, ErrorReply("busy", f"{rpc.per_peer} {name} calls already in flight"),
-                                   max_request_bytes)
+                await self._refuse(reader, writer, busy, max_request_bytes)
                 return
             active[peer] += 1
             try:
@@ -133,7 +134,7 @@ class Endpoint:
             peer = remote.to_base58()
             if active[peer] >= rpc.per_peer:
                 self.errors[name, "busy"] += 1
-                return ERROR + ErrorReply("busy", f"{rpc.per_peer} {name} calls already in flight").to_wire()
+                return ERROR + busy.to_wire()
             active[peer] += 1
             try:
                 if len(data) > max_request_bytes:  # (the daemon read at most UNARY_MAX_BYTES)
