@@ -20,6 +20,7 @@ from echo_node.session import Session, console
 from echo_node.versions import Versions
 from echo_node.work import Work
 from engines.episodes import context_window
+from engines.llama_process import LlamaProcess, Spawned
 from protocols.errors import EchoError
 from protocols.messages import RunManifest
 from protocols.supervise import Supervisor
@@ -56,16 +57,20 @@ async def live_node(session: Session) -> None:
         loop.add_signal_handler(sig, session.request_stop)
     phases = join.Phases()  # where the time from start to the first accepted rollout went
     presence = Presence(session)
+    # llama.cpp's worker starts now, its imports overlapping the join; it loads the model later.
+    spawned = None if session.config.backend == "transformers" else Spawned()
     try:
         if not await presence.join():
             return  # stopped before the coordinator could be reached
         phases.mark("DHT")
-        await _take_part(session, presence, phases)
+        await _take_part(session, presence, phases, spawned)
     finally:
         presence.shutdown()
+        if spawned is not None:
+            spawned.close()
 
 
-async def _take_part(session: Session, presence: Presence, phases: join.Phases) -> None:
+async def _take_part(session: Session, presence: Presence, phases: join.Phases, spawned: Spawned | None) -> None:
     endpoint = await presence.open_endpoint()
     manifest = await join.fetch_manifest(session, presence.dht, endpoint)
     trainer = join.trainer_peer(manifest)
@@ -81,7 +86,7 @@ async def _take_part(session: Session, presence: Presence, phases: join.Phases) 
     relay.serve_file(listed, model)  # every node serves the base to later joiners
     task = load_task(manifest, config.allow_tasks) if manifest.task.max_turns > 1 else None
     session.waiting(f"loading {manifest.base_model} ...")
-    backend, master = await asyncio.to_thread(_load_backend, session, manifest, model)
+    backend, master = await asyncio.to_thread(_load_backend, session, manifest, model, spawned)
     await relay.serve(endpoint)
     phases.mark("model load")
     console.print(f"joined run {manifest.run_id} as {session.name} (node key {session.fingerprint}); "
@@ -118,7 +123,7 @@ def _make_room_for_checkpoint(session: Session, manifest: RunManifest, model: Pa
         session.disk.make_room(hf.checkpoint_bytes(model), "the base model's float32 checkpoint", keep=[model])
 
 
-def _load_backend(session: Session, manifest: RunManifest, model: Path):
+def _load_backend(session: Session, manifest: RunManifest, model: Path, spawned: Spawned | None):
     """The generation backend, and the master weights updates apply to: in LoRA mode the adapter,
     empty until the first update; in full mode None, the float32 base weights, which `Versions`
     loads only when a delta needs them. The config chooses the backend; nothing else asks which
@@ -137,14 +142,13 @@ def _load_backend(session: Session, manifest: RunManifest, model: Path):
             raise JoinRefused("the transformers backend decodes one sequence at a time: leave --parallel out")
         backend = TransformersBackend(model, config.threads, window)
     else:
-        from engines.llama_process import LlamaProcess
-
         # llama.cpp reads the model, our adapters (`updates.load_lora`) and writes full mode's exports
         # (`Versions`), and nothing else of the data dir: not the node key.
         backend = LlamaProcess(model, config.threads, window, interrupt=session.stop_requested,
                                readable=(session.data_dir / "adapters",), writable=(session.data_dir / "weights",),
                                confine=config.sandbox, gpu_layers=config.gpu_layers, kv=config.kv,
                                max_vram_gib=config.max_vram_gib, cpu_moe=config.cpu_moe, n_cpu_moe=config.n_cpu_moe,
+                               spawned=spawned,
                                **({"parallel": config.parallel} if config.parallel else {}))
         console.print(f"llama.cpp runs in a worker process: {backend.confined}; "
                       f"it may hold {backend.max_memory / 2**30:.1f} GiB of memory")

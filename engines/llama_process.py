@@ -80,18 +80,50 @@ def worker_environment() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k in ENVIRONMENT or k.startswith(ENVIRONMENT_PREFIXES)}
 
 
+class Spawned:
+    """A worker process started before its model is known: it imports and compiles meanwhile
+    (most of its start), then waits to be told what to load. A node starts one before it joins
+    the swarm and hands it to `LlamaProcess`; one never handed over ends at `close`, or when
+    the node exits (its socket closes)."""
+
+    def __init__(self, module: str = "engines.llama_worker"):
+        ours, theirs = socket.socketpair()
+        command = [sys.executable, "-P", "-m", module, str(theirs.fileno())]
+        # Its own process group, so that a kill takes whatever it started. GGML_NO_BACKTRACE: on an
+        # abort ggml forks a debugger to print a backtrace (one was seen spinning for 10 minutes).
+        self.process = subprocess.Popen(command, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+                                        cwd="/", start_new_session=True,  # cwd: not the volunteer's directory
+                                        env=dict(worker_environment(), GGML_NO_BACKTRACE="1", OPENBLAS_NUM_THREADS="1"))
+        theirs.close()
+        self.conn = Connection(ours.detach())
+
+    def kill(self) -> int:
+        """The worker and whatever it started killed; its exit code."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # every process of the group has exited and been reaped
+        return self.process.wait()
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.conn.close()
+            self.kill()
+
+
 class LlamaProcess:
     name = "llama_cpp"
     WORKER = "engines.llama_worker"  # the module the worker runs
 
     def __init__(self, model_path: Path, threads: int = 0, n_ctx: int = 2048, interrupt: threading.Event | None = None,
                  readable: tuple[Path, ...] = (), writable: tuple[Path, ...] = (), confine: bool = True,
-                 max_memory: int | None = None, **options):
+                 max_memory: int | None = None, spawned: Spawned | None = None, **options):
         """`LlamaBackend`'s arguments (`options`: its keywords), in a worker that may read only
         the model file and beneath `readable`, and write only beneath `writable` (directories,
         made here if missing). `confine`: False runs it unconfined, for a system where the
         sandbox keeps llama.cpp from working. A worker holding more than `max_memory` bytes of
-        its own (default `memory_cap`) is ended like one that crashed."""
+        its own (default `memory_cap`) is ended like one that crashed. `spawned`: the worker to
+        use first (a restart starts its own)."""
         self.model_path = Path(model_path).absolute()  # the worker runs in /
         self.n_ctx, self.interrupt = n_ctx, interrupt or threading.Event()
         self.layout = Layout.of_file(self.model_path)  # read by our parser, before llama.cpp sees the file
@@ -106,7 +138,7 @@ class LlamaProcess:
         self._serving, self._adapter = self.model_path, None  # what a restarted worker loads
         self._lock = threading.RLock()  # one exchange at a time; `follow` may tokenize within one
         self._rate = 0.0
-        self._process, self._conn = None, None
+        self._worker = spawned
         ready = self._start()
         counts = [ready.get(k) if isinstance(ready, dict) else None for k in ("eos", "vocab_size", "parallel", "n_params")]
         if not all(type(n) is int and n >= 0 for n in counts) or not counts[1] or not counts[2]:
@@ -118,16 +150,17 @@ class LlamaProcess:
 
     # -- the worker's life
 
+    @property
+    def _process(self) -> subprocess.Popen:
+        return self._worker.process
+
+    @property
+    def _conn(self) -> Connection:
+        return self._worker.conn
+
     def _start(self) -> dict:
-        ours, theirs = socket.socketpair()
-        command = [sys.executable, "-P", "-m", self.WORKER, str(theirs.fileno())]
-        # Its own process group, so that a kill takes whatever it started. GGML_NO_BACKTRACE: on an
-        # abort ggml forks a debugger to print a backtrace (one was seen spinning for 10 minutes).
-        self._process = subprocess.Popen(command, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
-                                         cwd="/", start_new_session=True,  # cwd: not the volunteer's directory
-                                         env=dict(worker_environment(), GGML_NO_BACKTRACE="1", OPENBLAS_NUM_THREADS="1"))
-        theirs.close()
-        self._conn = Connection(ours.detach())
+        if self._worker is None or self._worker.process.poll() is not None:
+            self._worker = Spawned(self.WORKER)
         self._send(dict(self._options, model=str(self._serving)))
         ready = self._receive("loading the model")
         if self._adapter is not None:
@@ -142,7 +175,7 @@ class LlamaProcess:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._process.wait(EXIT_SECONDS)  # its socket closed as it died: let it finish dying
         alive = self._process.poll() is None
-        code = self._kill()
+        code = self._worker.kill()
         how = ("was ended by the node" if alive else f"crashed ({signal.Signals(-code).name})" if code < 0
                else f"exited with code {code}")
         return BackendCrashed(f"llama.cpp's worker process {how} while {doing}")
@@ -157,19 +190,9 @@ class LlamaProcess:
             raise BackendCrashed(f"{error}; restarting it failed too: {again}") from None
         return error
 
-    def _kill(self) -> int:
-        """The worker and whatever it started killed; its exit code."""
-        try:
-            os.killpg(self._process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass  # every process of the group has exited and been reaped
-        return self._process.wait()
-
     def close(self) -> None:
         with self._lock:
-            if self._process is not None and self._process.poll() is None:
-                self._conn.close()
-                self._kill()
+            self._worker.close()
 
     # -- one exchange
 

@@ -48,7 +48,8 @@ def _die_with(parent: int) -> None:
 def main() -> None:
     parent = os.getppid()
     conn = Connection(int(sys.argv[1]))
-    options = json.loads(conn.recv_bytes(MAX_MESSAGE_BYTES))
+    # Imports and numba's compile first, the options after: a node starts its worker before it
+    # joins (`llama_process.Spawned`), so that this part overlaps the join.
     import numpy as np
 
     from engines import sandbox
@@ -70,6 +71,10 @@ def main() -> None:
     use_threads(1)
     for seed in (1, None):
         sample_rows(np.zeros((1, 8), np.float32), 1.0, [seed], [0])
+    try:
+        options = json.loads(conn.recv_bytes(MAX_MESSAGE_BYTES))
+    except EOFError:  # a node that never needed it (refused to join, say)
+        return
     confined = []
     readable, writable = [Path(p) for p in options.pop("readable")], [Path(p) for p in options.pop("writable")]
     if options.pop("confine"):

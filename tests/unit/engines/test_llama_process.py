@@ -16,7 +16,7 @@ import pytest
 
 from engines.backend import BackendCrashed, Interrupted, Request
 from engines.llama_backend import LlamaBackend
-from engines.llama_process import LlamaProcess, memory_cap, own_memory
+from engines.llama_process import LlamaProcess, Spawned, memory_cap, own_memory
 from tests.support.hostile_worker import ANSWERS
 from tests.support.tiny_model import build_tiny_gguf
 from tests.unit.engines.test_sandbox import landlock_abi
@@ -74,6 +74,25 @@ def test_the_worker_samples_what_the_backend_samples_turn_by_turn(model, worker)
     assert worker.generate(REQUESTS, 0.9, follow(worker, ours)) == here.generate(REQUESTS, 0.9, follow(here, theirs))
     assert ours == theirs and len(ours) == 6
     assert worker.throughput > 0 and worker.vocab_size == here.vocab_size and worker.eos == here.eos
+
+
+def test_a_worker_started_ahead_is_the_one_used_and_one_never_used_ends(model):
+    """A node starts its worker before it joins (`Spawned`: imports meanwhile, then waits for
+    its model); the backend adopts it. One never handed over (a refused join) ends at `close`,
+    and by itself once the node's end of its socket closes (the node exiting)."""
+    ahead = Spawned()
+    worker = LlamaProcess(model, threads=1, n_ctx=128, parallel=2, spawned=ahead)
+    try:
+        assert worker._process is ahead.process and len(worker.generate(REQUESTS, 0.9)) == 3
+    finally:
+        worker.close()
+    assert ahead.process.poll() is not None
+    unused = Spawned()
+    unused.conn.close()
+    assert unused.process.wait(timeout=60) == 0
+    closed = Spawned()
+    closed.close()
+    assert closed.process.poll() == -signal.SIGKILL
 
 
 def test_an_adapter_that_aborts_llama_cpp_costs_a_restart_not_the_node(worker, tmp_path):
