@@ -274,16 +274,16 @@ def time_ledger_thread(ledger) -> LedgerTimes:
 
 
 class Watch:
-    """What the service's handlers do, seen from inside (they look `handle_lease` and the push
+    """What the service's handlers do, seen from inside (they look `issue_lease` and the push
     path's `_receive` up at each call): the samples acknowledged so far, and the seconds each
-    `handle_lease` took on its lease thread (against the latency a volunteer sees: what the
-    service itself costs, and what is queueing before it)."""
+    `issue_lease` took on its lease thread (against the latency a volunteer sees: what the
+    service itself costs, and what is queueing before it or after it, for its journal write)."""
 
     def __init__(self, service):
         self.service, self.receipts, self.lease_seconds = service, 0, Sample()
         self.pushing = 0  # pushes being handled now
         self.lock = threading.Lock()  # push threads count together: `+=` is no atomic step
-        lease, push = service.handle_lease, service.pushes._receive
+        lease, push = service.issue_lease, service.pushes._receive
 
         def timed_lease(*args, **kwargs):
             started = time.perf_counter()
@@ -305,7 +305,7 @@ class Watch:
                     self.receipts += accepted
                     self.pushing -= 1
 
-        service.handle_lease, service.pushes._receive = timed_lease, counted_push
+        service.issue_lease, service.pushes._receive = timed_lease, counted_push
 
     @property
     def acknowledged(self) -> int:

@@ -1,10 +1,11 @@
 """The coordinator's stream handlers, and the wait for the first nodes to ask for work.
 
-Each handler gets its request decoded (`protocols.rpc`) and hands it to the service: a lease and a push run on a
-thread of their own (a lease waits for its journal write, a push for its verification on the
-torch thread), so the event loop never waits for them. Leases and pushes have separate pools:
-pushes can wait minutes for the torch thread, and must never hold the threads leases need. A new
-key's batch waits its turn in their line holding no thread, and is judged on threads of its own
+Each handler gets its request decoded (`protocols.rpc`) and hands it to the service: a lease and
+a push run on a thread of their own (a push waits there for its verification on the torch
+thread; a lease is decided there and waits for its journal write on the loop), so the event loop
+never waits for them. Leases and pushes have separate pools: pushes can wait minutes for the
+torch thread, and must never hold the threads leases need. A new key's batch waits its turn in
+their line holding no thread, and is judged on threads of its own
 (`service.pushes.Queued`)."""
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ from protocols import rpc
 from protocols.messages import HoldersRequest, LeaseRequest, ReachRequest
 
 
-# A lease holds its thread while its journal write waits for the ledger's thread, so these also
-# bound how many leases compete there with pushes. Waiting on the event loop instead was tried
-# (2026-12-05, 1,000 volunteers, 3 runs each): the wait for a lease thread went (p99 0.47 s ->
-# 40 ms) and the ledger's thread took the queue: push p50 159 -> 369 ms, accepted samples/s -15 %.
+# A lease is decided on a lease thread and waits for its journal write on the event loop, holding
+# no thread: a save rides on the writes already queued (`Journal.save`), so waiting leases add no
+# writes. (Before saves were coalesced, leases waiting on the loop each queued a write of their
+# own and flooded the ledger's thread: 2026-12-05, push p50 159 -> 369 ms, samples/s -15 %.)
 LEASE_THREADS = 4
 PUSH_THREADS = 16  # pushes in flight at once; more wait for a thread (each holds only its request bytes)
 
@@ -38,8 +39,10 @@ async def register_handlers(endpoint, service: RunService, presence: Presence, p
         yield service.manifest
 
     async def lease(request: LeaseRequest, peer: str):
-        # Off the loop: a lease waits for its journal write.
-        yield await loop.run_in_executor(leases, service.handle_lease, request, peer)
+        reply, saved = await loop.run_in_executor(leases, service.issue_lease, request, peer)
+        if saved is not None:
+            await asyncio.wrap_future(saved)
+        yield reply
 
     async def push(request: bytes, peer: str):  # the wire bytes: the service decodes them in stages
         reply = await loop.run_in_executor(pushes, service.receive_push, request, peer)

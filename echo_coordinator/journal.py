@@ -127,6 +127,7 @@ class Journal:
         behind every write in the queue. (At 1,000 volunteers each lease waited for its own write
         behind the pushes': the queue for lease threads formed there.)"""
         saved: Future = Future()
+        saved.set_running_or_notify_cancel()  # a waiter that gives up cannot cancel it under `_settle`
         with self._lock:
             self._waiting.append((self._give(values), saved))
             if self._unstarted == 0:

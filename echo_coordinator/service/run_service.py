@@ -12,6 +12,7 @@ import secrets
 import threading
 import time
 from collections import Counter
+from concurrent.futures import Future
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -260,6 +261,16 @@ class RunService:
 
     def handle_lease(self, request: LeaseRequest, peer_id: str = "", now: float | None = None) -> TaskLease | NoWork:
         """`peer_id`: the libp2p peer the request came from (the transport's word, not the request's)."""
+        reply, saved = self.issue_lease(request, peer_id, now)
+        if saved is not None:
+            saved.result()
+        return reply
+
+    def issue_lease(self, request: LeaseRequest, peer_id: str = "",
+                    now: float | None = None) -> tuple[TaskLease | NoWork, Future | None]:
+        """`handle_lease` less its wait: the reply, and the journal write that must commit before
+        it is sent (a training lease is in the journal before the node has it), or None. The
+        stream handler waits for that write on its event loop, holding no lease thread."""
         now = time.time() if now is None else now
         verify_message(request, request.node_key)
         if request.run_id != self.manifest.run_id:
@@ -271,19 +282,17 @@ class RunService:
             self.nodes.heard(request, peer_id, now)
             if self.leasing.finished:
                 self.nodes.told_finished[request.node_id] = request.version
-                return NoWork(self.buffer.version, RETRY_AFTER, finished=True)
+                return NoWork(self.buffer.version, RETRY_AFTER, finished=True), None
             if (again := self.nodes.repeated(request)) is not None and self._held(again, now):
-                return again  # the node lost our reply: the same lease, not a second one to lapse
+                return again, None  # the node lost our reply: the same lease, not a second one to lapse
             proven = self.nodes.proven(request.node_id, now)
             work = self.leasing.lease(request, now, self.buffer.version, len(self.buffer.replay), self.rounds, proven)
             if work is None:
-                return NoWork(self.buffer.version, RETRY_AFTER)
+                return NoWork(self.buffer.version, RETRY_AFTER), None
             self.nodes.lease_given(request, work)
             # A shadow lease changes nothing a restart needs (`LeaseBook.shadow`).
             unsaved = work.evaluation or self.leasing.book.is_shadow(work.lease_id)
             saved = None if unsaved else self.journal.save(self.leasing.book_state())
-        if saved:
-            saved.result()  # a training lease is in the journal before the node has it
         try:
             # Judged outside the lock: a ban recorded while this lease was issued released the
             # key's leases before this one existed; a ban recorded after this look releases it.
@@ -291,7 +300,7 @@ class RunService:
         except PeerRefused:
             self.pushes.release(request.node_id, now)
             raise
-        return work
+        return work, saved
 
     def _held(self, lease: TaskLease, now: float) -> bool:
         """Under the lock: is `lease` still out to its key, to be answered?"""

@@ -1,10 +1,12 @@
-"""The coordinator's handlers: pushes waiting for verification never hold up lease requests, and
-new keys' batches waiting their turn never hold up proven keys' pushes."""
+"""The coordinator's handlers: pushes waiting for verification never hold up lease requests,
+leases waiting for their journal write hold no lease thread, and new keys' batches waiting their
+turn never hold up proven keys' pushes."""
 
 import asyncio
 import threading
+from concurrent.futures import Future
 
-from echo_coordinator.handlers import PUSH_THREADS, register_handlers
+from echo_coordinator.handlers import LEASE_THREADS, PUSH_THREADS, register_handlers
 from echo_coordinator.service.pushes import NEW_KEY_PUSHES, Queued
 from protocols import rpc
 from protocols.messages import NoWork, PushReceipt
@@ -34,6 +36,7 @@ class Service:
     def __init__(self):
         self.release, self.relay = threading.Event(), self
         self.left = []  # how queued batches left the line (`leave_line`)
+        self.unsaved, self.saved = 0, Future()
 
     async def serve(self, endpoint):  # the relay's handlers
         pass
@@ -52,8 +55,12 @@ class Service:
     def leave_line(self, queued, state):
         self.left.append(state)
 
-    def handle_lease(self, request, peer):
-        return NoWork(0, 1.0)
+    def issue_lease(self, request, peer):
+        """The first `unsaved` leases wait for one journal write (`saved`); later ones for none."""
+        if self.unsaved > 0:
+            self.unsaved -= 1
+            return NoWork(0, 2.0), self.saved
+        return NoWork(0, 1.0), None
 
 
 def test_a_lease_is_answered_while_every_push_thread_waits_for_verification():
@@ -67,6 +74,26 @@ def test_a_lease_is_answered_while_every_push_thread_waits_for_verification():
         assert lease[0].retry_after == 1.0
         service.release.set()
         assert len(await asyncio.gather(*waiting)) == PUSH_THREADS + 4
+
+    asyncio.run(go())
+
+
+def test_leases_waiting_for_their_journal_write_hold_no_lease_thread():
+    async def go():
+        endpoint, service = Served(), Service()
+        await register_handlers(endpoint, service, presence=None, prober=None)
+        service.unsaved = LEASE_THREADS + 5
+        service.saved.set_running_or_notify_cancel()  # as `Journal.save` makes it
+
+        waiting = [asyncio.create_task(endpoint.call(rpc.LEASE.name, factories.lease_request()))
+                   for _ in range(LEASE_THREADS + 5)]
+        while service.unsaved:  # every one decided, waiting for the write
+            await asyncio.sleep(0.01)
+        waiting.pop().cancel()  # a stream that went away while its lease waited ...
+        lease = await asyncio.wait_for(endpoint.call(rpc.LEASE.name, factories.lease_request()), 5)
+        assert lease[0].retry_after == 1.0 and not any(w.done() for w in waiting)
+        service.saved.set_result(None)  # ... cancels nothing of the journal's
+        assert [r[0].retry_after for r in await asyncio.gather(*waiting)] == [2.0] * (LEASE_THREADS + 4)
 
     asyncio.run(go())
 

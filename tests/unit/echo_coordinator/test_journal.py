@@ -111,6 +111,21 @@ def test_a_save_rides_on_the_first_queued_accept_not_behind_the_queue(tmp_path):
     ledger.close()
 
 
+def test_a_save_whose_waiter_gave_up_is_still_written_and_the_next_waiter_told(tmp_path):
+    """The stream handler waits for a lease's save on its event loop; a stream that goes away
+    cancels that wait, which must not cancel the save under the journal's feet."""
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    journal = Journal(ledger)
+    busy = threading.Event()
+    ledger.submit(busy.wait)
+    given_up, waited = journal.save(book("L1")), journal.save(book("L1", "L2"))
+    assert not given_up.cancel()
+    busy.set()
+    waited.result(timeout=10)
+    assert given_up.result(timeout=10) is None and stored_book(tmp_path / "ledger.sqlite") == ["L1", "L2"]
+    ledger.close()
+
+
 def test_a_save_that_rode_on_a_failed_accept_is_written_by_itself(tmp_path):
     """An accepted batch's write that fails (here a lease id accepted twice) takes no lease with it."""
     ledger = Ledger(tmp_path / "ledger.sqlite")
