@@ -37,6 +37,7 @@ HEADER_BYTES = 8
 REFUSE_LINGER = 2.0  # seconds a refused caller gets to read the reason and hang up
 MAX_RELAYED_PEERS = 1024  # relayed peers remembered (`learn_relays`), and callers dialled back
 DIAL_BACK_SECONDS = 600.0  # a caller that reached us through a relay is dialled back at most this often
+NOT_SERVED = "protocols not supported"  # p2pd's error for a unary call to a protocol the peer does not serve
 OK, ERROR, END = b"\x00", b"\x01", b"\x02"
 
 # A handler gets the request (decoded as its Rpc declares: `Rpc.decode_request`) and the caller's
@@ -73,6 +74,8 @@ class Endpoint:
         # Peers that cannot be dialled directly, and the relay circuit they are dialled through
         # before a stream is opened (`learn_relays`).
         self.relays: dict[str, tuple[str, ...]] = {}
+        # (peer, handler) a peer serves as a stream only (an older release): called so from now on.
+        self.streams_only: set[tuple[str, str]] = set()
         # Callers that reached us through a relay circuit, and when we dialled them back (`_dial_back`).
         self.dialled_back: dict[str, float] = {}
         self._background: set[asyncio.Task] = set()  # dial-backs in flight (kept referenced)
@@ -213,13 +216,13 @@ class Endpoint:
             async with asyncio.timeout(timeout):
                 if peer in self.relays:
                     await self._dial_relayed(peer)
-                if rpc.unary:
-                    raw = await self.p2p._client.call_unary_handler(PeerID.from_base58(peer), unary_name(rpc),
-                                                                    encode(request))
-                    reply = self._unary_reply(peer, rpc, raw)
-                    if on_reply is not None and (pending := on_reply(reply)) is not None:
-                        await pending
-                    return [] if on_reply is not None else [reply]
+                if rpc.unary and (peer, name) not in self.streams_only:
+                    raw = await self._call_unary(peer, rpc, encode(request))
+                    if raw is not None:
+                        reply = self._unary_reply(peer, rpc, raw)
+                        if on_reply is not None and (pending := on_reply(reply)) is not None:
+                            await pending
+                        return [] if on_reply is not None else [reply]
                 _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), name)
                 await write_frame(writer, OK, encode(request))
                 while True:
@@ -248,6 +251,19 @@ class Endpoint:
         finally:
             if writer is not None:
                 writer.close()
+
+    async def _call_unary(self, peer: str, rpc: Rpc, request: bytes) -> bytes | None:
+        """The peer's raw answer to a unary call; None if it serves no such unary call (an older
+        release: it is called over a stream, now and from now on)."""
+        try:
+            return await self.p2p._client.call_unary_handler(PeerID.from_base58(peer), unary_name(rpc), request)
+        except P2PDaemonError as e:
+            if NOT_SERVED not in str(e):
+                raise
+        if len(self.streams_only) >= MAX_RELAYED_PEERS:
+            self.streams_only = set()
+        self.streams_only.add((peer, rpc.name))
+        return None
 
     @staticmethod
     def _unary_reply(peer: str, rpc: Rpc, raw: bytes):

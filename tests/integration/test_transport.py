@@ -269,7 +269,8 @@ U_HOSTILE = Rpc("t.u_hostile", bytes, (SmallReply,), 1024, 10.0, per_peer=4, una
 def test_unary_calls_carry_replies_errors_and_limits_and_older_callers_still_stream(swarm):
     """Small one-reply calls go over the daemon's persistent connection (`Rpc.unary`). Each bad
     input gets the typed error a stream gives it, counted; the server keeps serving; a caller of
-    an older release (streams only) is served the same; a hostile server's bytes are refused."""
+    an older release (streams only) is served the same, and a server of one is called over
+    streams; a hostile server's bytes are refused."""
     import dataclasses
 
     from protocols.errors import ProtocolError
@@ -307,6 +308,12 @@ def test_unary_calls_carry_replies_errors_and_limits_and_older_callers_still_str
         older = dataclasses.replace(U_ECHO, unary=False)  # what a caller of an older release sends: a stream
         assert await client.call_one(server.peer_id, older, b"hi") == b"hi" + client.peer_id[-4:].encode()
         assert await client.call_one(server.peer_id, U_TYPED, HoldersRequest(3)) == Holders((client.peer_id,))
+        # A server of an older release serves the handler as a stream only: called so, and so from then on.
+        await server.serve(dataclasses.replace(U_ECHO, name="t.u_old", unary=False), echo)
+        newer = dataclasses.replace(U_ECHO, name="t.u_old")
+        for _ in range(2):
+            assert await client.call_one(server.peer_id, newer, b"hi") == b"hi" + client.peer_id[-4:].encode()
+        assert client.streams_only == {(server.peer_id, "t.u_old")}
 
         for request, code in ((b"refuse", "invalid_value"), (b"bug", "internal"), (b"twice", "internal"),
                               (b"x" * 4096, "too_large")):
