@@ -1,4 +1,4 @@
-"""A node's start with llama.cpp's worker started ahead of the join (`llama_process.Spawned`)
+"""A node's start with llama.cpp's worker started ahead of the join (`worker_process.Spawned`)
 against one started once the model is known, side by side.
 
 Each trial is a fresh Python process that does what a node does before its first lease, less
@@ -31,7 +31,8 @@ TRIAL = """
 import sys, time
 started = time.perf_counter()
 from pathlib import Path
-from engines.llama_process import LlamaProcess, Spawned
+from engines.llama_process import LlamaProcess
+from engines.worker_process import Spawned
 spawned = Spawned() if sys.argv[1] == "ahead" else None
 import protocols.transport.dht  # hivemind, and torch with it
 from echo_coordinator.main import demo_model_path

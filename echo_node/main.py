@@ -20,7 +20,8 @@ from echo_node.session import Session, console
 from echo_node.versions import Versions
 from echo_node.work import Work
 from engines.episodes import context_window
-from engines.llama_process import LlamaProcess, Spawned
+from engines.llama_process import LlamaProcess
+from engines.worker_process import Spawned
 from protocols.errors import EchoError
 from protocols.messages import RunManifest
 from protocols.supervise import Supervisor

@@ -49,7 +49,7 @@ def main() -> None:
     parent = os.getppid()
     conn = Connection(int(sys.argv[1]))
     # Imports and numba's compile first, the options after: a node starts its worker before it
-    # joins (`llama_process.Spawned`), so that this part overlaps the join.
+    # joins (`worker_process.Spawned`), so that this part overlaps the join.
     import numpy as np
 
     from engines import sandbox

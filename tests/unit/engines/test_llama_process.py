@@ -16,7 +16,8 @@ import pytest
 
 from engines.backend import BackendCrashed, Interrupted, Request
 from engines.llama_backend import LlamaBackend
-from engines.llama_process import LlamaProcess, Spawned, memory_cap, own_memory
+from engines.llama_process import LlamaProcess, memory_cap
+from engines.worker_process import Spawned, own_memory
 from tests.support.hostile_worker import ANSWERS
 from tests.support.tiny_model import build_tiny_gguf
 from tests.unit.engines.test_sandbox import landlock_abi
