@@ -31,7 +31,7 @@ from engines.gguf_io import FILE_TYPES, Layout, write_model
 from engines.hf import load_config, load_master
 from engines.llama_device import CPU_SETTINGS, DeviceError, context_bytes
 from engines.llama_worker import MAX_MESSAGE_BYTES, wire_request
-from engines.worker_process import Spawned, own_memory
+from engines.worker_process import WORKER, Spawned, own_memory
 
 POLL_SECONDS = 0.1  # how soon a stop reaches a generation in the worker
 EXIT_SECONDS = 2.0  # a worker whose socket closed has that long to exit before it is killed
@@ -58,7 +58,7 @@ def memory_cap(layout: Layout, file_bytes: int, parallel: int, window: int) -> i
 
 class LlamaProcess:
     name = "llama_cpp"
-    WORKER = "engines.llama_worker"  # the module the worker runs
+    WORKER = WORKER  # the module the worker runs (a test's subclass runs another)
 
     def __init__(self, model_path: Path, threads: int = 0, n_ctx: int = 2048, interrupt: threading.Event | None = None,
                  readable: tuple[Path, ...] = (), writable: tuple[Path, ...] = (), confine: bool = True,

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from multiprocessing.connection import Connection
 
+WORKER = "engines.llama_worker"  # the module a worker runs
+
 # What the worker inherits of the node's environment (which may hold the volunteer's secrets):
 # where to find programs and libraries, and the settings of the libraries it runs.
 ENVIRONMENT = ("PATH", "HOME", "LANG", "TMPDIR", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV")
@@ -42,7 +44,7 @@ class Spawned:
     the swarm and hands it to `LlamaProcess`; one never handed over ends at `close`, or when
     the node exits (its socket closes)."""
 
-    def __init__(self, module: str = "engines.llama_worker"):
+    def __init__(self, module: str = WORKER):
         ours, theirs = socket.socketpair()
         command = [sys.executable, "-P", "-m", module, str(theirs.fileno())]
         # Its own process group, so that a kill takes whatever it started. GGML_NO_BACKTRACE: on an
