@@ -12,7 +12,9 @@ The model: a random Qwen2-1.5B-shaped model with a 151,936-entry vocabulary as q
     python bench/gpu_node.py [--shape 1.5b] [--batches 1,8,32,64] [--model FILE] [--gpu-layers -1]
 
 Prints a JSON line per measurement as it is made, then one with the ratios per setting:
-`backend_over_raw_batched@B` (goal >= 0.9 at 8 and 32) and `batched32_over_single` (goal >= 3).
+`backend_over_raw_batched@B` (goal >= 0.9 at 8 and 32) and `batched32_over_single` (goal >= 3),
+and `host_ms_per_step@B`, [backend, raw batched]: the host's time a step outside llama_decode (its
+device work included), which is what the node adds to a GPU's step.
 """
 
 from __future__ import annotations
@@ -77,14 +79,18 @@ def main() -> None:
                 continue
             rates = {"raw single": raw_single(model, texts[:1], args.threads, args.gpu_layers)}
             emit(settings=name, part="raw single", tokens_per_s=round(rates["raw single"], 1))
+            host = {}  # ms a step outside llama_decode: what explains a backend below raw batched
             for b in batches:
                 batch = texts[: max(1, b // GROUP)]
-                rate, lengths = backend_rate(model, batch, b, args.threads, gpu_layers=args.gpu_layers, kv=settings.kv)
-                rates[f"backend@{b}"] = rate
-                rates[f"raw batched@{b}"] = raw_batched(model, batch, b, args.threads, lengths, args.gpu_layers, settings)
-                emit(settings=name, batch=b, backend=round(rate, 1), raw_batched=round(rates[f"raw batched@{b}"], 1))
+                backend = backend_rate(model, batch, b, args.threads, gpu_layers=args.gpu_layers, kv=settings.kv)
+                raw = raw_batched(model, batch, b, args.threads, backend.lengths, args.gpu_layers, settings)
+                rates[f"backend@{b}"], rates[f"raw batched@{b}"] = backend.tokens_per_s, raw.tokens_per_s
+                host[f"host_ms_per_step@{b}"] = [round(backend.host_ms_per_step, 2), round(raw.host_ms_per_step, 2)]
+                emit(settings=name, batch=b, backend=round(backend.tokens_per_s, 1), raw_batched=round(raw.tokens_per_s, 1),
+                     host_ms_per_step=dict(backend=host[f"host_ms_per_step@{b}"][0], raw=host[f"host_ms_per_step@{b}"][1]))
             summary[name] = {f"backend_over_raw_batched@{b}": round(rates[f"backend@{b}"] / rates[f"raw batched@{b}"], 3)
                              for b in batches}
+            summary[name].update(host)  # [backend, raw]
             if 32 in batches:
                 summary[name]["batched32_over_single"] = round(rates["raw batched@32"] / rates["raw single"], 2)
                 summary[name]["backend32_over_single"] = round(rates["backend@32"] / rates["raw single"], 2)

@@ -7,6 +7,7 @@ G = 8 samples of at most 32 tokens a prompt, T = 1.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -61,6 +62,20 @@ def wide_model(directory: Path, vocab: int, quant: str | None = None, arch: str 
     return out
 
 
+@dataclass(frozen=True)
+class Rate:
+    """A batched run: tokens/s, and the host's time a step outside llama_decode (the sampler, the
+    batch's filling, reading logits): on a GPU, what the node adds to each step's device work."""
+
+    tokens_per_s: float
+    host_ms_per_step: float
+    lengths: list[int]  # each completion's, in request order
+
+    @staticmethod
+    def of(made: int, lengths: list[int], seconds: float, context) -> "Rate":
+        return Rate(made / seconds, 1000 * (seconds - context.decoding) / max(context.steps, 1), lengths)
+
+
 def requests_of(batch: list[tuple[int, ...]]):
     from engines.backend import Request
 
@@ -85,7 +100,7 @@ def raw_single(model: Path, batch, threads: int, gpu_layers: int = 0) -> float:
 
 
 def raw_batched(model: Path, batch, parallel: int, threads: int, lengths: list[int], gpu_layers: int = 0,
-                settings: ContextSettings = CPU_SETTINGS) -> float:
+                settings: ContextSettings = CPU_SETTINGS) -> Rate:
     """B sequences a wave, each prompt's G sequences sharing it; greedy, sequence i decoding
     `lengths[i]` tokens (the backend's: the same work, so only the overhead differs)."""
     import llama_cpp
@@ -119,14 +134,19 @@ def raw_batched(model: Path, batch, parallel: int, threads: int, lengths: list[i
             active = [k for k in active if step + 1 < wanted[k]]
             rows = list(range(len(active)))
     context.close()
-    return made / (time.perf_counter() - started)
+    return Rate.of(made, lengths, time.perf_counter() - started, context)
 
 
-def backend_rate(model: Path, batch, parallel: int, threads: int, **options) -> tuple[float, list[int]]:
-    """Tokens/s of the node's backend, and each completion's length. `options`: LlamaBackend's."""
+def backend_rate(model: Path, batch, parallel: int, threads: int, **options) -> Rate:
+    """Tokens/s of the node's backend, and each completion's length. `options`: LlamaBackend's.
+    The sampler is compiled first, as a node's worker does before it joins: a fresh machine's first
+    call otherwise times numba's compile (4 s here: backend@8 read 0.04 x raw batched)."""
     from engines.llama_backend import LlamaBackend
+    from engines.sampler import sample_rows
 
+    for seed in (1, None):
+        sample_rows(np.zeros((1, 8), np.float32), 1.0, [seed], [0])
     backend = LlamaBackend(model, threads=threads, n_ctx=512, parallel=parallel, **options)
     started = time.perf_counter()
     lengths = [len(c.token_ids) for c in backend.generate(requests_of(batch), 1.0)]
-    return sum(lengths) / (time.perf_counter() - started), lengths
+    return Rate.of(sum(lengths), lengths, time.perf_counter() - started, backend.batch)

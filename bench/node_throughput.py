@@ -226,8 +226,9 @@ def main() -> None:
                 row[f"{name} raw single"] = raw_single(model, texts[:2], args.threads)
                 for b in batches:
                     batch = texts[: max(2, b // GROUP)]
-                    row[f"{name} backend@{b}"], lengths = backend_rate(model, batch, b, args.threads)
-                    row[f"{name} raw batched@{b}"] = raw_batched(model, batch, b, args.threads, lengths)
+                    backend = backend_rate(model, batch, b, args.threads)
+                    row[f"{name} backend@{b}"] = backend.tokens_per_s
+                    row[f"{name} raw batched@{b}"] = raw_batched(model, batch, b, args.threads, backend.lengths).tokens_per_s
             for b in batches:
                 with tempfile.TemporaryDirectory(prefix="echo-stack-") as work:
                     row[f"demo stack@{b}"] = stack_rate(b, args.leases, args.threads, Path(work))

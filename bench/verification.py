@@ -73,7 +73,7 @@ def quantiles(values: list[float]) -> str:
 class Nodes:
     """The honest node kinds, each brought to a version's weights before it samples."""
 
-    def __init__(self, kinds: list[str], model: Path, work: Path, threads: int = 2):
+    def __init__(self, kinds: list[str], model: Path, work: Path, threads: int = 2, kv: str | None = None):
         self.model, self.work, self.kinds = model, work, kinds
         self.backends = {}
         config, base = load_master(model)
@@ -81,12 +81,12 @@ class Nodes:
         for kind in kinds:
             quant, parallel = kind.split("@") if "@" in kind else (kind, "8")
             if quant in ("q4_1", "file"):  # llama.cpp on the run's file (the shipped Q4_1 unless --model)
-                self.backends[kind] = LlamaBackend(model, threads=threads, n_ctx=512, parallel=int(parallel))
+                self.backends[kind] = LlamaBackend(model, threads=threads, n_ctx=512, parallel=int(parallel), kv=kv)
             elif quant in FTYPES:
                 path = work / f"{quant}.gguf"
                 if not path.exists():
                     export_quantized(config, base, model, path, FTYPES[quant])
-                self.backends[kind] = LlamaBackend(path, threads=threads, n_ctx=512, parallel=int(parallel))
+                self.backends[kind] = LlamaBackend(path, threads=threads, n_ctx=512, parallel=int(parallel), kv=kv)
             elif kind == "transformers":
                 from engines.transformers_backend import TransformersBackend
 
@@ -288,6 +288,8 @@ def main() -> None:
                         help="task seeds start here (+ 10,000 per version): a new part that repeats no earlier sample")
     parser.add_argument("--model", type=Path, default=None,
                         help="the run's GGUF (default: the shipped Q4_1); node kind 'file' runs it")
+    parser.add_argument("--kv", choices=["f32", "f16"], default=None,
+                        help="llama.cpp nodes' KV cache (f16 on a GPU backend: with flash attention); default: the node's choice")
     parser.add_argument("--evidence", type=Path, default=None, help="write every sample's evidence here (JSONL)")
     parser.add_argument("--summarize", type=Path, default=None, help="only re-judge the evidence in this file")
     parser.add_argument("--large-error", type=float, default=None,
@@ -309,7 +311,7 @@ def main() -> None:
     trainer = Trainer(model, TrainerConfig(learning_rate=args.lr, threads=args.threads), args.temperature)
     tokenizer, eos = trainer.tokenizer, trainer.tokenizer.eos_token_id
     work = Path(tempfile.mkdtemp(prefix="echo-verify-"))
-    nodes = Nodes(list(seeds), model, work, args.threads)
+    nodes = Nodes(list(seeds), model, work, args.threads, args.kv)
     records: list[dict] = []
     log = open(args.evidence, "w") if args.evidence else None
 

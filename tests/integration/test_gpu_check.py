@@ -14,8 +14,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import gpu_check  # noqa: E402
 
 
-@pytest.mark.slow  # about 2 minutes (five processes, SmolLM2 among them): run before a GPU session (`make test-all`)
-def test_quick_runs_every_part_and_reports_each(tmp_path):
+def test_quick_runs_every_part_and_reports_each(tmp_path):  # about 100 s: five processes, SmolLM2 among them
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--quick", "--out", str(tmp_path),
                            "--minutes", "6"], capture_output=True, text=True, timeout=420)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -25,7 +24,9 @@ def test_quick_runs_every_part_and_reports_each(tmp_path):
     env = parts["env"]["results"][-1]
     assert env["torch"] and env["cuda_available"] is False and "llama_system_info" in env
     node = parts["node"]["results"][-1]["summary"]
-    assert set(node) == {"f32"} and node["f32"]["backend_over_raw_batched@8"] > 0  # the CPU's one setting
+    # The CPU's one setting. The node's backend near raw batched (0.99 in bench/node_throughput.py; 0.2
+    # leaves room for a busy machine): it read 0.04 when the bench timed numba's first compile.
+    assert set(node) == {"f32"} and node["f32"]["backend_over_raw_batched@8"] > 0.2
     honest = parts["honest"]["results"][-1]
     assert honest["honest_samples"] == 4 and honest["false_rejections"] == 0
     # Every cheat of the version caught, but the concentrated one: its every 40th token shaded is

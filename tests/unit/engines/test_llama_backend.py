@@ -252,3 +252,22 @@ def test_an_adapter_that_does_not_fit_the_base_never_reaches_llama_cpp(setup, ta
         write_lora_adapter(renamed, trainer.config.lora_alpha, adapters / "bad.gguf", backend.layout)
     backend.set_adapter(None)
     assert generate_one(backend, prompt, 4, 0.7, 3).token_ids  # still serving
+
+
+def test_a_steps_rows_are_read_in_place_and_a_shared_row_is_copied(setup):
+    """`BatchContext.rows` of one row a sequence is llama.cpp's buffer itself (no R x V copy a step);
+    rows that repeat an entry (a prompt serving its group) are copied; both hold each entry's logits."""
+    _, backend, prompt, _ = setup
+    context = backend.batch
+    context.clear()
+    context.decode([(t, k, [0, 1], k == len(prompt) - 1) for k, t in enumerate(prompt)])
+    last = len(prompt) - 1
+    shared = context.rows([last, last])
+    assert shared.shape == (2, context.vocab) and (shared == context.logits(last)).all()
+    assert not np.shares_memory(shared, context.logits(last))
+    context.decode([(7, len(prompt), [0], True), (9, len(prompt), [1], True)])
+    step = context.rows([0, 1])
+    assert np.shares_memory(step, context.logits(0))
+    assert (step[0] == context.logits(0)).all() and (step[1] == context.logits(1)).all()
+    assert not (step[0] == step[1]).all()  # two tokens, two rows
+    context.clear()
