@@ -1,7 +1,7 @@
 """The node's generation on a llama.cpp GPU backend (CUDA, Vulkan, Metal): tokens/s side by side.
 
-For each context setting the node may use there (`engines.llama_device.candidates`: the fp32 KV
-cache, then the fp16 cache with flash attention), first a probe in a process of its own (a crash
+For each context setting the node may use there (`engines.llama_device.candidates`: the fp16 KV
+cache with flash attention, then the fp32 cache), first a probe in a process of its own (a crash
 is a row, not the end), then, with every layer offloaded:
 - raw single: llama-cpp-python's `Llama.generate`, one sequence at a time;
 - raw batched@B: llama.cpp's batched decode of B sequences, nothing else (`bench/llama_raw.py`);

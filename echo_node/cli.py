@@ -32,9 +32,10 @@ def join(
     max_vram: Optional[float] = typer.Option(None, help="GiB of GPU memory the node may take: it picks the layers "
                                                         "it offloads and the sequences it decodes at once to fit, "
                                                         "and says what it chose (default: what the model needs)."),
-    kv: Optional[str] = typer.Option(None, help="llama.cpp's KV cache: f32 (the closest to the trainer) or f16 (with "
-                                                "flash attention, what GPU kernels are built for). Default: f32 "
-                                                "where it runs, else f16."),
+    kv: Optional[str] = typer.Option(None, help="llama.cpp's KV cache: f32 (the CPU's: the closest to the trainer "
+                                                "there) or f16 (on a GPU with flash attention, what its kernels are "
+                                                "built for). Default: f32 on the CPU; on a GPU f16 where it runs, "
+                                                "else f32."),
     parallel: Optional[int] = typer.Option(None, help="Sequences to decode at once (default: 8 with llama.cpp, "
                                                       "1.9x one at a time on a 2-core CPU; GPUs do well at 32-64). "
                                                       "The KV cache holds this many context windows."),

@@ -51,16 +51,11 @@ class LlamaBackend:
         self.gpu = bool(llama_cpp.llama_supports_gpu_offload())
         if gpu_layers is None:
             gpu_layers = -1 if self.gpu else 0
-        self.fitted = None  # what --max-vram chose
-        if max_vram_gib is not None:
-            gpu_layers, parallel, self.fitted = llama_device.within(model_path, max_vram_gib, self.gpu, gpu_layers,
-                                                                    parallel, n_ctx, kv)
-        self.threads, self.n_ctx, self.gpu_layers, self.parallel = threads, n_ctx, gpu_layers, parallel
-        self.offloaded = self.gpu and gpu_layers != 0
-        options = llama_device.candidates(self.offloaded, kv)
         # On a GPU, settings are tried in a throwaway process first: a crashing backend must not take the node.
-        self.settings = (llama_probe.choose(Path(model_path), gpu_layers, parallel, n_ctx, options) if self.offloaded
-                         else options[0])
+        placed = llama_probe.place(Path(model_path), self.gpu, gpu_layers, parallel, n_ctx, kv, max_vram_gib)
+        self.settings, self.fitted = placed.settings, placed.fitted  # fitted: what --max-vram chose
+        self.threads, self.n_ctx, self.gpu_layers, self.parallel = threads, n_ctx, placed.gpu_layers, placed.parallel
+        self.offloaded = self.gpu and self.gpu_layers != 0
         patterns = llama_overrides.expert_patterns(None if cpu_moe else n_cpu_moe)  # [] for neither
         self._overrides = llama_overrides.cpu_overrides(patterns) if patterns else None  # read at every load
         use_threads(threads)

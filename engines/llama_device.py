@@ -1,11 +1,11 @@
 """Where llama.cpp runs a node's layers, and the context settings a node uses there.
 
-A node's logprobs must match the trainer's (docs/verification.md), so the first choice on every
-backend is the CPU's: an fp32 KV cache and no flash attention. GPU backends were not all built
-around that: a CUDA build died by segfault at its first call with an fp32 cache (issue 35; the
-cause was not found), and GPU kernels are tuned for an fp16 cache with flash attention. So on a GPU backend the node tries each
-candidate in a throwaway process first (`engines.llama_probe`) and keeps the first that decodes;
-the volunteer can name the cache type (`--kv`) instead.
+A node's logprobs must match the trainer's (docs/verification.md). On the CPU that means an fp32
+KV cache and no flash attention. GPU backends round batched attention to fp16 or TF32 whatever the
+cache holds, so there the node first tries what their kernels are built for, an fp16 cache with
+flash attention, and an fp32 cache after it (`candidates`). Each candidate is tried in a throwaway
+process first (`engines.llama_probe`): a CUDA build died by segfault at its first call with an fp32
+cache (issue 35; the cause was not found). The volunteer can name the cache type (`--kv`) instead.
 """
 
 from __future__ import annotations
@@ -36,14 +36,20 @@ CPU_SETTINGS = ContextSettings()  # llama.cpp's CPU flash attention rounds throu
 
 
 def candidates(offloaded: bool, kv: str | None = None) -> list[ContextSettings]:
-    """The settings to try, best match to the trainer first. On the CPU there is one; on a GPU
-    backend the fp32 cache, then what GPU kernels are built for (an fp16 cache with flash
-    attention, which they need to read it fast). `kv` (the volunteer's `--kv`) fixes the cache type."""
+    """The settings to try, in order. On the CPU there is one, the fp32 cache (an fp16 cache adds
+    ~2e-2 logit error there). On a GPU backend an fp16 cache with flash attention first, then the
+    fp32 cache: in llama.cpp 0c1e57098 (llama-cpp-python 0.3.36) batched attention on an fp32
+    cache runs in TF32 on CUDA (cuBLAS handles are made TF32, `ggml-cuda/common.cuh`; its fp32
+    mat-mat kernel past 3 tokens too) and on fp16 inputs in Vulkan's and Metal's mat-mat kernels
+    past 8 columns. There an fp32 cache buys no closer match, and costs twice the memory plus the
+    attention scores flash attention never holds (n_ctx x 512 x heads floats). Flash attention on
+    an fp32 cache is cast to fp16 by llama.cpp, so that pair is never tried. Honest fp16 nodes on
+    Vulkan were calibrated like the fp32 ones (docs/verification.md). `kv` (`--kv`) fixes the type."""
     if kv is not None and kv not in KV_TYPES:
         raise ValueError(f"--kv must be one of {', '.join(KV_TYPES)}, got {kv!r}")
     if not offloaded:
         return [ContextSettings(kv or "f32", False)]
-    options = [ContextSettings("f32", False), ContextSettings("f16", True)]
+    options = [ContextSettings("f16", True), ContextSettings("f32", False)]
     return [s for s in options if kv is None or s.kv == kv]
 
 
@@ -154,19 +160,17 @@ def fit(sizes: ModelSizes, budget: int, parallel: int, window: int, settings: Co
     return layers, p
 
 
-def within(model, max_vram_gib: float, gpu: bool, gpu_layers: int, parallel: int, window: int,
-           kv: str | None) -> tuple[int, int, str]:
-    """`--max-vram`: (layers to offload, sequences at once, what was chosen, said for the volunteer)."""
-    if not gpu or gpu_layers == 0:
-        return gpu_layers, parallel, "--max-vram has no effect: the model runs on the CPU"
+def within(model, max_vram_gib: float, gpu_layers: int, parallel: int, window: int,
+           settings: ContextSettings) -> tuple[int, int, str]:
+    """`--max-vram` on a GPU with `settings`: (layers to offload, sequences at once, what was
+    chosen, said for the volunteer)."""
     sizes = model_sizes(model)
-    settings = candidates(True, kv)[0]  # the largest the node may use
     layers, parallel = fit(sizes, int(max_vram_gib * 2**30), parallel, window, settings)
     if gpu_layers >= 0:
         layers = min(layers, gpu_layers)
     estimate = device_bytes(sizes, layers, parallel, window, settings) / 2**30
     return layers, parallel, (f"--max-vram {max_vram_gib:g} GiB: {layers}/{sizes.n_layers} layers on the GPU, "
-                              f"{parallel} sequences of {window} tokens (about {estimate:.1f} GiB)")
+                              f"{parallel} sequences of {window} tokens with {settings} (about {estimate:.1f} GiB)")
 
 
 def _declare(lib):

@@ -1,10 +1,11 @@
-"""Trying llama.cpp's settings in a throwaway process, so that a backend that crashes (a CUDA build
-died at its first decode with an fp32 KV cache) costs a probe, not the node.
+"""Where and how the node runs llama.cpp: each candidate setting fitted to the volunteer's device
+memory and tried in a throwaway process, so that a backend that crashes (a CUDA build died at its
+first decode with an fp32 KV cache) costs a probe, not the node.
 
     python -m engines.llama_probe MODEL --gpu-layers N --parallel P --window W --kv f32 [--flash-attn]
 
 loads the model as the node would, decodes one step for every sequence and prints a JSON line;
-`choose` runs it for each candidate and keeps the first that works.
+`place` fits each candidate (`llama_device.candidates`) and keeps the first whose probe works.
 """
 
 from __future__ import annotations
@@ -15,23 +16,50 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+from engines import llama_device
 from engines.llama_device import ContextSettings, DeviceError
 
 PROBE_SECONDS = 600.0  # a big model's first load from a cold disk
 
 
-def choose(model: Path, gpu_layers: int, parallel: int, window: int, options: list[ContextSettings],
-           timeout: float = PROBE_SECONDS) -> ContextSettings:
-    """The first of `options` that loads and decodes in a probe process; a DeviceError that says
+@dataclass(frozen=True)
+class Placement:
+    settings: ContextSettings
+    gpu_layers: int
+    parallel: int
+    fitted: str | None = None  # what --max-vram chose, said for the volunteer
+
+
+def place(model: Path, gpu: bool, gpu_layers: int, parallel: int, window: int, kv: str | None = None,
+          max_vram_gib: float | None = None, timeout: float = PROBE_SECONDS) -> Placement:
+    """The node's settings, layers on the GPU and sequences at once. Each candidate is fitted to
+    `max_vram_gib` on its own (an fp16 cache takes half the fp32's); on a GPU the first whose probe
+    decodes is kept. A budget that holds no layer leaves the model on the CPU, with the CPU's settings."""
+    if gpu and gpu_layers != 0:
+        tries = [Placement(s, gpu_layers, parallel) if max_vram_gib is None else
+                 Placement(s, *llama_device.within(model, max_vram_gib, gpu_layers, parallel, window, s))
+                 for s in llama_device.candidates(True, kv)]
+        if tries[0].gpu_layers != 0:
+            return choose(model, window, tries, timeout)
+        gpu_layers, parallel, fitted = tries[0].gpu_layers, tries[0].parallel, tries[0].fitted
+    else:
+        fitted = None if max_vram_gib is None else "--max-vram has no effect: the model runs on the CPU"
+    return Placement(llama_device.candidates(False, kv)[0], gpu_layers, parallel, fitted)
+
+
+def choose(model: Path, window: int, tries: list[Placement], timeout: float = PROBE_SECONDS) -> Placement:
+    """The first of `tries` that loads and decodes in a probe process; a DeviceError that says
     what each one did, and what to try, when none does."""
     failures = []
-    for settings in options:
-        failure = probe(model, gpu_layers, parallel, window, settings, timeout)
+    for t in tries:
+        failure = probe(model, t.gpu_layers, t.parallel, window, t.settings, timeout)
         if failure is None:
-            return settings
-        failures.append(f"{settings}: {failure}")
+            return t
+        failures.append(f"{t.settings}: {failure}")
+    gpu_layers = tries[0].gpu_layers
     raise DeviceError(f"llama.cpp could not decode on this GPU with {gpu_layers if gpu_layers >= 0 else 'all'} "
                       f"layers offloaded ({'; '.join(failures)}). Try fewer sequences (--parallel), "
                       f"fewer layers (--gpu-layers), or the CPU (--gpu-layers 0); docs/volunteers.md lists the "

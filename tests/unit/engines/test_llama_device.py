@@ -13,9 +13,9 @@ from engines.llama_device import ContextSettings, DeviceError, ModelSizes, devic
 F32, F16_FA = ContextSettings("f32", False), ContextSettings("f16", True)
 
 
-def test_the_cpu_keeps_fp32_and_a_gpu_tries_fp32_then_what_its_kernels_are_built_for():
+def test_the_cpu_keeps_fp32_and_a_gpu_tries_what_its_kernels_are_built_for_then_fp32():
     assert llama_device.candidates(offloaded=False) == [F32]
-    assert llama_device.candidates(offloaded=True) == [F32, F16_FA]
+    assert llama_device.candidates(offloaded=True) == [F16_FA, F32]
     assert llama_device.candidates(offloaded=True, kv="f16") == [F16_FA]
     with pytest.raises(ValueError, match="--kv must be one of f32, f16"):
         llama_device.candidates(True, "q8_0")
@@ -63,15 +63,16 @@ def crash_for(settings_crashing):
 
 
 def test_a_setting_that_crashes_llama_cpp_costs_a_probe_and_the_next_one_is_used(monkeypatch):
-    monkeypatch.setattr(llama_probe, "probe_command", crash_for({F32}))
+    monkeypatch.setattr(llama_probe, "probe_command", crash_for({F16_FA}))
     # The second candidate's probe is real: llama.cpp loads the model and decodes 4 sequences.
-    assert llama_probe.choose(demo_model_path(), 0, 4, 64, [F32, F16_FA]) == F16_FA
+    tries = [llama_probe.Placement(F16_FA, 0, 4), llama_probe.Placement(F32, 0, 4)]
+    assert llama_probe.choose(demo_model_path(), 64, tries) == tries[1]
 
 
 def test_when_every_setting_crashes_the_node_says_why_and_what_to_try(monkeypatch):
     monkeypatch.setattr(llama_probe, "probe_command", crash_for({F32, F16_FA}))
     with pytest.raises(DeviceError) as e:
-        llama_probe.choose(demo_model_path(), -1, 32, 2048, [F32, F16_FA])
+        llama_probe.choose(demo_model_path(), 2048, [llama_probe.Placement(F16_FA, -1, 32), llama_probe.Placement(F32, -1, 32)])
     said = str(e.value)
     assert "f32 KV: llama.cpp crashed (SIGSEGV)" in said and "f16 KV + flash attention: llama.cpp crashed" in said
     assert "--gpu-layers 0" in said and "--parallel" in said and "\n" not in said
@@ -84,11 +85,27 @@ def test_a_probe_that_cannot_load_says_what_llama_cpp_said(tmp_path):
     assert failure is not None and "crashed" not in failure
 
 
-def test_max_vram_says_what_it_chose_and_respects_fewer_layers_asked_for():
-    model = demo_model_path()
-    layers, parallel, said = llama_device.within(model, 0.5, True, -1, 32, 512, None)
-    assert layers == 30 and 1 <= parallel < 32 and said.startswith("--max-vram 0.5 GiB: 30/30 layers on the GPU, ")
-    assert device_bytes(model_sizes(model), layers, parallel, 512, F32) <= 0.5 * 2**30
-    assert llama_device.within(model, 8, True, 10, 32, 512, None)[:2] == (10, 32)  # --gpu-layers 10 holds
-    assert llama_device.within(model, 8, False, 0, 32, 512, None) == (0, 32, "--max-vram has no effect: the model "
-                                                                             "runs on the CPU")
+def test_max_vram_fits_each_setting_on_its_own_and_says_what_it_chose(monkeypatch):
+    model, probed = demo_model_path(), []
+
+    def probe(model, layers, parallel, window, settings, timeout):  # F16_FA "crashes" once asked to
+        probed.append(settings)
+        return "llama.cpp crashed (SIGSEGV)" if settings in crashing else None
+    monkeypatch.setattr(llama_probe, "probe", probe)
+    crashing = set()
+    placed = llama_probe.place(model, True, -1, 32, 512, max_vram_gib=0.5)
+    assert placed.settings == F16_FA and placed.gpu_layers == 30 and 1 <= placed.parallel < 32
+    assert placed.fitted.startswith("--max-vram 0.5 GiB: 30/30 layers on the GPU, ") and "f16 KV" in placed.fitted
+    assert device_bytes(model_sizes(model), 30, placed.parallel, 512, F16_FA) <= 0.5 * 2**30
+    crashing.add(F16_FA)  # the fp32 cache, fitted for itself: fewer sequences in the same memory
+    fallback = llama_probe.place(model, True, -1, 32, 512, max_vram_gib=0.5)
+    assert fallback.settings == F32 and fallback.parallel < placed.parallel and "f32 KV" in fallback.fitted
+    assert device_bytes(model_sizes(model), 30, fallback.parallel, 512, F32) <= 0.5 * 2**30
+    ten = llama_probe.place(model, True, 10, 32, 512, max_vram_gib=8)
+    assert (ten.gpu_layers, ten.parallel) == (10, 32)  # --gpu-layers 10 holds
+    probed.clear()  # no layer fits 0.1 GiB, and the CPU needs no probe: the CPU's settings, said
+    tiny = llama_probe.place(model, True, -1, 32, 512, max_vram_gib=0.1)
+    assert (tiny.settings, tiny.gpu_layers) == (F32, 0) and tiny.fitted.startswith("--max-vram 0.1 GiB: 0/30 layers")
+    assert llama_probe.place(model, False, 0, 32, 512, max_vram_gib=8) == llama_probe.Placement(
+        F32, 0, 32, "--max-vram has no effect: the model runs on the CPU")
+    assert probed == []
