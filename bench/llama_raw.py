@@ -69,11 +69,13 @@ class Rate:
 
     tokens_per_s: float
     host_ms_per_step: float
+    decode_ms_per_step: float  # llama_decode's, device work included
     lengths: list[int]  # each completion's, in request order
 
     @staticmethod
     def of(made: int, lengths: list[int], seconds: float, context) -> "Rate":
-        return Rate(made / seconds, 1000 * (seconds - context.decoding) / max(context.steps, 1), lengths)
+        steps = max(context.steps, 1)
+        return Rate(made / seconds, 1000 * (seconds - context.decoding) / steps, 1000 * context.decoding / steps, lengths)
 
 
 def requests_of(batch: list[tuple[int, ...]]):
