@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from engines import llama_device, llama_probe  # noqa: E402
-from llama_raw import GROUP, backend_rate, prompts, raw_batched, raw_single, wide_model  # noqa: E402
+from llama_raw import GROUP, MAX_NEW, backend_rate, prompts, raw_batched, raw_single, wide_model  # noqa: E402
 
 SHAPES = {  # Qwen2.5-1.5B's config, and a tiny one for checking the script on a CPU
     "1.5b": dict(arch="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
@@ -82,6 +82,9 @@ def main() -> None:
             host = {}  # ms a step outside llama_decode: what explains a backend below raw batched
             for b in batches:
                 batch = texts[: max(1, b // GROUP)]
+                # Untimed first: a backend compiles kernels for a shape at its first use (lavapipe's
+                # pipelines for a batch of 32 cost whichever path ran first 1.4-1.7x a step).
+                raw_batched(model, batch, b, args.threads, [MAX_NEW] * len(batch) * GROUP, args.gpu_layers, settings)
                 backend = backend_rate(model, batch, b, args.threads, gpu_layers=args.gpu_layers, kv=settings.kv)
                 raw = raw_batched(model, batch, b, args.threads, backend.lengths, args.gpu_layers, settings)
                 rates[f"backend@{b}"], rates[f"raw batched@{b}"] = backend.tokens_per_s, raw.tokens_per_s
