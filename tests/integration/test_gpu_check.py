@@ -24,9 +24,10 @@ def test_quick_runs_every_part_and_reports_each(tmp_path):  # about 100 s: five 
     env = parts["env"]["results"][-1]
     assert env["torch"] and env["cuda_available"] is False and "llama_system_info" in env
     node = parts["node"]["results"][-1]["summary"]
-    # The CPU's one setting. The node's backend near raw batched (0.99 in bench/node_throughput.py; 0.2
-    # leaves room for a busy machine): it read 0.04 when the bench timed numba's first compile.
-    assert set(node) == {"f32"} and node["f32"]["backend_over_raw_batched@8"] > 0.2
+    # The CPU's one setting. The node's backend near raw batched (0.47-0.83 on this tiny model, whose
+    # steps are mostly the sampler's; 0.1 leaves room for a busy machine): 0.04 when the bench timed
+    # numba's first compile.
+    assert set(node) == {"f32"} and node["f32"]["backend_over_raw_batched@8"] > 0.1
     honest = parts["honest"]["results"][-1]
     assert honest["honest_samples"] == 4 and honest["false_rejections"] == 0
     # Every cheat of the version caught, but the concentrated one: its every 40th token shaded is
