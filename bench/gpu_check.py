@@ -46,8 +46,9 @@ def part_commands(quick: bool) -> dict[str, list[str]]:
     if quick:
         return {
             "env": [py, str(BENCH / "gpu_check.py"), "--env"],
-            "node": [py, str(BENCH / "gpu_node.py"), "--shape", "tiny", "--batches", "8", "--threads", "1"],
-            "honest": [py, str(BENCH / "verification.py"), "--versions", "1", "--seeds", "q4_1@8=1",
+            "node": [py, str(BENCH / "gpu_node.py"), "--shape", "tiny", "--vocab", "49152", "--batches", "8",
+                     "--threads", "1"],
+            "honest": [py, str(BENCH / "verification.py"), "--model", "tiny", "--versions", "1", "--seeds", "file@8=1",
                        "--cheat-seeds", "1", "--train-seeds", "1", "--threads", "1", "--group", "4"],
             "trainer": [py, str(BENCH / "gpu_trainer.py"), "--quick", "--steps", "1"],
             "verify_cost": [py, str(BENCH / "verification_cost.py"), "--parts", "gpu", "--gpu-shapes", "tiny",

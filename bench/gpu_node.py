@@ -51,6 +51,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=SHAPES, default="1.5b")
     parser.add_argument("--model", type=Path, help="a GGUF to run instead of a generated model")
+    parser.add_argument("--vocab", type=int, default=VOCAB, help="the generated model's vocabulary (SmolLM2's 49,152 and up)")
     parser.add_argument("--batches", default="1,8,32,64")
     parser.add_argument("--gpu-layers", type=int, default=-1)
     parser.add_argument("--threads", type=int, default=0)
@@ -66,7 +67,7 @@ def main() -> None:
         model = args.model
         if model is None:
             started = time.perf_counter()
-            model = wide_model(Path(tmp), VOCAB, "q4_k_m", **SHAPES[args.shape])
+            model = wide_model(Path(tmp), args.vocab, "q4_k_m", **SHAPES[args.shape])
             emit(model=f"{args.shape} q4_k_m", mb=round(model.stat().st_size / 1e6), seconds=round(time.perf_counter() - started, 1))
         texts = prompts(max(2, max(batches) // GROUP))
         summary = {}

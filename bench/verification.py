@@ -287,7 +287,8 @@ def main() -> None:
     parser.add_argument("--first-seed", type=int, default=0,
                         help="task seeds start here (+ 10,000 per version): a new part that repeats no earlier sample")
     parser.add_argument("--model", type=Path, default=None,
-                        help="the run's GGUF (default: the shipped Q4_1); node kind 'file' runs it")
+                        help="the run's GGUF (default: the shipped Q4_1); node kind 'file' runs it; 'tiny': a "
+                             "random 2-layer Llama with SmolLM2's vocabulary as Q8_0, made here (the Vulkan runs')")
     parser.add_argument("--kv", choices=["f32", "f16"], default=None,
                         help="llama.cpp nodes' KV cache (f16 on a GPU backend: with flash attention); default: the node's choice")
     parser.add_argument("--evidence", type=Path, default=None, help="write every sample's evidence here (JSONL)")
@@ -306,11 +307,16 @@ def main() -> None:
         return
 
     seeds = {kind: int(n) for kind, n in (item.split("=") for item in args.seeds.split(","))}
+    work = Path(tempfile.mkdtemp(prefix="echo-verify-"))
     model = args.model or demo_model_path()
+    if str(model) == "tiny":
+        sys.path.insert(0, str(ROOT / "bench"))
+        from llama_raw import wide_model
+
+        model = wide_model(work, 49152, "q8_0")
     task = make_task(args.task)
     trainer = Trainer(model, TrainerConfig(learning_rate=args.lr, threads=args.threads), args.temperature)
     tokenizer, eos = trainer.tokenizer, trainer.tokenizer.eos_token_id
-    work = Path(tempfile.mkdtemp(prefix="echo-verify-"))
     nodes = Nodes(list(seeds), model, work, args.threads, args.kv)
     records: list[dict] = []
     log = open(args.evidence, "w") if args.evidence else None

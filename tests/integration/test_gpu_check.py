@@ -14,7 +14,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import gpu_check  # noqa: E402
 
 
-def test_quick_runs_every_part_and_reports_each(tmp_path):  # about 100 s: five processes, SmolLM2 among them
+def test_quick_runs_every_part_and_reports_each(tmp_path):  # about 50 s: five processes on tiny models
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--quick", "--out", str(tmp_path),
                            "--minutes", "6"], capture_output=True, text=True, timeout=420)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
