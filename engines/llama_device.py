@@ -160,11 +160,10 @@ def fit(sizes: ModelSizes, budget: int, parallel: int, window: int, settings: Co
     return layers, p
 
 
-def within(model, max_vram_gib: float, gpu_layers: int, parallel: int, window: int,
+def within(sizes: ModelSizes, max_vram_gib: float, gpu_layers: int, parallel: int, window: int,
            settings: ContextSettings) -> tuple[int, int, str]:
-    """`--max-vram` on a GPU with `settings`: (layers to offload, sequences at once, what was
-    chosen, said for the volunteer)."""
-    sizes = model_sizes(model)
+    """`--max-vram` on a GPU with `settings`, for a model of `sizes`: (layers to offload, sequences
+    at once, what was chosen, said for the volunteer)."""
     layers, parallel = fit(sizes, int(max_vram_gib * 2**30), parallel, window, settings)
     if gpu_layers >= 0:
         layers = min(layers, gpu_layers)

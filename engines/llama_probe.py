@@ -39,8 +39,9 @@ def place(model: Path, gpu: bool, gpu_layers: int, parallel: int, window: int, k
     `max_vram_gib` on its own (an fp16 cache takes half the fp32's); on a GPU the first whose probe
     decodes is kept. A budget that holds no layer leaves the model on the CPU, with the CPU's settings."""
     if gpu and gpu_layers != 0:
-        tries = [Placement(s, gpu_layers, parallel) if max_vram_gib is None else
-                 Placement(s, *llama_device.within(model, max_vram_gib, gpu_layers, parallel, window, s))
+        sizes = None if max_vram_gib is None else llama_device.model_sizes(model)  # seconds for a big vocabulary
+        tries = [Placement(s, gpu_layers, parallel) if sizes is None else
+                 Placement(s, *llama_device.within(sizes, max_vram_gib, gpu_layers, parallel, window, s))
                  for s in llama_device.candidates(True, kv)]
         if tries[0].gpu_layers != 0:
             return choose(model, window, tries, timeout)

@@ -86,7 +86,8 @@ def test_a_probe_that_cannot_load_says_what_llama_cpp_said(tmp_path):
 
 
 def test_max_vram_fits_each_setting_on_its_own_and_says_what_it_chose(monkeypatch):
-    model, probed = demo_model_path(), []
+    model, probed, sizes = demo_model_path(), [], model_sizes(demo_model_path())
+    monkeypatch.setattr(llama_device, "model_sizes", lambda path: sizes)  # read once: seconds for 49k tokens
 
     def probe(model, layers, parallel, window, settings, timeout):  # F16_FA "crashes" once asked to
         probed.append(settings)
@@ -96,11 +97,11 @@ def test_max_vram_fits_each_setting_on_its_own_and_says_what_it_chose(monkeypatc
     placed = llama_probe.place(model, True, -1, 32, 512, max_vram_gib=0.5)
     assert placed.settings == F16_FA and placed.gpu_layers == 30 and 1 <= placed.parallel < 32
     assert placed.fitted.startswith("--max-vram 0.5 GiB: 30/30 layers on the GPU, ") and "f16 KV" in placed.fitted
-    assert device_bytes(model_sizes(model), 30, placed.parallel, 512, F16_FA) <= 0.5 * 2**30
+    assert device_bytes(sizes, 30, placed.parallel, 512, F16_FA) <= 0.5 * 2**30
     crashing.add(F16_FA)  # the fp32 cache, fitted for itself: fewer sequences in the same memory
     fallback = llama_probe.place(model, True, -1, 32, 512, max_vram_gib=0.5)
     assert fallback.settings == F32 and fallback.parallel < placed.parallel and "f32 KV" in fallback.fitted
-    assert device_bytes(model_sizes(model), 30, fallback.parallel, 512, F32) <= 0.5 * 2**30
+    assert device_bytes(sizes, 30, fallback.parallel, 512, F32) <= 0.5 * 2**30
     ten = llama_probe.place(model, True, 10, 32, 512, max_vram_gib=8)
     assert (ten.gpu_layers, ten.parallel) == (10, 32)  # --gpu-layers 10 holds
     probed.clear()  # no layer fits 0.1 GiB, and the CPU needs no probe: the CPU's settings, said
