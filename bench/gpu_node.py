@@ -89,10 +89,10 @@ def main() -> None:
                 backend = backend_rate(model, batch, b, args.threads, gpu_layers=args.gpu_layers, kv=settings.kv)
                 raw = raw_batched(model, batch, b, args.threads, backend.lengths, args.gpu_layers, settings)
                 rates[f"backend@{b}"], rates[f"raw batched@{b}"] = backend.tokens_per_s, raw.tokens_per_s
-                host[f"host_ms_per_step@{b}"] = [round(backend.host_ms_per_step, 2), round(raw.host_ms_per_step, 2)]
+                host[f"host_ms_per_step@{b}"] = [round(r.host_ms_per_step, 2) for r in (backend, raw)]
                 emit(settings=name, batch=b, backend=round(backend.tokens_per_s, 1), raw_batched=round(raw.tokens_per_s, 1),
-                     host_ms_per_step=dict(backend=host[f"host_ms_per_step@{b}"][0], raw=host[f"host_ms_per_step@{b}"][1]),
-                     decode_ms_per_step=dict(backend=round(backend.decode_ms_per_step, 2), raw=round(raw.decode_ms_per_step, 2)))
+                     host_ms_per_step=host[f"host_ms_per_step@{b}"],
+                     decode_ms_per_step=[round(r.decode_ms_per_step, 2) for r in (backend, raw)])  # [backend, raw]
             summary[name] = {f"backend_over_raw_batched@{b}": round(rates[f"backend@{b}"] / rates[f"raw batched@{b}"], 3)
                              for b in batches}
             summary[name].update(host)  # [backend, raw]

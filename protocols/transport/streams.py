@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 HEADER_BYTES = 8
 REFUSE_LINGER = 2.0  # seconds a refused caller gets to read the reason and hang up
-MAX_RELAYED_PEERS = 1024  # relayed peers remembered (`learn_relays`), and callers dialled back
+MAX_REMEMBERED = 1024  # entries of each per-peer table: relayed peers (`learn_relays`), callers dialled back, stream-only handlers
 DIAL_BACK_SECONDS = 600.0  # a caller that reached us through a relay is dialled back at most this often
 NOT_SERVED = "protocols not supported"  # p2pd's error for a unary call to a protocol the peer does not serve
 OK, ERROR, END = b"\x00", b"\x01", b"\x02"
@@ -260,7 +260,7 @@ class Endpoint:
         except P2PDaemonError as e:
             if NOT_SERVED not in str(e):
                 raise
-        if len(self.streams_only) >= MAX_RELAYED_PEERS:
+        if len(self.streams_only) >= MAX_REMEMBERED:
             self.streams_only = set()
         self.streams_only.add((peer, rpc.name))
         return None
@@ -283,7 +283,7 @@ class Endpoint:
         """Reach `peers` (behind NAT, as the coordinator at `relay` found) through its relay
         circuit: the run's one relay, never an address a peer picks. Bounded: a long run meets
         new peers for ever."""
-        if len(self.relays) > MAX_RELAYED_PEERS:
+        if len(self.relays) > MAX_REMEMBERED:
             self.relays = {}
         self.relays.update({peer: (f"{relay}/p2p-circuit",) for peer in peers if peer != self.peer_id})
 
@@ -299,7 +299,7 @@ class Endpoint:
             return
         if self.dialled_back and now - max(self.dialled_back.values()) < 1.0:
             return
-        if len(self.dialled_back) >= MAX_RELAYED_PEERS:
+        if len(self.dialled_back) >= MAX_REMEMBERED:
             self.dialled_back = {}
         self.dialled_back[caller] = now
 
