@@ -54,6 +54,7 @@ from echo_coordinator.trainer.learner import Trainer  # noqa: E402
 from echo_coordinator.trainer.samples import TrainSample  # noqa: E402
 from echo_coordinator.trainer.step_checks import Check  # noqa: E402
 from engines import sampler  # noqa: E402
+from engines.hf import cache_field  # noqa: E402
 from protocols.sampling import sample_seeds  # noqa: E402
 
 VOCAB = 151_936
@@ -146,10 +147,10 @@ def own_samples(trainer: Trainer, prompts: list[tuple[int, ...]], group: int, le
         ids = torch.tensor([list(prompt)] * group, device=trainer.device)
         out = [[] for _ in range(group)]
         with torch.no_grad(), trainer.autocast():
-            cache, step = None, ids
+            cache, step, named = None, ids, cache_field(trainer.causal)
             for position in range(length):
-                result = trainer.causal(input_ids=step, past_key_values=cache, use_cache=True)
-                cache = result.past_key_values
+                result = trainer.causal(input_ids=step, use_cache=True, **{named: cache})
+                cache = getattr(result, named)
                 rows = (result.logits[:, -1].float() / trainer.temperature).cpu().numpy()
                 tokens, logprobs = sampler.sample_rows(rows, 1.0, noise, [position] * group)
                 for g in range(group):

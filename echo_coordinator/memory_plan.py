@@ -122,9 +122,9 @@ class ModelShape:
 
     def lora_parameters(self, rank: int) -> int:
         """What peft trains with the learner's targets: r × (in + out) per linear layer; a mixture's
-        fused expert tensors get one pair per expert, rank 2r for gate_up (gate and up in one). In
-        a mixture transformers turns the MLP targets into the expert tensors, so a dense MLP among
-        its layers (`mlp_only_layers`) gets no adapter."""
+        fused expert tensors get one pair per expert, rank 2r for gate_up (gate and up in one). A
+        dense MLP among a mixture's layers (`mlp_only_layers`) gets its adapters as in any model
+        (peft 0.22 on; 0.21 left it without, which is why it is the floor no more)."""
         h, q, kv = self.hidden, self.q, self.kv
         attention = rank * ((h + q) + 2 * (h + kv) + (q + h))
         total = 0
@@ -133,7 +133,7 @@ class ModelShape:
                 width = self.expert_width
                 mlp = self.experts * (2 * rank * (h + 2 * width) + rank * (width + h))
             else:
-                mlp = 0 if self.experts else rank * 3 * (h + self.intermediate)
+                mlp = rank * 3 * (h + self.intermediate)
             total += attention + mlp
         return total
 
@@ -175,8 +175,6 @@ class ModelShape:
             per_token += k * (w * (2 * h + 4 * width + 1) + 32)
             if lora:  # peft folds each expert tensor's adapter into a whole new (E, out, in) weight per forward
                 per_layer += w * e * 3 * h * width + (0 if w == FP32 else w * e * r * (5 * width + 3 * h))
-        elif lora and self.experts:  # a dense MLP in a mixture: no adapters (`lora_parameters`)
-            per_token += 3 * w * self.intermediate
         else:
             # gate_proj and up_proj read the norm; the activation, the product and down_proj's input
             per_token += fed(h, 2) + 3 * w * self.intermediate + fed(self.intermediate, 1)

@@ -29,8 +29,9 @@ TIED_HEAD = "lm_head.weight"  # with tie_word_embeddings, embed_tokens under ano
 # The oldest releases the trainer runs on (pyproject.toml declares them; a test runs a step and
 # verification under them, tests/integration/test_declared_floor.py): transformers 4.x keeps a
 # mixture of experts' experts as modules (no fused weights for LoRA, no routers `routing` finds)
-# and a tied head it wrote unloaded; peft before 0.21 puts no LoRA on fused experts.
-FLOORS = {"transformers": (5, 0), "peft": (0, 21)}
+# and a tied head it wrote unloaded; peft before 0.21 puts no LoRA on fused experts, and 0.21 none
+# on a dense MLP among a mixture's layers (peft PR 3711), which the memory plan counts.
+FLOORS = {"transformers": (5, 0), "peft": (0, 22)}
 
 
 def check_versions() -> None:
@@ -44,6 +45,15 @@ def check_versions() -> None:
             wanted = ".".join(map(str, floor))
             raise ConfigError(f"{package} {found} is installed; echo-swarm's trainer needs {package} >= {wanted} "
                               f"(pip install -U '{package}>={wanted}')")
+
+
+def cache_field(model) -> str:
+    """The keyword a model's forward takes its KV cache by, which is also the output's field that
+    returns it: `cache` from transformers 5.2x on (`past_key_values` is removed in 5.40), and
+    `past_key_values` before (the floor, 5.0)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def load_model(source: Path, **kwargs):

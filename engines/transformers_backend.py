@@ -17,7 +17,7 @@ import torch
 from engines.backend import Completion, Follow, Meter, Request, hardware_summary
 from engines.full_weights import file_type, requantized
 from engines.gguf_io import FILE_TYPES
-from engines.hf import decode, distinct_weights, load_model, load_tokenizer
+from engines.hf import cache_field, decode, distinct_weights, load_model, load_tokenizer
 from engines.sampler import sample_rows
 
 
@@ -47,6 +47,7 @@ class TransformersBackend:
     def _use(self, model, tokenizer, n_ctx: int) -> None:
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.model = model.to(self.device).eval()
+        self.cache_field = cache_field(model)
         gpu = f"CUDA {torch.cuda.get_device_name()}" if self.device == "cuda" else None
         self.hardware = hardware_summary(gpu, torch.get_num_threads())
         self.config = model.config
@@ -75,8 +76,8 @@ class TransformersBackend:
         cache = None
         limit = min(request.max_new_tokens, self.n_ctx - len(request.prompt_ids))
         while len(tokens) < limit:
-            out = self.model(input_ids=step, past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
+            out = self.model(input_ids=step, use_cache=True, **{self.cache_field: cache})
+            cache = getattr(out, self.cache_field)
             row = out.logits[:, -1].float().cpu().numpy()  # (1, V)
             token, logprob = sample_rows(row, temperature, [request.seed], [request.offset + len(tokens)])
             tokens.append(int(token[0]))

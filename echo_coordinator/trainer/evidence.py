@@ -19,8 +19,6 @@ the choice of either routing at one near tie.
 
 from __future__ import annotations
 
-import inspect
-
 import numpy as np
 import torch
 
@@ -28,6 +26,7 @@ from echo_coordinator.trainer.routing import Routing, routers
 from echo_coordinator.trainer.samples import TrainSample
 from echo_coordinator.trainer.tensors import forward_batches, prompt_groups
 from engines.device_sampler import Scoring, score_rows
+from engines.hf import cache_field
 from protocols.sampling import SampleEvidence, SamplingRule
 
 VERIFY_ROWS = 256  # logits rows scored at once on the CPU: 50 MB at a 49k vocabulary, 156 MB at 152k
@@ -125,7 +124,8 @@ def completion_hidden(trainer, parts: list[list[TrainSample]]) -> tuple[torch.Te
     first = causal.model(input_ids=prompts, attention_mask=prompt_mask,
                          position_ids=(prompt_mask.cumsum(1) - 1).clamp(min=0), use_cache=True)
     owner = torch.tensor([row for row, part in enumerate(parts) for _ in part], device=device)
-    cache = first.cache if hasattr(first, "cache") else first.past_key_values  # transformers before 5.2x: the latter
+    named = cache_field(causal.model)
+    cache = getattr(first, named)
     cache.reorder_cache(owner)  # each sample's rows of the cache: its prompt's
     samples = [s for part in parts for s in part]
     length = max(len(s.completion_ids) for s in samples)
@@ -136,7 +136,6 @@ def completion_hidden(trainer, parts: list[list[TrainSample]]) -> tuple[torch.Te
         where[row, : len(s.completion_ids)] = torch.tensor(s.loss_mask, dtype=torch.bool)
     mask = torch.cat([prompt_mask[owner], torch.ones_like(ids)], dim=1)
     positions = prompt_mask.sum(1)[owner][:, None] + torch.arange(length, device=device)[None, :]
-    named = "cache" if "cache" in inspect.signature(causal.model.forward).parameters else "past_key_values"
     after = causal.model(input_ids=ids, attention_mask=mask, position_ids=positions, **{named: cache}).last_hidden_state
     # Completion token j is predicted at the position before it: the prompt's last for j = 0.
     hidden = torch.cat([first.last_hidden_state[owner, -1:], after[:, :-1]], dim=1)  # (N, C, H)

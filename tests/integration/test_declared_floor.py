@@ -1,7 +1,7 @@
 """The trainer under the oldest releases pyproject.toml declares: a LoRA and a full step,
 verification (a group's prompt through the KV cache), the step verifying its own batch, routing
 flips of a mixture of experts, the memory plan's counts, run by pytest in `.venv-floor` (`make
-floor`: transformers, peft, gguf, numpy and numba at their floors). And an older transformers
+floor`: transformers, peft, gguf, numpy and numba at their floors, setup/floor.in). And an older transformers
 is refused at start in one line."""
 
 import importlib.metadata
@@ -31,8 +31,8 @@ def declared() -> dict[str, str]:
 
 def test_the_floor_venv_holds_the_declared_floors():
     assert FLOOR_PYTHON.exists(), "no .venv-floor: `make floor` builds it (`make test` does)"
-    pins = re.search(r"^FLOOR_PINS := (.*)$", (ROOT / "Makefile").read_text(), re.M)[1].split()
-    pinned = dict(p.split("==") for p in pins)
+    pins = re.findall(r"^([\w-]+)==(\S+)$", (ROOT / "setup" / "floor.in").read_text(), re.M)
+    pinned = dict(pins)
     floors = declared()
     for package in ("transformers", "peft", "gguf", "numpy", "numba"):
         assert pinned[package].startswith(floors[package]), (package, pinned[package], floors[package])

@@ -52,6 +52,9 @@ ARCHS = {
     # every other layer sparse, and the last one dense whatever the step says
     "qwen3_moe-mixed": (Qwen3MoeConfig, dict(head_dim=20, num_experts=6, num_experts_per_tok=2,
                                              moe_intermediate_size=24, decoder_sparse_step=2, mlp_only_layers=[2])),
+    # a mixture whose layers are all dense: a dense MLP's adapters and activations in a mixture
+    "qwen3_moe-dense": (Qwen3MoeConfig, dict(head_dim=20, num_experts=6, num_experts_per_tok=2,
+                                             moe_intermediate_size=24, mlp_only_layers=[0, 1, 2])),
 }
 
 
@@ -113,7 +116,7 @@ def saved_bytes(model, tokens: int) -> int:
     return sum(seen.values())
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_moe-dense"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lora_rank", [None, 4])
 def test_activations_are_what_autograd_saves(arch, dtype, lora_rank):
@@ -124,7 +127,7 @@ def test_activations_are_what_autograd_saves(arch, dtype, lora_rank):
     per_layer = saved[2, 64] - saved[1, 64] - 64 * per_token
     shape = shape_of(built(arch, 2))
     weight_bytes = 4 if dtype == torch.float32 else 2
-    assert shape.layer_activations(bool(shape.experts), weight_bytes, lora_rank) == (per_token, per_layer)
+    assert shape.layer_activations(shape.sparse[0], weight_bytes, lora_rank) == (per_token, per_layer)
 
 
 @pytest.mark.parametrize("update", ["full"])
