@@ -151,15 +151,18 @@ class LlamaProcess:
         """The worker's next message: an answer's value, or a `follow` message as it is."""
         signalled = False
         try:
-            while not self._conn.poll(POLL_SECONDS):
+            while True:
+                # Checked before each wait, so a stop set by `follow` reaches the worker at once.
+                if interruptible and self.interrupt.is_set() and not signalled:
+                    os.kill(self._process.pid, signal.SIGUSR1)
+                    signalled = True
+                if self._conn.poll(POLL_SECONDS):
+                    break
                 if self._process.poll() is not None:  # dead, though a child of it may hold the socket open
                     raise EOFError
                 if (held := own_memory(self._process.pid)) > self.max_memory:
                     raise self._died(f"{doing} (it held {held / 2**20:,.0f} MiB, over its cap of "
                                      f"{self.max_memory / 2**20:,.0f} MiB)", broke=True)
-                if interruptible and self.interrupt.is_set() and not signalled:
-                    os.kill(self._process.pid, signal.SIGUSR1)
-                    signalled = True
             message = json.loads(self._conn.recv_bytes(MAX_MESSAGE_BYTES))
         except (EOFError, OSError):  # OSError: also a message past MAX_MESSAGE_BYTES
             raise self._died(doing) from None

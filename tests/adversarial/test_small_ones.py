@@ -18,7 +18,6 @@ from typer.testing import CliRunner
 from echo_coordinator import web
 from echo_coordinator.cli import app
 from echo_coordinator.observe import RunView
-from echo_coordinator.presence import PEER_REFRESH
 from echo_coordinator.report import read_report
 from protocols import rpc
 from protocols.errors import RemoteError
@@ -74,7 +73,7 @@ def test_the_coordinator_names_as_holders_the_peers_that_spoke_for_their_keys_ne
                 claim = sign_message(LeaseRequest(coordinator.manifest.run_id, public_bytes(key), peer_id("Victim"),
                                                   "claimant", 0, 64, time.time()), key)
                 await sender.endpoint.call_one(coordinator.peer, rpc.LEASE, claim.to_wire())
-                await asyncio.sleep(2 * PEER_REFRESH)
+                await coordinator.refreshed()
 
                 async def named(peer, version):
                     return (await peer.endpoint.call_one(coordinator.peer, rpc.HOLDERS, HoldersRequest(version))).peers

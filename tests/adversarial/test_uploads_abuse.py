@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-from echo_coordinator.presence import PEER_REFRESH
 from echo_node.updates import UpdateError, catch_up
 from protocols import rpc
 from protocols.errors import RemoteError, TransportError
@@ -42,7 +41,7 @@ async def sybils_fetch_then_claim(coordinator: LiveService, claim: int) -> list[
                               TransportError, give_up=lambda e, delay: delay > 2)
             assert len(got) == len(chunks)  # the trainer's copies went to them
             await sybil.ask(coordinator, key, version=claim)
-        await asyncio.sleep(2 * PEER_REFRESH)  # the coordinator's presence has looked again
+        await coordinator.refreshed()  # the coordinator's presence has looked again
         return sybils
     except BaseException:
         await asyncio.gather(*(s.shutdown() for s in sybils))

@@ -11,14 +11,16 @@ from tests.support.runs import async_config, metrics, start_coordinator, start_n
 
 
 def test_slow_node_under_s1_is_dropped_and_counted(tmp_path, tiny_model, processes):
-    # Enough steps that the slow node's pushes (6 s late) land while the run goes on.
+    # The slow node's every push waits until state.json names a version 3 past its batch's: the
+    # gate, which takes a version just after state.json names it (steps.py), is then 2 past at
+    # least, so the batch is stale under S = 1 however fast either side runs.
     run_dir, steps = tmp_path / "run", 20
     coordinator = start_coordinator(processes, async_config(tmp_path / "run.toml", tiny_model, run_dir, steps, 1),
                                     tmp_path / "coordinator.log")
     wait_for((run_dir / "join.txt").exists, 120, "the join line", [coordinator])
     join = (run_dir / "join.txt").read_text().strip()
     start_node(processes, join, tmp_path, "fast")
-    start_node(processes, join, tmp_path, "slow", slow_delay=6.0)
+    start_node(processes, join, tmp_path, "slow", late=(run_dir / "state.json", 3))
     assert coordinator.wait(timeout=300) == 0, (tmp_path / "coordinator.log").read_text()[-3000:]
 
     records = metrics(run_dir)

@@ -21,23 +21,26 @@ from tests.support.runs import (
 GROUP, PROMPTS = 4, 2  # async_config's group_size and prompts_per_step; a lease holds one seed
 
 
-def start_slow_coordinator(processes, config: Path, log: Path, seconds: float):
+def start_slow_coordinator(processes, config: Path, log: Path, seconds: float, started: Path | None = None):
+    """A coordinator whose every step sleeps `seconds`, after creating the file `started`."""
+    marks = {"STEP_STARTED": str(started)} if started else {}
     return spawn(processes, [sys.executable, "-m", "tests.support.slow_trainer", "start", "--config", str(config)], log,
-                 SLOW_STEP_SECONDS=str(seconds))
+                 SLOW_STEP_SECONDS=str(seconds), **marks)
 
 
 def test_sigterm_mid_step_stops_within_seconds_and_the_restart_trains_what_was_taken(tmp_path, tiny_model, processes):
     # S = 8: nothing goes stale here, so every acknowledged group must be trained on.
     run_dir, port, steps = tmp_path / "run", free_port(), 6
     config = async_config(tmp_path / "run.toml", tiny_model, run_dir, steps, 8, port)
-    first = start_slow_coordinator(processes, config, tmp_path / "coordinator1.log", seconds=60)
+    in_step = tmp_path / "in-a-step"
+    first = start_slow_coordinator(processes, config, tmp_path / "coordinator1.log", seconds=60, started=in_step)
     wait_for((run_dir / "join.txt").exists, 120, "the join line", [first])
     join = (run_dir / "join.txt").read_text().strip()
     nodes = [start_node(processes, join, tmp_path, name) for name in ("n1", "n2")]
     # A step has taken its groups and sleeps in the trainer: stop the coordinator now.
     wait_for(lambda: journal(run_dir, "SELECT COUNT(*) FROM buffer WHERE taken_for IS NOT NULL")[0][0] > 0, 120,
-             "a step in progress", [first])
-    time.sleep(1.0)
+             "a step to take its groups", [first])
+    wait_for(in_step.exists, 120, "the step on the trainer thread", [first])
     started = time.monotonic()
     first.send_signal(signal.SIGTERM)
     assert first.wait(timeout=30) == 0

@@ -43,13 +43,15 @@ def dials(net: Network, namespace: str, host: str, port: int) -> bool:
 
 def test_a_node_behind_nat_trains_and_serves_through_the_relay(tmp_path, network, processes):
     net = network
-    # The topology itself: home reaches the WAN, the WAN cannot reach home.
+    # The topology itself: home reaches the WAN, the WAN cannot reach home (a listener there that
+    # home itself reaches). The listeners listen until killed.
     listener = subprocess.Popen(net.exec(net.wan, [sys.executable, "-c", "import socket,time; s=socket.socket(); "
-                                                   f"s.bind(('{WAN_IP}', 4999)); s.listen(); time.sleep(5)"]))
+                                                   f"s.bind(('{WAN_IP}', 4999)); s.listen(); time.sleep(600)"]))
     home_listener = subprocess.Popen(net.exec(net.home, [sys.executable, "-c", "import socket,time; s=socket.socket(); "
-                                                         f"s.bind(('{HOME_IP}', 4998)); s.listen(); time.sleep(5)"]))
+                                                         f"s.bind(('{HOME_IP}', 4998)); s.listen(); time.sleep(600)"]))
     try:
-        wait_for(lambda: dials(net, net.home, WAN_IP, 4999), 10, "the WAN listener")
+        wait_for(lambda: dials(net, net.home, WAN_IP, 4999), 60, "the WAN listener")
+        wait_for(lambda: dials(net, net.home, HOME_IP, 4998), 60, "the home listener")
         assert not dials(net, net.wan, HOME_IP, 4998)
     finally:
         listener.kill()

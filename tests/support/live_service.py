@@ -133,6 +133,17 @@ class LiveService:
         self.torch.shutdown()
         self.ledger.close()
 
+    async def refreshed(self, within: float = 30.0) -> None:
+        """Until the presence has looked again at who holds what (`Presence.refresh` replaces its
+        reading whole): what lease requests answered before this call said is in it then."""
+        before = self.presence.peer_versions
+        try:
+            async with asyncio.timeout(within):
+                while self.presence.peer_versions is before:
+                    await asyncio.sleep(0.05)
+        except TimeoutError:
+            raise AssertionError(f"the presence did not look again within {within} s") from None
+
     def publish(self, version: int = 1) -> dict[str, bytes]:
         """Version `version` of a LoRA run (a first snapshot), as the trainer publishes it; its chunks."""
         [(update, chunks)] = Publisher(self.manifest.run_id, self.key, "lora", None, "topk-int8", 0.05, 10,

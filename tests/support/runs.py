@@ -104,14 +104,18 @@ def start_coordinator(processes: list, config: Path, log: Path):
     return spawn(processes, [sys.executable, "-m", "echo_coordinator.cli", "start", "--config", str(config)], log)
 
 
-def start_node(processes: list, join_line: str, tmp_path: Path, name: str, slow_delay: float | None = None):
-    """A node from the join line; with `slow_delay`, one that pushes that many seconds late."""
+def start_node(processes: list, join_line: str, tmp_path: Path, name: str, slow_delay: float | None = None,
+               late: tuple[Path, int] | None = None):
+    """A node from the join line; with `slow_delay`, one that pushes that many seconds late; with
+    `late` (a run's state.json, n), one whose every push waits until that file names a version n
+    past the batch's (`tests.support.slow_node`)."""
     argv = shlex.split(join_line)
     args = [*argv[1:], "--name", name, "--data-dir", str(tmp_path / name), "--threads", "1"]
-    if slow_delay is None:
+    if slow_delay is None and late is None:
         return spawn(processes, [str(VENV_BIN / "echo-node"), *args], tmp_path / f"{name}.log")
-    return spawn(processes, [sys.executable, "-m", "tests.support.slow_node", *args], tmp_path / f"{name}.log",
-                 SLOW_NODE_DELAY=str(slow_delay))
+    held = dict(SLOW_NODE_DELAY=str(slow_delay)) if late is None else dict(SLOW_NODE_STATE=str(late[0]),
+                                                                           SLOW_NODE_VERSIONS=str(late[1]))
+    return spawn(processes, [sys.executable, "-m", "tests.support.slow_node", *args], tmp_path / f"{name}.log", **held)
 
 
 def metrics(run_dir: Path, evals: bool = False) -> list[dict]:

@@ -1,7 +1,8 @@
 """`echo-coordinator` whose every trainer step first sleeps SLOW_STEP_SECONDS, and waits while the
 file STEP_GATE exists (at most GATE_SECONDS): a step long enough to be interrupted, or a run held
 until a test has seen what it needs (a late node joined), with every other code path the real
-coordinator's."""
+coordinator's. Each step first creates the file STEP_STARTED: a test that stops the coordinator
+mid-step waits for it, not for a guessed time."""
 
 import os
 import time
@@ -15,6 +16,8 @@ _step = Trainer.step
 
 
 def _slow_step(self, samples, *args, **kwargs):
+    if started := os.environ.get("STEP_STARTED"):
+        Path(started).touch()  # on the trainer thread, in the step
     time.sleep(float(os.environ.get("SLOW_STEP_SECONDS", "0")))
     gate, deadline = os.environ.get("STEP_GATE"), time.monotonic() + GATE_SECONDS
     while gate and Path(gate).exists() and time.monotonic() < deadline:

@@ -3,6 +3,7 @@ retried while the lease lasts, and a key the run does not admit ends the node.""
 
 import asyncio
 import dataclasses
+import threading
 import time
 from types import SimpleNamespace
 
@@ -36,20 +37,22 @@ class Held:
 
 
 class Recorder:
-    """Generation that records when it ran, into the trainer's event log."""
+    """Generation that records when it started, into the trainer's event log; with `gate` (a
+    threading.Event), held there until the test opens it."""
 
-    def __init__(self, events):
-        self.events = events
+    def __init__(self, events, gate=None):
+        self.events, self.gate = events, gate
 
     def generate(self, lease, version):
         self.events.append(("generate", lease.lease_id))
-        time.sleep(0.2)
+        if self.gate is not None:
+            assert self.gate.wait(60), "the test never let the generation end"
         return factories.batch(lease_id=lease.lease_id, version=version)
 
 
-def work_for(session, endpoint, events=None) -> Work:
+def work_for(session, endpoint, events=None, gate=None) -> Work:
     return Work(session, endpoint, "trainer", factories.manifest(mode="async"), Backend(), Held(),
-                Recorder(events if events is not None else []), Phases())
+                Recorder(events if events is not None else [], gate), Phases())
 
 
 class FlakyTrainer:
@@ -95,30 +98,38 @@ def test_busy_is_pushed_again_at_a_short_interval_up_to_the_leases_end(session, 
     seconds of the lease left; now "busy" is asked again every PUSH_BUSY_RETRY seconds."""
     monkeypatch.setattr("protocols.supervise.Backoff.next", lambda self: 8.0)  # a grown backoff
     monkeypatch.setattr("echo_node.work.PUSH_BUSY_RETRY", 0.05)
+    # The clock the node reads: its k-th push is made at 1000 + 0.05 (k - 1), however long this
+    # machine took to make it (a loaded one took longer than the lease had left).
+    monkeypatch.setattr("echo_node.work.time", SimpleNamespace(time=lambda: 1000 + 0.05 * (work.endpoint.calls - 1)))
     busy = [RemoteError("busy", "4 new keys' batches are being judged", "p", "echo.push") for _ in range(6)]
     work = work_for(session, FlakyTrainer(*busy))
-    assert asyncio.run(work._push(factories.batch(), time.time() + 3)).accepted == 4 and work.endpoint.calls == 7
+    assert asyncio.run(work._push(factories.batch(), 1003.0)).accepted == 4 and work.endpoint.calls == 7
     work = work_for(session, FlakyTrainer(*busy))  # the lease's last moment: given up, not pushed past it
     with pytest.raises(RemoteError, match="busy"):
-        asyncio.run(work._push(factories.batch(), time.time() + 0.12))
-    assert 2 <= work.endpoint.calls <= 3
+        asyncio.run(work._push(factories.batch(), 1000.12))
+    assert work.endpoint.calls == 3  # at 0, 0.05 and 0.1 s; the next would fall past the lease's end
 
 
 class SlowTrainer:
     """Hands out `leases` leases, then says the run is over; answers each push after `seconds`,
-    refusing the first as stale. Records what happened when, and the lease requests."""
+    or (None) once the node has started generating another lease or been told the run is over:
+    a push that overlaps the next generation whatever either takes. Refuses the first push as
+    stale. Records what happened when (the node's `Recorder` writes into `events` too), and the
+    lease requests."""
 
     peer_id = peer_id("Node")
 
-    def __init__(self, leases: int, seconds: float):
+    def __init__(self, leases: int, seconds: float | None = None):
         self.left, self.seconds, self.events, self.pushing, self.most_pushing = leases, seconds, [], 0, 0
         self.requests: list[LeaseRequest] = []
+        self.over = False  # the node was told the run is finished
 
     async def call_one(self, peer, handler, request, idempotent=False):
         if handler == rpc.LEASE:
             assert idempotent  # sent again if the stream breaks: the trainer answers it with the same lease
             self.requests.append(request)
             if self.left == 0:
+                self.over = True
                 return NoWork(latest_version=7, retry_after=0.0, finished=True)
             self.left -= 1
             return factories.lease(lease_id=f"L{self.left}", node_id=request.node_id, seeds=(1,), prompts=((1, 2),),
@@ -126,18 +137,27 @@ class SlowTrainer:
         lease_id = RolloutBatch.from_wire(request).lease_id  # a push travels as its wire bytes
         self.pushing += 1
         self.most_pushing = max(self.most_pushing, self.pushing)
-        await asyncio.sleep(self.seconds)
+        if self.seconds is not None:
+            await asyncio.sleep(self.seconds)
+        else:
+            while not (self.over or self.generated_after(lease_id)):
+                await asyncio.sleep(0.01)
         self.pushing -= 1
         self.events.append(("answered", lease_id))
         if lease_id == "L2":
             raise RemoteError("stale", "batch of version 0 refused at version 4", "p", "echo.push")
         return PushReceipt(accepted=2, rejected=0, reasons={}, latest_version=0)
 
+    def generated_after(self, lease_id: str) -> bool:
+        """Whether the node started generating another lease after `lease_id`."""
+        later = self.events[self.events.index(("generate", lease_id)) + 1:]
+        return any(what == "generate" for what, _ in later)
+
 
 def test_a_push_overlaps_the_next_generation_and_one_refusal_does_not_stop_the_node(session):
-    trainer = SlowTrainer(leases=3, seconds=0.3)
+    trainer = SlowTrainer(leases=3)
     work = work_for(session, trainer, trainer.events)
-    asyncio.run(work.run())
+    asyncio.run(asyncio.wait_for(work.run(), 60))
     # L1 is generated while L2's push is being answered, L0 while L1's; never two pushes at once.
     assert trainer.events == [("generate", "L2"), ("generate", "L1"), ("answered", "L2"), ("generate", "L0"),
                               ("answered", "L1"), ("answered", "L0")]
@@ -262,22 +282,26 @@ def test_a_paused_node_pushes_the_lease_in_hand_then_takes_no_other_until_resume
     """`echo-node pause` while a lease is generated: that batch is still pushed and answered; no
     lease is asked for until `echo-node resume`."""
     monkeypatch.setattr("echo_node.work.IDLE_POLL", 0.05)
-    trainer = SlowTrainer(leases=2, seconds=0.1)
-    work = work_for(session, trainer, trainer.events)
-    data_dir = session.config.data_dir
+    trainer, generating = SlowTrainer(leases=2, seconds=0.1), threading.Event()
+    work = work_for(session, trainer, trainer.events, gate=generating)
+    data_dir, said, say = session.config.data_dir, [], work.say
+    monkeypatch.setattr(work, "say", lambda event: (said.append(event), say(event)))
 
     async def scenario():
         running = asyncio.create_task(work.run())
-        while not trainer.requests:  # the first lease is being generated
+        while ("generate", "L1") not in trainer.events:  # the first lease is being generated, held there
             await asyncio.sleep(0.01)
         set_paused(data_dir, True)
-        await asyncio.sleep(1.0)
+        generating.set()
+        # Its push answered, and the node waiting in its pause (it said so) rather than asking.
+        while ("answered", "L1") not in trainer.events or not any(e.startswith("paused") for e in said):
+            await asyncio.sleep(0.01)
         paused_requests, paused_events = len(trainer.requests), list(trainer.events)
         set_paused(data_dir, False)
         await running
         return paused_requests, paused_events
 
-    paused_requests, paused_events = asyncio.run(scenario())
+    paused_requests, paused_events = asyncio.run(asyncio.wait_for(scenario(), 60))
     assert paused_requests == 1  # nothing asked for while paused ...
     assert paused_events == [("generate", "L1"), ("answered", "L1")]  # ... but the lease in hand was delivered
     assert len(trainer.requests) == 3 and ("answered", "L0") in trainer.events  # and work went on once resumed

@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 import signal
-import threading
 import time
 from pathlib import Path
 
@@ -133,17 +132,28 @@ def test_a_follow_that_fails_drops_the_batch_and_keeps_the_worker(worker):
     assert worker._process.pid == pid and worker.generate(REQUESTS, 0.9) == alone
 
 
-def test_a_stop_reaches_the_generation_in_the_worker(worker):
-    long = [Request((1, 400), 120, seed) for seed in range(6)]
-    threading.Timer(0.2, worker.interrupt.set).start()
-    started = time.monotonic()
-    with pytest.raises(Interrupted):
-        worker.generate(long, 0.9)
-    assert time.monotonic() - started < 5
-    with pytest.raises(Interrupted):  # stopping is for good: nothing more is generated
-        worker.generate(REQUESTS, 0.9)
-    worker.interrupt.clear()
-    assert len(worker.generate(REQUESTS, 0.9)) == 3
+def test_a_stop_reaches_the_generation_in_the_worker(model):
+    """The stop comes as the batch's 1-token sequence ends, while the others (2000 tokens each,
+    seconds of work) are certainly mid-generation: none of them ends, the call is interrupted."""
+    worker = LlamaProcess(model, threads=1, n_ctx=2048, parallel=2)
+    ended = []
+
+    def stop(index, done):
+        ended.append(index)
+        worker.interrupt.set()
+        return None
+
+    try:
+        batch = [Request((1, 400), 1, 0)] + [Request((1, 400), 2000, seed) for seed in range(1, 5)]
+        with pytest.raises(Interrupted):
+            worker.generate(batch, 0.9, stop)
+        assert ended == [0]
+        with pytest.raises(Interrupted):  # stopping is for good: nothing more is generated
+            worker.generate(REQUESTS, 0.9)
+        worker.interrupt.clear()
+        assert len(worker.generate(REQUESTS, 0.9)) == 3
+    finally:
+        worker.close()
 
 
 class Hostile(LlamaProcess):
@@ -191,14 +201,24 @@ def test_an_honest_worker_holds_under_half_its_default_memory_cap(model, worker)
 
 
 def test_a_worker_whose_node_is_killed_mid_generation_stops_at_once(model, tmp_path):
-    """A node killed mid-lease (SIGKILL: nothing of it runs) must not leave its worker generating."""
-    script = ("import sys; from engines.llama_process import LlamaProcess; from engines.backend import Request\n"
+    """A node killed mid-lease (SIGKILL: nothing of it runs) must not leave its worker generating.
+    The node says when its worker generates: once it has answered the follow of the batch's
+    1-token sequence (not while the worker waits for that answer, when the closed socket would
+    end it), with eight sequences of 2000 tokens (~20 s of work) still to go."""
+    script = ("from engines.llama_process import LlamaProcess; from engines.backend import Request\n"
               f"w = LlamaProcess({str(model)!r}, threads=1, n_ctx=2048, parallel=2)\n"
               "print(w._process.pid, flush=True)\n"
-              "w.generate([Request((1, 400), 2000, s) for s in range(8)], 0.9)\n")  # ~20 s of work
+              "send = w._send\n"
+              "def answer(message):\n"
+              "    send(message)\n"
+              "    if message.get('op') == 'followed':\n"
+              "        print('generating', flush=True)\n"
+              "w._send = answer\n"
+              "w.generate([Request((1, 400), 1, 0)] + [Request((1, 400), 2000, s) for s in range(1, 9)], 0.9,\n"
+              "           lambda index, done: None)\n")
     node = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     pid = int(node.stdout.readline())
-    time.sleep(0.5)  # generating
+    assert node.stdout.readline() == "generating\n"
     node.kill()
     node.wait()
     deadline = time.monotonic() + 5
