@@ -28,6 +28,11 @@ class RunConfig:
     mode: str = "sequential"  # "sequential" (on-policy pull) or "async" (push-pull, bounded staleness)
     update: str = "lora"  # "lora" (adapter updates) or "full" (parameter deltas)
     staleness: int = 4  # S: rollouts older than current - S are dropped (async mode)
+    # For measuring staleness only (bench/staleness.py), not for runs: async training leases bind
+    # the version `lag` before the trainer's, so trained samples are `lag` versions old (the bound
+    # S still applies). Needs lag < S, and no held-out evaluation during the run (it moves nodes
+    # to the newest version): evaluate the versions afterwards (`echo-coordinator eval`).
+    lag: int = 0
     # Delta codec encodings (dense-fp32/fp16/bf16, dense-int4, topk-int8) of full-mode and of LoRA updates.
     # LoRA moves every adapter weight each step: top-k left nodes' adapters several versions behind
     # the trainer's, dense int4 keeps them within a small part of one version (bench/lora_updates.py).
@@ -75,6 +80,9 @@ class RunConfig:
         _check(self.node_quant in quants, "node_quant", f"must be one of {', '.join(quants)}, got {self.node_quant!r}")
         _check(self.update in UPDATE_MODES, "update", f"must be one of {', '.join(UPDATE_MODES)}, got {self.update!r}")
         _check(1 <= self.staleness <= 1000, "staleness", f"must be 1..1000, got {self.staleness}")
+        _check(0 <= self.lag < self.staleness, "lag", f"must be 0..staleness - 1 ({self.staleness - 1}), got {self.lag}")
+        _check(self.lag == 0 or (self.mode == "async" and self.eval_every == 0), "lag",
+               "needs mode = \"async\" and eval_every = 0 (evaluation moves nodes to the newest version)")
         encodings = ("dense-fp32", "dense-fp16", "dense-bf16", "dense-int4", "topk-int8")
         _check(self.update_encoding in encodings, "update_encoding", f"must be one of {', '.join(encodings)}")
         _check(self.lora_encoding in encodings, "lora_encoding", f"must be one of {', '.join(encodings)}")

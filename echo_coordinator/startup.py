@@ -253,7 +253,7 @@ class Coordinator:
         settings = LeaseSettings(lease_seconds=cfg.lease_seconds, seeds_per_lease=max(1, cfg.prompts_per_step // 4),
                                  largest_lease=max(1, cfg.prompts_per_step // 2),
                                  first_seed=cfg.seed * 1_000_003 + 500_000,
-                                 max_ahead=cfg.lead_steps * cfg.prompts_per_step)
+                                 max_ahead=cfg.lead_steps * cfg.prompts_per_step, lag=cfg.lag)
         return RunService(manifest, self.key, ledger, work, settings,
                           Policing(verifier, SpotCheck(cfg.verify_fraction), allow=self.allow, in_step=in_step), relay)
 

@@ -107,17 +107,30 @@ def oldest_admitted(mode: Mode, current: int, staleness: int) -> int:
     return current if _check_mode(mode) is Mode.SEQUENTIAL else current - staleness
 
 
-def lease_version(mode: Mode, staleness: int, current: int, held: int, update_failed: bool) -> int | None:
+def told_version(mode: Mode, current: int, lag: int = 0) -> int:
+    """The version nodes are told is the newest, which async training leases bind: the trainer's
+    `current`, or `lag` versions before it (async, for measurement: every trained sample is then
+    `lag` versions old or more; bench/staleness.py)."""
+    check_version("current", current)
+    return current if _check_mode(mode) is Mode.SEQUENTIAL else max(0, current - lag)
+
+
+def lease_version(mode: Mode, staleness: int, current: int, held: int, update_failed: bool,
+                  lag: int = 0) -> int | None:
     """The one version a training lease binds its batch to, for a node that holds `held` when the
     trainer is at `current`; None: the node must update first. Fixed when the lease is issued, so a
     node cannot sample under several versions and push the best. Sequential: `current` (the node
-    updates before it samples). Async: `current` for a node that holds it; a node behind is sent
-    to update first, unless it says its update failed (`update_failed`) and its own gate still
-    lets it sample (`must_update`): then `held`, and nothing else."""
+    updates before it samples). Async: the told version (`told_version`: `current` unless a lag is
+    set) for a node that holds it, or the node's own when it holds a newer one the trainer has
+    published; a node behind is sent to update first, unless it says its update failed
+    (`update_failed`) and its own gate still lets it sample (`must_update`): then `held`."""
     check_version("current", current)
     check_version("held", held)
-    if _check_mode(mode) is Mode.SEQUENTIAL or held >= current:
+    told = told_version(mode, current, lag)
+    if _check_mode(mode) is Mode.SEQUENTIAL:
         return current
+    if held >= told:
+        return min(held, current)
     if update_failed and not must_update(held, current, staleness):
         return held
     return None

@@ -15,7 +15,7 @@ from protocols.errors import PeerRefused
 from protocols.messages import LeaseRequest, RunManifest, TaskLease
 from protocols.sampling import TRAINING_NOISE
 from protocols.leases import LeaseBook
-from protocols.sync import Mode, lease_version
+from protocols.sync import Mode, lease_version, told_version
 
 MAX_LEASES_PER_KEY = 2  # outstanding at once: one in generation, one whose push is being retried
 LAPSE_LONGEST = 3600.0  # the longest a key whose leases lapsed waits for its next one, seconds
@@ -65,6 +65,10 @@ class Leasing:
         self.next_seed = int(values["next_seed"])
         for seed in book.pending_seeds + tuple(s for lease in book.outstanding for s in lease.seeds):
             self.prompts[seed] = self.render_prompt(seed)
+
+    def told(self, version: int) -> int:
+        """The version nodes are told is the newest when the trainer is at `version`."""
+        return told_version(self.mode, version, self.settings.lag)
 
     def open_step(self, seeds: list[int], buffered: set[int]) -> None:
         """Sequential mode: lease these seeds, but those the book already knows or the buffer holds."""
@@ -129,7 +133,8 @@ class Leasing:
                      proven: bool) -> TaskLease | None:
         if not self.training:
             return None
-        bound = lease_version(self.mode, self.staleness, version, request.version, request.update_failed)
+        bound = lease_version(self.mode, self.staleness, version, request.version, request.update_failed,
+                              self.settings.lag)
         if bound is None:
             return None  # the node is behind: it updates on hearing the latest version, and asks again
         max_ahead = self.settings.max_ahead

@@ -163,7 +163,8 @@ class Pushes:
             self.ledger.credit_eval(node_id, peer_id, name, len(batch.samples), tokens, now)
         else:
             saved.result()  # in the journal before the node hears it was accepted
-        return PushReceipt(accepted=len(batch.samples), rejected=0, latest_version=self.buffer.version)
+        return PushReceipt(accepted=len(batch.samples), rejected=0,
+                           latest_version=self.leasing.told(self.buffer.version))
 
     def _accept(self, batch: RolloutBatch, peer_id: str, name: str, now: float) -> Future | None:
         """Judge a batch and buffer its groups; returns the journal write to wait for (None for

@@ -288,7 +288,7 @@ class RunService:
             proven = self.nodes.proven(request.node_id, now)
             work = self.leasing.lease(request, now, self.buffer.version, len(self.buffer.replay), self.rounds, proven)
             if work is None:
-                return NoWork(self.buffer.version, RETRY_AFTER), None
+                return NoWork(self.leasing.told(self.buffer.version), RETRY_AFTER), None
             self.nodes.lease_given(request, work)
             # A shadow lease changes nothing a restart needs (`LeaseBook.shadow`).
             unsaved = work.evaluation or self.leasing.book.is_shadow(work.lease_id)

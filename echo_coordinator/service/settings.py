@@ -38,6 +38,9 @@ class LeaseSettings:
     # the oldest groups first, would train S versions behind all the time. Leases out do not
     # count, so a straggler holding one never stops the others.
     max_ahead: int | None = None
+    # Async, for measurement only (bench/staleness.py): training leases bind, and nodes are told
+    # as the newest, the version `lag` before the trainer's (`protocols.sync.told_version`).
+    lag: int = 0
 
     @property
     def first_lease_seconds(self) -> float:

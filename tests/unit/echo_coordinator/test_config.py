@@ -32,6 +32,9 @@ def test_overrides_apply_and_none_means_keep(tmp_path):
     ('[trainer]\ndevice = "gpu"\n', "device must be auto, cpu, cuda or cuda:N"),
     ('[run]\nsteps = "ten"\n', "steps"),
     ("[run\n", "cannot read config"),
+    ('[run]\nmode = "async"\nstaleness = 2\nlag = 2\n', r"lag must be 0..staleness - 1 \(1\), got 2"),
+    ("[run]\nlag = 1\n", "lag needs mode = \"async\" and eval_every = 0"),
+    ('[run]\nmode = "async"\nlag = 1\neval_every = 2\n', "lag needs mode = \"async\" and eval_every = 0"),
 ])
 def test_bad_configs_say_what_to_fix(tmp_path, text, match):
     path = tmp_path / "run.toml"

@@ -15,6 +15,7 @@ from protocols.leases import Lease, LeaseBook
 from protocols.sync import (
     ReplayBuffer,
     lease_version,
+    told_version,
     COUNTERS,
     Mode,
     RolloutGate,
@@ -196,17 +197,34 @@ def test_a_lease_fixes_one_version(mode, current, held, failed, bound):
     assert lease_version(mode, 4, current, held, failed) == bound
 
 
+@pytest.mark.parametrize(("current", "held", "failed", "bound"), [
+    (5, 3, False, 3),  # holds the told version, 5 - 2: leased there, not sent to the trainer's
+    (5, 2, False, None), (5, 2, True, 2),  # behind the told version: update, or its own if that failed
+    (5, 4, False, 4),  # ahead of the told version (an evaluation moved it): its own, no older
+    (5, 9, False, 5),  # claims an unpublished version: the trainer's
+    (1, 0, False, 0),  # the told version is never below 0
+])
+def test_a_lag_binds_async_leases_lag_versions_back(current, held, failed, bound):
+    assert told_version(Mode.ASYNC, current, 2) == max(0, current - 2)
+    assert lease_version(Mode.ASYNC, 4, current, held, failed, lag=2) == bound
+    assert told_version(Mode.SEQUENTIAL, current, 2) == current
+    assert lease_version(Mode.SEQUENTIAL, 4, current, held, failed, lag=2) == current
+
+
 @settings(max_examples=300, deadline=None)
-@given(st.integers(0, 10**4), st.integers(0, 10**4), st.integers(1, 50), st.booleans())
-def test_an_async_lease_is_of_a_version_the_node_gate_lets_it_start_with(current, held, s, failed):
+@given(st.integers(0, 10**4), st.integers(0, 10**4), st.integers(1, 50), st.booleans(), st.integers(0, 50))
+def test_an_async_lease_is_of_a_version_the_node_gate_lets_it_start_with(current, held, s, failed, lag):
     """Whatever the node says, its lease is of a version the trainer admits, one it holds (or the
-    trainer's, which it then fetches), and its own older one only when it says its update failed."""
-    bound = lease_version(Mode.ASYNC, s, current, held, failed)
+    told one, which it then fetches), and its own older one only when it says its update failed.
+    With a lag below S, a lease a node did not ask for by failing is `lag` versions old at most."""
+    lag = min(lag, s - 1)
+    told = told_version(Mode.ASYNC, current, lag)
+    bound = lease_version(Mode.ASYNC, s, current, held, failed, lag)
     if bound is None:
-        assert held < current and (not failed or must_update(held, current, s))
+        assert held < told and (not failed or must_update(held, current, s))
     else:
-        assert bound in (held, current) and not must_update(bound, current, s)
-        assert bound == current or failed
+        assert bound in (held, told, current) and not must_update(bound, current, s)
+        assert told <= bound <= current or failed
 
 
 @pytest.mark.parametrize(("node", "latest", "s"), [(0, 0, 0), (0, 0, -1), (-1, 0, 1), (0, 0, True)])
