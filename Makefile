@@ -48,7 +48,7 @@ $(FLOOR)/.installed: setup/floor-lock.txt Makefile
 # Resolves the newest releases pyproject.toml's ranges (and setup/floor.in) admit into the locks.
 # Run it on purpose, then `make test` on the new lock before committing it.
 lock: install
-	$(BIN)/pip install -q pip-tools==7.7.0
+	$(BIN)/pip install -q -c $(LOCK) pip-tools==7.7.0
 	$(BIN)/pip-compile -q --extra dev --strip-extras --no-emit-index-url --no-emit-find-links -U \
 		--output-file $(LOCK) pyproject.toml
 	$(BIN)/pip-compile -q --strip-extras --no-emit-index-url --no-emit-find-links -U \

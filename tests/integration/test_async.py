@@ -79,7 +79,7 @@ def test_a_lag_makes_every_trained_sample_that_many_versions_old(tmp_path, tiny_
     """Staleness on demand, for measurement: with `lag` L, async leases bind the version L before
     the trainer's, so a step at version v trains on samples min(v, L) versions old or older, and
     the bound S still drops what is older than S. The nodes still end on the final version."""
-    run_dir, steps, lag, s = tmp_path / "run", 7, 2, 3
+    run_dir, steps, lag, s = tmp_path / "run", 6, 2, 3
     config = async_config(tmp_path / "run.toml", tiny_model, run_dir, steps, s, extra=f"lag = {lag}")
     coordinator = start_coordinator(processes, config, tmp_path / "coordinator.log")
     wait_for((run_dir / "join.txt").exists, 120, "the join line", [coordinator])
