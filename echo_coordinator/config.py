@@ -28,7 +28,7 @@ class RunConfig:
     mode: str = "sequential"  # "sequential" (on-policy pull) or "async" (push-pull, bounded staleness)
     update: str = "lora"  # "lora" (adapter updates) or "full" (parameter deltas)
     staleness: int = 4  # S: rollouts older than current - S are dropped (async mode)
-    # For measuring staleness only (bench/staleness.py), not for runs: async training leases bind
+    # For measuring learning under staleness only, not for runs: async training leases bind
     # the version `lag` before the trainer's, so trained samples are `lag` versions old (the bound
     # S still applies). Needs lag < S, and no held-out evaluation during the run (it moves nodes
     # to the newest version): evaluate the versions afterwards (`echo-coordinator eval`).

@@ -124,7 +124,7 @@ class ModelShape:
         """What peft trains with the learner's targets: r × (in + out) per linear layer; a mixture's
         fused expert tensors get one pair per expert, rank 2r for gate_up (gate and up in one). A
         dense MLP among a mixture's layers (`mlp_only_layers`) gets its adapters as in any model
-        (peft 0.22 on; 0.21 left it without, which is why it is the floor no more)."""
+        (from peft 0.22, the floor: `engines.hf.FLOORS`)."""
         h, q, kv = self.hidden, self.q, self.kv
         attention = rank * ((h + q) + 2 * (h + kv) + (q + h))
         total = 0

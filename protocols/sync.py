@@ -110,7 +110,7 @@ def oldest_admitted(mode: Mode, current: int, staleness: int) -> int:
 def told_version(mode: Mode, current: int, lag: int = 0) -> int:
     """The version nodes are told is the newest, which async training leases bind: the trainer's
     `current`, or `lag` versions before it (async, for measurement: every trained sample is then
-    `lag` versions old or more; bench/staleness.py)."""
+    `lag` versions old or more; docs/protocols.md, "Staleness on demand")."""
     check_version("current", current)
     return current if _check_mode(mode) is Mode.SEQUENTIAL else max(0, current - lag)
 

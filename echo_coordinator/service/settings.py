@@ -38,7 +38,7 @@ class LeaseSettings:
     # the oldest groups first, would train S versions behind all the time. Leases out do not
     # count, so a straggler holding one never stops the others.
     max_ahead: int | None = None
-    # Async, for measurement only (bench/staleness.py): training leases bind, and nodes are told
+    # Async, for measuring learning under staleness only: training leases bind, and nodes are told
     # as the newest, the version `lag` before the trainer's (`protocols.sync.told_version`).
     lag: int = 0
 
