@@ -126,10 +126,9 @@ def lease_version(mode: Mode, staleness: int, current: int, held: int, update_fa
     (`update_failed`) and its own gate still lets it sample (`must_update`): then `held`."""
     check_version("current", current)
     check_version("held", held)
-    told = told_version(mode, current, lag)
     if _check_mode(mode) is Mode.SEQUENTIAL:
         return current
-    if held >= told:
+    if held >= told_version(mode, current, lag):
         return min(held, current)
     if update_failed and not must_update(held, current, staleness):
         return held
