@@ -51,31 +51,37 @@ BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_mode(mode: str, args, work: Path, trainer_cpus: set[int], node_cpus: set[int]) -> tuple[list[dict], list[dict]]:
-    data = work / mode
+def run_mode(mode: str, args, work: Path, trainer_cpus: set[int], node_cpus: set[int],
+             name: str = "") -> tuple[list[dict], list[dict]]:
+    """One swarm run in `work / (name or mode)`: its step and evaluation records. `args` may also
+    carry `task`, `task_params` (TOML), `seed`, `lr`, `tokens`, `extra` ([run] lines) and `trainer`
+    ([trainer] lines), which bench/learning.py and bench/staleness.py set; the defaults are this bench's."""
+    data = work / (name or mode)
     data.mkdir(parents=True)
     config = data / "run.toml"
     config.write_text(f"""
 [run]
 model = "{args.model}"
-task = "arithmetic"
-task_params = {{ digits = 1 }}
+task = "{getattr(args, "task", "arithmetic")}"
+task_params = {getattr(args, "task_params", "{ digits = 1 }")}
 mode = "{mode}"
 staleness = {args.staleness}
 steps = {args.steps}
 prompts_per_step = {args.prompts}
 group_size = {args.group}
-max_new_tokens = 32
+max_new_tokens = {getattr(args, "tokens", 32)}
 min_nodes = {args.nodes}
 port = 0
 data_dir = "{data}"
-seed = 1
+seed = {getattr(args, "seed", 1)}
 eval_every = {args.eval_every}
 eval_prompts = {args.eval_prompts}
+{getattr(args, "extra", "")}
 
 [trainer]
-learning_rate = 3e-4
+learning_rate = {getattr(args, "lr", 3e-4)}
 threads = {len(trainer_cpus)}
+{getattr(args, "trainer", "")}
 """)
     children = []
 
@@ -99,7 +105,7 @@ threads = {len(trainer_cpus)}
                                    "--threads", str(threads)], node_cpus, data / f"n{i}.log"))
         while coordinator.poll() is None:
             done = len(read_metrics(data)[0]) if (data / "metrics.jsonl").exists() else 0
-            print(f"\r{mode}: {done}/{args.steps} steps", end="", flush=True)
+            print(f"\r{name or mode}: {done}/{args.steps} steps", end="", flush=True)
             time.sleep(2)
         print()
         if coordinator.returncode != 0:

@@ -16,6 +16,21 @@ from typing import Any
 from protocols.errors import ConfigError
 from protocols.messages import MODES, UPDATE_MODES
 
+OBJECTIVES = ("tis", "icepop", "m2po")  # trainer/grpo.py
+# The largest staleness bench/staleness.py has shown learning as well as on-policy, with the
+# default objective (docs/protocols.md, "Learning under staleness"). A run may allow more; the
+# console says so at start, and each step older than this is flagged in metrics.jsonl and on the
+# dashboard.
+SHOWN_STABLE_STALENESS = 4
+
+
+def staleness_caution(mode: str, staleness: int) -> str | None:
+    """What to tell a run whose bound admits samples older than was shown stable; None: nothing."""
+    if mode != "async" or staleness <= SHOWN_STABLE_STALENESS:
+        return None
+    return (f"staleness = {staleness} admits samples older than the {SHOWN_STABLE_STALENESS} versions shown to learn as "
+            "well as on-policy (docs/protocols.md, \"Learning under staleness\"); steps that train on them are flagged")
+
 
 @dataclass(frozen=True)
 class RunConfig:
@@ -119,6 +134,13 @@ class TrainerConfig:
     ppo_epochs: int = 1
     ppo_minibatches: int = 1
     tis_cap: float = 2.0  # truncated importance sampling cap on pi_trainer / pi_behaviour per token
+    # How the trainer corrects for what nodes ran (trainer/grpo.py): "tis" (capped weights), "icepop"
+    # (tokens whose weight leaves [icepop_low, icepop_high] are left out) or "m2po" (the tokens of
+    # largest squared log ratio are left out until the rest's mean is below m2_threshold).
+    objective: str = "tis"
+    icepop_low: float = 0.5
+    icepop_high: float = 5.0
+    m2_threshold: float = 0.04
     # Padded tokens per forward/backward: bounds activation memory, about 2.7 MB a token on the CPU
     # for SmolLM2-135M with LoRA (measured), so 2048 peaks near 6 GB; long multi-turn transcripts
     # are split across more micro-batches instead of running out of memory.
@@ -148,6 +170,10 @@ class TrainerConfig:
         _check(1 <= self.ppo_epochs <= 100, "ppo_epochs", f"must be 1..100, got {self.ppo_epochs}")
         _check(1 <= self.ppo_minibatches <= 1024, "ppo_minibatches", f"must be 1..1024, got {self.ppo_minibatches}")
         _check(self.tis_cap >= 1, "tis_cap", f"must be at least 1, got {self.tis_cap}")
+        _check(self.objective in OBJECTIVES, "objective", f"must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
+        _check(0 < self.icepop_low < 1 < self.icepop_high, "icepop_low, icepop_high",
+               f"must be 0 < low < 1 < high, got {self.icepop_low} and {self.icepop_high}")
+        _check(self.m2_threshold > 0, "m2_threshold", f"must be positive, got {self.m2_threshold}")
         _check(self.micro_batch_tokens >= 1, "micro_batch_tokens", f"must be at least 1, got {self.micro_batch_tokens}")
         _check(self.threads >= 0, "threads", f"must be >= 0, got {self.threads}")
         _check(1 <= self.procs <= 1024, "procs", f"must be 1..1024, got {self.procs}")

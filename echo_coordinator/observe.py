@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from echo_coordinator.capacity import busy_share, plan
+from echo_coordinator.config import SHOWN_STABLE_STALENESS
 from echo_coordinator.ledger import Ledger
 from echo_coordinator.run_dir import RunDir
 
@@ -86,6 +87,7 @@ class RunView:
             trainer_busy=busy(last) if last else None, reward_mean=last.get("reward_mean"),
             mismatch_kl=last.get("mismatch_kl"), tis_clipped_fraction=last.get("tis_clipped_fraction"),
             staleness_histogram=last.get("staleness_histogram", {}), rejections_by_reason=dict(rejections),
+            staleness_max=last.get("staleness_max"), staleness_shown_stable=SHOWN_STABLE_STALENESS,
             capacity=asdict(capacity),
             peers_active=sum(now - p["last_seen"] < ACTIVE_SECONDS for p in peers) if running else 0,
             history=[dict(version=s["version"], reward_mean=s["reward_mean"], samples=s["samples"], time=s["time"],

@@ -1,5 +1,5 @@
 """Curves people can look at: a run's metrics.jsonl as a PNG (`echo-coordinator plot`), and
-`bench/sync_modes.py`'s comparison of the two sync modes."""
+`bench/sync_modes.py`'s comparison of the two sync modes, and the benches' curves over seeds."""
 
 from __future__ import annotations
 
@@ -82,6 +82,26 @@ def plot_comparison(curves: dict[str, dict[str, list[float]]], out: Path, target
         ax.set(xlabel=x, ylabel="held-out accuracy", ylim=(0, 1.02))
         ax.legend()
     fig.suptitle("Held-out accuracy: sequential pull vs async push-pull")
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def plot_seeds(curves: dict[str, list[dict[str, list[float]]]], out: Path, title: str) -> Path:
+    """Held-out accuracy against trained samples, a line per label (the mean over its seeds) with
+    the seeds' range shaded; `curves[label]` is one curve per seed, each with `samples` and `accuracy`."""
+    import numpy as np
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5), constrained_layout=True)
+    for label, runs in curves.items():
+        samples = runs[0]["samples"]
+        accuracy = np.array([r["accuracy"] for r in runs])
+        line, = ax.plot(samples, accuracy.mean(axis=0), marker="o", label=f"{label} ({len(runs)} seeds)")
+        if len(runs) > 1:
+            ax.fill_between(samples, accuracy.min(axis=0), accuracy.max(axis=0), color=line.get_color(), alpha=0.2)
+    ax.set(xlabel="trained samples", ylabel="held-out accuracy (greedy)", ylim=(0, 1.02), title=title)
+    ax.legend()
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out

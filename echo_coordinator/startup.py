@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from echo_coordinator import base_model, memory_check
-from echo_coordinator.config import RunConfig, TrainerConfig
+from echo_coordinator.config import RunConfig, TrainerConfig, staleness_caution
 from echo_coordinator.display import Display, console, start_dashboard
 from echo_coordinator.evaluation import EvalSet, eval_seeds
 from echo_coordinator.handlers import register_handlers
@@ -283,6 +283,8 @@ class Coordinator:
         """The join line, on the console and in `join.txt`, and the dashboard's URL."""
         cfg = self.run_config
         line = join_command(address, self.fp)
+        if caution := staleness_caution(cfg.mode, cfg.staleness):
+            console.print(f"[yellow]{caution}[/]")
         console.print(f"[bold]run {manifest.run_id}[/] ({cfg.mode}, {cfg.task}); volunteers join with:")
         print(f"  {line}", flush=True)  # never wrapped: people copy this line
         self.dir.write_join(line)  # after the console: a script that waits for the file finds both

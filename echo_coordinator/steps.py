@@ -19,7 +19,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 
 from echo_coordinator.capacity import busy_share
-from echo_coordinator.config import RunConfig
+from echo_coordinator.config import SHOWN_STABLE_STALENESS, RunConfig
 from echo_coordinator.display import Display
 from echo_coordinator.handlers import wait_for_nodes
 from echo_coordinator.ledger import Ledger, MetricsLog
@@ -86,6 +86,7 @@ def step_record(mode: str, version: int, batch: StepBatch, stats, before: Tally,
         verify_seconds=after.verify_seconds - before.verify_seconds,
         verified_free=after.verified_free - before.verified_free,
         dropped_stale=batch.dropped, staleness_max=max(batch.staleness, default=0),
+        staleness_beyond_shown=max(batch.staleness, default=0) > SHOWN_STABLE_STALENESS,
         leases_expired=after.expired_leases - before.expired_leases,
         staleness_histogram={str(k): histogram[k] for k in sorted(histogram)},
         turns_mean=sum(model_turns) / max(len(model_turns), 1),

@@ -50,10 +50,12 @@ def check_versions() -> None:
 def cache_field(model) -> str:
     """The keyword a model's forward takes its KV cache by, which is also the output's field that
     returns it: `cache` from transformers 5.2x on (`past_key_values` is removed in 5.40), and
-    `past_key_values` before (the floor, 5.0)."""
+    `past_key_values` before (the floor, 5.0). A peft model's forward takes **kwargs: its base
+    model's is read."""
     import inspect
 
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 
 def load_model(source: Path, **kwargs):

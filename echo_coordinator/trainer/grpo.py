@@ -20,6 +20,17 @@ multi-turn episodes are not trained. A step makes `ppo_epochs` passes over the b
 `ppo_minibatches` optimiser steps each (TrainerConfig); old_t stays the start-of-step logprob, so
 the ratio clip binds from the second optimiser step on. The default, one of each, is a single
 policy-gradient step with ratio 1.
+
+`objective` chooses how w_t corrects the gap between mu and pi_old (`TrainerConfig.objective`):
+    "tis"     w_t = min(exp(old_t - mu_t), tis_cap), as above (the default).
+    "icepop"  w_t = exp(old_t - mu_t) where it lies in [low, high], else 0: a token whose two
+              probabilities disagree that much is left out of the gradient instead of being
+              capped (IcePop, Ling team's Ring-1T report, 2025; [0.5, 5] there).
+    "m2po"    w_t = exp(old_t - mu_t), uncapped, and no ratio clip, but the tokens with the largest
+              M2_t = (old_t - mu_t)^2 are left out, the fewest that bring the mean M2 of the rest
+              below m2_threshold (0.04 in the paper): a trust region on the second moment of the
+              log importance ratio rather than on each ratio (M2PO, Zheng, Zhao and Chen 2025,
+              arXiv 2510.01161). The cut is made over the whole optimiser step (`m2po_bound`).
 """
 
 from __future__ import annotations
@@ -28,6 +39,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from echo_coordinator.config import OBJECTIVES
 
 ADV_EPS = 1e-6
 
@@ -46,10 +59,11 @@ def group_advantages(rewards: np.ndarray, groups: np.ndarray) -> np.ndarray:
 class LossParts:
     loss: torch.Tensor  # scalar, carries grad
     tokens: int  # tokens with mask 1
-    clipped_tis: int  # tokens whose importance weight hit tis_cap
+    clipped_tis: int  # tokens whose importance weight was cut: capped (tis) or left out (icepop, m2po)
     clipped_ratio: int  # tokens whose PPO ratio was clipped
     mismatch_kl_sum: float  # sum over tokens of the k3 estimator of KL(mu || pi_old): r - 1 - log r
     log_ratio_sum: float  # sum over tokens of (old - mu)
+    log_ratio_sq_sum: float  # sum over tokens of (old - mu)^2: the second moment M2PO bounds
     row_log_ratio: list[float]  # per sequence: sum over its tokens of (old - mu)
     row_tokens: list[int]  # per sequence: trained tokens
 
@@ -62,6 +76,44 @@ def pad_rows(rows: list[torch.Tensor], length: int) -> torch.Tensor:
     return out
 
 
+@dataclass(frozen=True)
+class Objective:
+    """How importance weights are corrected (module docstring); `m2_bound`: for "m2po", the
+    largest M2_t kept in this optimiser step (`m2po_bound` over all of its tokens)."""
+
+    name: str = "tis"
+    tis_cap: float = 2.0
+    icepop: tuple[float, float] = (0.5, 5.0)
+    m2_bound: float = float("inf")
+
+
+def m2po_bound(squares: torch.Tensor, threshold: float) -> float:
+    """M2PO's cut over one optimiser step's (N,) values of (old - mu)^2: the largest value kept
+    when the fewest largest are left out so that the mean of the rest is below `threshold`."""
+    if squares.numel() == 0 or float(squares.mean()) < threshold:
+        return float("inf")
+    ordered = squares.double().sort(descending=True).values
+    rest_means = ordered.flip(0).cumsum(0).flip(0) / torch.arange(len(ordered), 0, -1, dtype=torch.float64)
+    below = (rest_means < threshold).nonzero()
+    return float(ordered[below[0, 0]]) if len(below) else -1.0  # -1: nothing is kept
+
+
+def token_weights(log_w: torch.Tensor, objective: Objective) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w, cut): each token's weight for pi_old / mu = exp(log_w), and where the objective cut it."""
+    ratio = torch.exp(log_w)
+    if objective.name == "tis":
+        cut = ratio > objective.tis_cap
+        return ratio.clamp(max=objective.tis_cap), cut
+    if objective.name == "icepop":
+        low, high = objective.icepop
+        cut = (ratio < low) | (ratio > high)
+    elif objective.name == "m2po":
+        cut = log_w.square() > objective.m2_bound
+    else:
+        raise ValueError(f"unknown objective {objective.name!r}; one of {', '.join(OBJECTIVES)}")
+    return torch.where(cut, torch.zeros_like(ratio), ratio), cut
+
+
 def grpo_loss(
     new: torch.Tensor,  # (B, T) logprobs with grad
     old: torch.Tensor,  # (B, T)
@@ -70,22 +122,25 @@ def grpo_loss(
     mask: torch.Tensor,  # (B, T) float, 1 where the token is trained
     total_tokens: int,  # masked tokens in the whole batch, so micro-batches sum to the batch mean
     clip_eps: float,
-    tis_cap: float,
+    objective: Objective = Objective(),
 ) -> LossParts:
     log_w = (old - behaviour).detach()  # (B, T)
-    w = torch.exp(log_w).clamp(max=tis_cap)
+    w, cut = token_weights(log_w, objective)
     ratio = torch.exp(new - old.detach())
     adv = advantages[:, None]  # (B, 1)
-    surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)  # (B, T)
+    surrogate = ratio * adv
+    if objective.name != "m2po":  # (M2PO's second-moment bound replaces the ratio clip)
+        surrogate = torch.minimum(surrogate, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)  # (B, T)
     loss = -(w * surrogate * mask).sum() / max(total_tokens, 1)
     on = mask > 0
     return LossParts(
         loss=loss,
         tokens=int(on.sum()),
-        clipped_tis=int((torch.exp(log_w) > tis_cap)[on].sum()),
+        clipped_tis=int(cut[on].sum()),
         clipped_ratio=int(((ratio - 1).abs() > clip_eps)[on].sum()),
         mismatch_kl_sum=float((torch.exp(log_w) - 1 - log_w)[on].sum()),
         log_ratio_sum=float(log_w[on].sum()),
+        log_ratio_sq_sum=float(log_w[on].square().sum()),
         row_log_ratio=(log_w * mask).sum(dim=1).tolist(),
         row_tokens=mask.sum(dim=1).int().tolist(),
     )

@@ -24,7 +24,7 @@ from peft import LoraConfig, get_peft_model
 
 from echo_coordinator.config import TrainerConfig
 from echo_coordinator.trainer import distributed, evidence, sharded
-from echo_coordinator.trainer.grpo import grpo_loss, group_advantages, pad_rows
+from echo_coordinator.trainer.grpo import Objective, grpo_loss, group_advantages, m2po_bound, pad_rows
 from echo_coordinator.trainer.routing import routers
 from echo_coordinator.trainer.samples import TrainSample, encode
 from echo_coordinator.trainer.step_checks import Check, StepChecks, Verdict
@@ -46,6 +46,7 @@ class StepStats:
     ratio_clipped_fraction: float
     mismatch_kl: float  # mean per token, k3 estimator of KL(behaviour || trainer)
     mean_log_ratio: float  # mean per token of log pi_trainer - log mu
+    log_ratio_m2: float  # mean per token of (log pi_trainer - log mu)^2, the second moment M2PO bounds
     log_ratio_by_staleness: dict[int, float]  # the same mean, per staleness (trained samples only)
     busy_seconds: float  # forward, backward and optimiser time
     verdicts: tuple[Verdict, ...] = ()  # per check given to `step` (not a metric)
@@ -152,13 +153,22 @@ class Trainer(TrainerWeights):
         mine = [p[rank] for p in parts]
         # Sharded, every rank runs as many forwards as the busiest in each optimiser step.
         rounds = [max(len(micro_batches([lengths[i] for i in p], cfg.micro_batch_tokens)) for p in ps) for ps in parts]
-        old = None
-        if cfg.ppo_epochs * cfg.ppo_minibatches > 1:
+        old, objective = None, Objective(cfg.objective, cfg.tis_cap, (cfg.icepop_low, cfg.icepop_high))
+        if cfg.ppo_epochs * cfg.ppo_minibatches > 1 or cfg.objective == "m2po":
             touched = sorted({i for part in mine for i in part})
-            with self._whole():  # sharded: each rank's forwards on its own gathered copy
+            with self._whole(), self.holding(held):  # sharded: each rank's forwards on its own gathered copy
                 old = dict(zip(touched, self._start_logprobs([trained[i][0] for i in touched])))
+            if cfg.objective == "m2po":  # the cut over the step's tokens (this process's share of them)
+                squares = [torch.zeros(0)]
+                for i in touched:
+                    s = trained[i][0]
+                    behaviour = torch.tensor(s.behaviour, dtype=torch.float32)  # (as `_pack` has it: the cut is exact)
+                    log_w = old[i][len(s.prompt_ids) - 1 :].cpu() - behaviour
+                    squares.append(log_w.square()[torch.tensor(s.loss_mask) > 0])
+                objective = Objective("m2po", m2_bound=m2po_bound(torch.cat(squares), cfg.m2_threshold))
         self.model.train()
-        sums = dict(loss=0.0, tokens=0, clipped_tis=0, clipped_ratio=0, ratio_tokens=0, kl=0.0, log_ratio=0.0)
+        sums = dict(loss=0.0, tokens=0, clipped_tis=0, clipped_ratio=0, ratio_tokens=0, kl=0.0, log_ratio=0.0,
+                    log_ratio_sq=0.0)
         staleness = sorted({s.staleness for s, _ in trained})
         by_staleness = {k: [0.0, 0] for k in staleness}  # staleness -> [log-ratio sum, tokens]
         for epoch in range(cfg.ppo_epochs):
@@ -169,7 +179,7 @@ class Trainer(TrainerWeights):
                 checks = None if checking is None else ([which[i] for i in part], samples, checking)
                 with nullcontext() if held is None else self.holding(held):  # (sharded, holding gathers)
                     out = self._accumulate([trained[i] for i in part], None if old is None else [old[i] for i in part],
-                                           total_tokens, n, checks)
+                                           total_tokens, n, checks, objective)
                 if self.ranks is not None and not self.sharded:  # (FSDP sums them in the backward)
                     distributed.sum_gradients(self.optimizer)
                 if out["tokens"] or not out["dropped"]:  # (every batch in it refused: momentum alone must not step)
@@ -177,7 +187,7 @@ class Trainer(TrainerWeights):
                 sums["clipped_ratio"] += out["clipped_ratio"]
                 sums["ratio_tokens"] += out["tokens"]
                 if epoch == 0:  # what the batch is, measured once: loss, tokens, mismatch
-                    for key in ("loss", "tokens", "clipped_tis", "kl", "log_ratio"):
+                    for key in ("loss", "tokens", "clipped_tis", "kl", "log_ratio", "log_ratio_sq"):
                         sums[key] += out[key]
                     for k, (ratio, n) in out["by_staleness"].items():
                         by_staleness[k][0] += ratio
@@ -196,6 +206,7 @@ class Trainer(TrainerWeights):
             tis_clipped_fraction=sums["clipped_tis"] / tokens,
             ratio_clipped_fraction=sums["clipped_ratio"] / max(sums["ratio_tokens"], 1),
             mismatch_kl=sums["kl"] / tokens, mean_log_ratio=sums["log_ratio"] / tokens,
+            log_ratio_m2=sums["log_ratio_sq"] / tokens,
             log_ratio_by_staleness={k: r / max(n, 1) for k, (r, n) in sorted(by_staleness.items()) if n},
             busy_seconds=time.perf_counter() - started,
             verdicts=tuple(checking.verdicts) if checking else (), check_seconds=checking.seconds if checking else 0.0,
@@ -216,7 +227,8 @@ class Trainer(TrainerWeights):
         return distributed.digest(repr((self.config, self.update, self.temperature)))
 
     def _accumulate(self, part: list[tuple[TrainSample, float]], old: list[torch.Tensor] | None, total_tokens: int,
-                    rounds: int, checks: tuple[list[int], list[TrainSample], StepChecks] | None) -> dict:
+                    rounds: int, checks: tuple[list[int], list[TrainSample], StepChecks] | None,
+                    objective: Objective) -> dict:
         """Gradients of the loss over `part` (this rank's share of one optimiser step's samples),
         micro-batched by padded tokens; `old`: each sample's (L-1,) start-of-step logprobs, None =
         on-policy; `total_tokens`: the optimiser step's masked tokens over every rank, so the
@@ -225,7 +237,8 @@ class Trainer(TrainerWeights):
         part's places in the step's batch, its samples, the checks) to score from these forwards;
         a refused batch's tokens leave the loss and the gradient is that of the rest."""
         self.optimizer.zero_grad(set_to_none=True)
-        sums = dict(loss=0.0, tokens=0, clipped_tis=0, clipped_ratio=0, kl=0.0, log_ratio=0.0, by_staleness={}, dropped=0)
+        sums = dict(loss=0.0, tokens=0, clipped_tis=0, clipped_ratio=0, kl=0.0, log_ratio=0.0, log_ratio_sq=0.0,
+                    by_staleness={}, dropped=0)
         lengths = [len(s.prompt_ids) + len(s.completion_ids) for s, _ in part]
         units = None
         if checks is not None:
@@ -245,7 +258,7 @@ class Trainer(TrainerWeights):
             del logits  # (log_softmax keeps its output for the backward, not this: N x V floats less at the peak)
             start = new.detach() if old is None else pad_rows([old[i] for i in indices], new.shape[1])
             adv = torch.tensor([a for _, a in micro], dtype=torch.float32, device=self.device)
-            out = grpo_loss(new, start, behaviour, adv, mask, total_tokens, self.config.clip_eps, self.config.tis_cap)
+            out = grpo_loss(new, start, behaviour, adv, mask, total_tokens, self.config.clip_eps, objective)
             out.loss.backward()
             sums["loss"] += float(out.loss.detach())
             sums["tokens"] += out.tokens
@@ -253,6 +266,7 @@ class Trainer(TrainerWeights):
             sums["clipped_ratio"] += out.clipped_ratio
             sums["kl"] += out.mismatch_kl_sum
             sums["log_ratio"] += out.log_ratio_sum
+            sums["log_ratio_sq"] += out.log_ratio_sq_sum
             for (s, _), ratio, n in zip(micro, out.row_log_ratio, out.row_tokens):
                 bucket = sums["by_staleness"].setdefault(s.staleness, [0.0, 0])
                 bucket[0] += ratio

@@ -35,6 +35,9 @@ def test_overrides_apply_and_none_means_keep(tmp_path):
     ('[run]\nmode = "async"\nstaleness = 2\nlag = 2\n', r"lag must be 0..staleness - 1 \(1\), got 2"),
     ("[run]\nlag = 1\n", "lag needs mode = \"async\" and eval_every = 0"),
     ('[run]\nmode = "async"\nlag = 1\neval_every = 2\n', "lag needs mode = \"async\" and eval_every = 0"),
+    ('[trainer]\nobjective = "ppo"\n', "objective must be one of tis, icepop, m2po, got 'ppo'"),
+    ("[trainer]\nicepop_low = 1.5\n", "icepop_low, icepop_high must be 0 < low < 1 < high, got 1.5 and 5.0"),
+    ("[trainer]\nm2_threshold = 0\n", "m2_threshold must be positive"),
 ])
 def test_bad_configs_say_what_to_fix(tmp_path, text, match):
     path = tmp_path / "run.toml"

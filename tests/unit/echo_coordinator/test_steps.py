@@ -41,3 +41,28 @@ def test_a_batch_that_waited_past_its_version_is_verified_apart_before_the_step(
     trust = svc.ledger.trust(fingerprint(public_bytes(node)))
     assert trust.failed == 1 and trust.verified == 2
     assert svc.rejection_counts()["bad_sampling"] == GROUP
+
+
+def test_a_step_that_trained_on_samples_older_than_was_shown_stable_is_flagged():
+    from collections import Counter
+
+    from echo_coordinator.config import SHOWN_STABLE_STALENESS, staleness_caution
+    from echo_coordinator.service.buffer import StepBatch
+    from echo_coordinator.steps import Tally, step_record
+    from echo_coordinator.trainer.learner import StepStats
+
+    stats = StepStats(samples=2, trained_samples=2, tokens=8, loss=0.0, tis_clipped_fraction=0.0,
+                      ratio_clipped_fraction=0.0, mismatch_kl=0.0, mean_log_ratio=0.0, log_ratio_m2=0.0,
+                      log_ratio_by_staleness={}, busy_seconds=1.0)
+    tally = Tally(Counter(), 0, 0.0, 0, 0)
+
+    def record(ages: list[int]) -> dict:
+        batch = StepBatch(samples=[], rewards=[0.0, 1.0], staleness=ages, dropped=0)
+        return step_record("async", 9, batch, stats, tally, tally, 0.0, 0.0, 1.0)
+
+    assert record([0, SHOWN_STABLE_STALENESS])["staleness_beyond_shown"] is False
+    assert record([0, SHOWN_STABLE_STALENESS + 1])["staleness_beyond_shown"] is True
+    # and a run that allows such samples is told at its start; sequential runs have none
+    assert staleness_caution("async", SHOWN_STABLE_STALENESS) is None
+    assert staleness_caution("sequential", 100) is None
+    assert f"older than the {SHOWN_STABLE_STALENESS} versions" in staleness_caution("async", SHOWN_STABLE_STALENESS + 1)

@@ -28,3 +28,18 @@ def test_a_gguf_loads_through_its_cache_as_transformers_loads_the_file(tiny_mode
     # A second load uses the cache as it is.
     stamp = (cached / "model.safetensors").stat().st_mtime_ns
     assert gguf_checkpoint(path) == cached and (cached / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_a_peft_model_takes_its_cache_as_its_base_model_does(tiny_model):
+    """peft's forward takes **kwargs: the keyword is read from the base model's, so a LoRA model
+    generates with `cache` where transformers renamed it (the old name warns, then goes in 5.40)."""
+    import inspect
+
+    from peft import LoraConfig, get_peft_model
+
+    from engines.hf import cache_field
+
+    base = load_model(tiny_model, dtype=torch.float32)
+    expected = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+    lora = get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"]))
+    assert cache_field(lora) == cache_field(base) == expected

@@ -2,12 +2,14 @@
 mask or the micro-batching are wrong. The pure parts on hand-made tensors; the trainer's step on
 a tiny real model."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
 
 from echo_coordinator.config import TrainerConfig
-from echo_coordinator.trainer.grpo import group_advantages, grpo_loss
+from echo_coordinator.trainer.grpo import Objective, group_advantages, grpo_loss, m2po_bound
 from echo_coordinator.trainer.learner import Trainer
 from echo_coordinator.trainer.samples import TrainSample
 from tests.support.tiny_model import build_tiny_gguf
@@ -27,7 +29,7 @@ def test_advantages_are_normalised_within_each_group():
 
 def loss_of(new, old, behaviour, adv, mask, cap=2.0, eps=0.2):
     new = new.clone().requires_grad_(True)
-    out = grpo_loss(new, old, behaviour, adv, mask, int(mask.sum()), eps, cap)
+    out = grpo_loss(new, old, behaviour, adv, mask, int(mask.sum()), eps, Objective(tis_cap=cap))
     out.loss.backward()
     return out, new.grad
 
@@ -136,3 +138,83 @@ def test_ppo_epochs_make_the_clip_bind(tiny):
     several, gain = step(ppo_epochs=3, ppo_minibatches=2)
     assert several.ratio_clipped_fraction > 0.1 and gain > 0
     assert several.tokens == single.tokens and several.mismatch_kl == pytest.approx(single.mismatch_kl)
+
+
+# The corrections for large staleness (grpo.py's docstring): each test fails when its formula is wrong.
+
+def loss_with(objective, new, old, behaviour, adv, mask, eps=0.2):
+    new = new.clone().requires_grad_(True)
+    out = grpo_loss(new, old, behaviour, adv, mask, int(mask.sum()), eps, objective)
+    out.loss.backward()
+    return out, new.grad
+
+
+def test_icepop_leaves_out_tokens_outside_its_range_and_keeps_the_rest_uncapped():
+    old = torch.full((1, 4), -1.0)
+    behaviour = old - torch.tensor([[0.0, 1.5, -1.0, 2.0]])  # pi_old / mu = 1, e^1.5, e^-1, e^2
+    out, grad = loss_with(Objective("icepop", icepop=(0.5, 5.0)), old, old, behaviour, torch.tensor([1.0]),
+                          torch.ones(1, 4))
+    # e^1.5 = 4.48 is inside [0.5, 5]: weighted in full (TIS would cap it at 2); e^-1 = 0.37 and
+    # e^2 = 7.4 are outside: no gradient at all (TIS would weight them 0.37 and 2).
+    assert grad[0] == pytest.approx(-torch.tensor([1.0, np.exp(1.5), 0.0, 0.0]) / 4, rel=1e-5)
+    assert out.clipped_tis == 2
+    assert out.log_ratio_sq_sum == pytest.approx(0 + 1.5**2 + 1 + 4)
+
+
+def test_m2po_bound_leaves_out_the_fewest_largest_squares():
+    squares = torch.tensor([1.0, 0.01, 0.02, 0.01])
+    # mean of all 0.26 >= 0.04; without the 1.0 the rest's mean is 0.0133 < 0.04: keep up to 0.02
+    assert m2po_bound(squares, 0.04) == pytest.approx(0.02)
+    assert m2po_bound(torch.tensor([0.03, 0.01]), 0.04) == float("inf")  # already below: keep all
+    assert m2po_bound(torch.tensor([0.5, 0.5]), 0.04) < 0  # no suffix is below: nothing kept
+    assert m2po_bound(torch.zeros(0), 0.04) == float("inf")
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_m2po_bound_is_the_smallest_cut_that_meets_the_threshold(seed):
+    squares = torch.from_numpy(np.random.default_rng(seed).lognormal(-4, 2, size=500))
+    bound = m2po_bound(squares, 0.04)
+    kept, dropped = squares[squares <= bound], squares[squares > bound]
+    assert len(kept) and kept.mean() < 0.04
+    assert len(dropped)  # (these draws start above the threshold)
+    assert torch.cat([kept, dropped.min()[None]]).mean() >= 0.04  # one fewer left out would not do
+
+
+def test_m2po_weights_kept_tokens_by_their_whole_ratio_without_a_clip():
+    old = torch.full((1, 3), -1.0)
+    behaviour = old - torch.tensor([[0.1, -0.15, 2.0]])  # squares 0.01, 0.0225, 4: the last is left out
+    new = old + torch.tensor([[0.5, 0.0, 0.0]])  # a ratio of e^0.5, past 1 + eps
+    objective = Objective("m2po", m2_bound=m2po_bound(torch.tensor([0.01, 0.0225, 4.0]), 0.04))
+    out, grad = loss_with(objective, new, old, behaviour, torch.tensor([1.0]), torch.ones(1, 3))
+    # token 0: w e^0.1 times ratio e^0.5, not clipped (the clip would zero its gradient)
+    assert grad[0] == pytest.approx(-torch.tensor([np.exp(0.1) * np.exp(0.5), np.exp(-0.15), 0.0]) / 3, rel=1e-5)
+    assert out.clipped_tis == 1
+
+
+def m2po_gradients(tiny, micro_batch_tokens: int):
+    trainer = Trainer(tiny, TrainerConfig(lora_rank=4, lora_init="random", threads=1, objective="m2po",
+                                          micro_batch_tokens=micro_batch_tokens), temperature=1.0, seed=3)
+    trainer.optimizer.step = lambda: None
+    # Behaviour logprobs near the trainer's, as a node's are, and a few far off, as a stale one's.
+    offsets = np.random.default_rng(0).normal(0, 0.05, size=7)
+    offsets[[1, 4]] = (1.5, -2.0)
+    batch = [replace(s, behaviour=tuple(lp - offsets[: len(lp)]))
+             for s, lp in zip(samples_for(trainer), trainer.logprobs(samples_for(trainer)))]
+    stats = trainer.step(batch)
+    return trainer, batch, stats, {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+
+
+def test_a_m2po_step_cuts_over_the_whole_batch_whatever_its_micro_batches(tiny):
+    trainer, batch, whole_stats, whole = m2po_gradients(tiny, 10_000)
+    _, _, split_stats, split = m2po_gradients(tiny, 1)
+    for name in whole:  # (float32 sums in another order; a cut made per micro-batch would differ by far more)
+        assert torch.allclose(whole[name], split[name], rtol=1e-3, atol=1e-4 * float(whole[name].abs().max())), name
+    # The far-off tokens are left out, and the step says how many and what the second moment was.
+    trained = [np.asarray(s.loss_mask) == 1 for s in batch]
+    squares = np.concatenate([(lp - np.asarray(s.behaviour))[on] ** 2
+                              for s, lp, on in zip(batch, trainer.logprobs(batch), trained)])
+    assert whole_stats.log_ratio_m2 == pytest.approx(squares.mean(), rel=1e-4)
+    kept = squares <= m2po_bound(torch.from_numpy(squares), 0.04)
+    assert 0 < kept.mean() < 1 and any(g.abs().sum() > 0 for g in whole.values())
+    assert whole_stats.tis_clipped_fraction == pytest.approx(1 - kept.mean())
+    assert split_stats.tis_clipped_fraction == whole_stats.tis_clipped_fraction
