@@ -31,6 +31,13 @@ policy-gradient step with ratio 1.
               below m2_threshold (0.04 in the paper): a trust region on the second moment of the
               log importance ratio rather than on each ratio (M2PO, Zheng, Zhao and Chen 2025,
               arXiv 2510.01161). The cut is made over the whole optimiser step (`m2po_bound`).
+
+Against a plain in-process GRPO loop (bench/learning.py; docs/protocols.md, "Learning as well as
+a plain GRPO loop") the swarm learns less per sample on two-digit addition. The correction is not
+the cause there: the nodes' logprobs match the trainer's (mismatch KL about 0.003 a token) and the
+cap never binds, so w_t is about 1 and this loss is the loop's. TIS stays the default because it
+costs nothing when w is 1 and bounds the weight when it is not; what costs learning is still to
+be found by the ablations that page lists.
 """
 
 from __future__ import annotations

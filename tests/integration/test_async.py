@@ -73,25 +73,3 @@ def test_trainer_restart_resumes_version_and_bound(tmp_path, tiny_model, process
         assert node.wait(timeout=60) == 0
     for name in ("n1", "n2"):
         assert "finished at version 8" in (tmp_path / f"{name}.log").read_text()
-
-
-def test_a_lag_makes_every_trained_sample_that_many_versions_old(tmp_path, tiny_model, processes):
-    """Staleness on demand, for measurement: with `lag` L, async leases bind the version L before
-    the trainer's, so a step at version v trains on samples min(v, L) versions old or older, and
-    the bound S still drops what is older than S. The nodes still end on the final version."""
-    run_dir, steps, lag, s = tmp_path / "run", 6, 2, 3
-    config = async_config(tmp_path / "run.toml", tiny_model, run_dir, steps, s, extra=f"lag = {lag}")
-    coordinator = start_coordinator(processes, config, tmp_path / "coordinator.log")
-    wait_for((run_dir / "join.txt").exists, 120, "the join line", [coordinator])
-    join = (run_dir / "join.txt").read_text().strip()
-    nodes = [start_node(processes, join, tmp_path, name) for name in ("n1", "n2")]
-    assert coordinator.wait(timeout=300) == 0, (tmp_path / "coordinator.log").read_text()[-3000:]
-
-    records = metrics(run_dir)
-    assert [r["version"] for r in records] == list(range(steps))
-    ages = [sorted(int(age) for age in r["staleness_histogram"]) for r in records]
-    assert all(a[0] >= min(r["version"], lag) and a[-1] <= s for a, r in zip(ages, records)), ages
-    assert all(r["samples"] == 8 for r in records)
-    for node, name in zip(nodes, ("n1", "n2")):
-        assert node.wait(timeout=60) == 0
-        assert f"finished at version {steps}" in (tmp_path / f"{name}.log").read_text()
