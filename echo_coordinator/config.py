@@ -18,7 +18,7 @@ from protocols.messages import MODES, UPDATE_MODES
 
 OBJECTIVES = ("tis", "icepop", "m2po")  # trainer/grpo.py
 # The oldest samples (in versions) a run has been shown to learn from as well as on-policy, with
-# the default objective (docs/protocols.md, "Learning under staleness"): async runs of
+# the default objective (docs/protocols.md, "Staleness shown stable"): async runs of
 # bench/sync_modes.py trained on samples 0-2 versions old and matched sequential at equal samples.
 # bench/staleness.py measures further; raise this only from its table. A run may allow more: the
 # console says so at start, and each step that trains on older samples is flagged in metrics.jsonl
@@ -31,7 +31,7 @@ def staleness_caution(mode: str, staleness: int) -> str | None:
     if mode != "async" or staleness <= SHOWN_STABLE_STALENESS:
         return None
     return (f"staleness = {staleness} admits samples older than the {SHOWN_STABLE_STALENESS} versions shown to learn as "
-            "well as on-policy (docs/protocols.md, \"Learning under staleness\"); steps that train on them are flagged")
+            "well as on-policy (docs/protocols.md, \"Staleness shown stable\"); steps that train on them are flagged")
 
 
 @dataclass(frozen=True)

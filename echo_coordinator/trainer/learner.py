@@ -158,14 +158,9 @@ class Trainer(TrainerWeights):
             touched = sorted({i for part in mine for i in part})
             with self._whole(), self.holding(held):  # sharded: each rank's forwards on its own gathered copy
                 old = dict(zip(touched, self._start_logprobs([trained[i][0] for i in touched])))
-            if cfg.objective == "m2po":  # the cut over the step's tokens (this process's share of them)
-                squares = [torch.zeros(0)]
-                for i in touched:
-                    s = trained[i][0]
-                    behaviour = torch.tensor(s.behaviour, dtype=torch.float32)  # (as `_pack` has it: the cut is exact)
-                    log_w = old[i][len(s.prompt_ids) - 1 :].cpu() - behaviour
-                    squares.append(log_w.square()[torch.tensor(s.loss_mask) > 0])
-                objective = Objective("m2po", m2_bound=m2po_bound(torch.cat(squares), cfg.m2_threshold))
+            if cfg.objective == "m2po":
+                objective = Objective("m2po", m2_bound=self._m2po_bound([trained[i][0] for i in touched],
+                                                                        [old[i] for i in touched]))
         self.model.train()
         sums = dict(loss=0.0, tokens=0, clipped_tis=0, clipped_ratio=0, ratio_tokens=0, kl=0.0, log_ratio=0.0,
                     log_ratio_sq=0.0)
@@ -278,6 +273,16 @@ class Trainer(TrainerWeights):
                     p.grad.mul_(scale)
             sums["loss"] *= scale
         return sums
+
+    def _m2po_bound(self, samples: list[TrainSample], old: list[torch.Tensor]) -> float:
+        """M2PO's cut over the step's trained tokens (this process's share of them): `grpo.m2po_bound`
+        of (old - mu)^2, from `old`, each sample's start-of-step logprobs."""
+        squares = [torch.zeros(0)]
+        for s, start in zip(samples, old):
+            behaviour = torch.tensor(s.behaviour, dtype=torch.float32)  # (as `_pack` has it: the cut is exact)
+            log_w = start[len(s.prompt_ids) - 1 :].cpu() - behaviour
+            squares.append(log_w.square()[torch.tensor(s.loss_mask) > 0])
+        return m2po_bound(torch.cat(squares), self.config.m2_threshold)
 
     @torch.no_grad()
     def _start_logprobs(self, samples: list[TrainSample]) -> list[torch.Tensor]:
