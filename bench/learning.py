@@ -273,12 +273,14 @@ def main() -> None:
     parser.add_argument("--plot", default="", help="write the curves to this PNG")
     parser.add_argument("--keep", default="", help="keep every run under this directory; runs that finished "
                         "there before are not run again")
-    parser.add_argument("--quick", action="store_true", help="a smoke run: one seed, 4 versions of 2 x 4 samples")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke run: one seed, 4 versions of 2 x 4 samples of 8 tokens")
     args = parser.parse_args()
     args.task_name, args.task_params, steps, args.lr = TASKS[args.task]
     args.steps = args.steps or steps
     if args.quick:
         args.seeds, args.steps, args.prompts, args.group, args.eval_every, args.eval_prompts = [1], 4, 2, 4, 4, 4
+        args.tokens = 8
     resolve(args)
     versions = evaluated(args)
     curves = {"swarm": [], "reference": []}

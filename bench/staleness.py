@@ -66,13 +66,14 @@ def main() -> None:
     parser.add_argument("--plot", default="", help="write the curves to this PNG")
     parser.add_argument("--keep", default="", help="keep every run under this directory; runs that finished "
                         "there before are not run again")
-    parser.add_argument("--quick", action="store_true", help="a smoke run: S 0 and 2, tis, 4 versions of 2 x 4 samples")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke run: S 0 and 2, tis, 4 versions of 2 x 4 samples of 8 tokens")
     args = parser.parse_args()
     args.task_name, args.task_params, steps, args.lr = learning.TASKS[args.task]
     args.steps = args.steps or steps
     if args.quick:
         args.staleness, args.objectives, args.seeds, args.more_seeds = [0, 2], ["tis"], [1], []
-        args.steps, args.prompts, args.group, args.eval_every, args.eval_prompts = 4, 2, 4, 4, 4
+        args.steps, args.prompts, args.group, args.eval_every, args.eval_prompts, args.tokens = 4, 2, 4, 4, 4, 8
     learning.resolve(args)
     largest = max(args.staleness)
     runs: dict[tuple[str, int], list[dict]] = {}
