@@ -156,7 +156,8 @@ class Trainer(TrainerWeights):
         old, objective = None, Objective(cfg.objective, cfg.tis_cap, (cfg.icepop_low, cfg.icepop_high))
         if cfg.ppo_epochs * cfg.ppo_minibatches > 1 or cfg.objective == "m2po":
             touched = sorted({i for part in mine for i in part})
-            with self._whole(), self.holding(held):  # sharded: each rank's forwards on its own gathered copy
+            # (sharded: each rank's forwards on its own gathered copy; `held` only in one process)
+            with self._whole(), nullcontext() if held is None else self.holding(held):
                 old = dict(zip(touched, self._start_logprobs([trained[i][0] for i in touched])))
             if cfg.objective == "m2po":
                 objective = Objective("m2po", m2_bound=self._m2po_bound([trained[i][0] for i in touched],
