@@ -257,10 +257,9 @@ def resolve(args) -> None:
         args.model = str(demo_model_path())
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--task", choices=sorted(TASKS), default="hard")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+def run_arguments(parser: argparse.ArgumentParser, task: str) -> None:
+    """The options both benches take: the task, its sizes, the evaluation, the model and where runs go."""
+    parser.add_argument("--task", choices=sorted(TASKS), default=task)
     parser.add_argument("--steps", type=int, default=0, help="versions to train (default: the task's)")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--group", type=int, default=8)
@@ -268,11 +267,17 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=4)
     parser.add_argument("--eval-prompts", type=int, default=64)
     parser.add_argument("--model", default="", help="the nodes' GGUF (default: the shipped SmolLM2-135M Q4_1)")
-    parser.add_argument("--swarm-run", default="", help="[run] lines added to the swarm's config (ablations)")
-    parser.add_argument("--swarm-trainer", default="", help="[trainer] lines added to the swarm's config")
     parser.add_argument("--plot", default="", help="write the curves to this PNG")
     parser.add_argument("--keep", default="", help="keep every run under this directory; runs that finished "
                         "there before are not run again")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    run_arguments(parser, "hard")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--swarm-run", default="", help="[run] lines added to the swarm's config (ablations)")
+    parser.add_argument("--swarm-trainer", default="", help="[trainer] lines added to the swarm's config")
     parser.add_argument("--quick", action="store_true",
                         help="a smoke run: one seed, 4 versions of 2 x 4 samples of 8 tokens")
     args = parser.parse_args()

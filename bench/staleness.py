@@ -30,6 +30,7 @@ import tempfile
 from pathlib import Path
 
 import learning  # (bench/ is on the path when this runs as a script)
+from echo_coordinator.config import OBJECTIVES  # (learning puts the repository on the path)
 
 
 def run(args, objective: str, lag: int, seed: int, work: Path) -> dict:
@@ -51,21 +52,11 @@ def run(args, objective: str, lag: int, seed: int, work: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--task", choices=sorted(learning.TASKS), default="demo")
+    learning.run_arguments(parser, "demo")
     parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2, 4, 8])
-    parser.add_argument("--objectives", nargs="+", default=["tis", "m2po"], choices=["tis", "icepop", "m2po"])
+    parser.add_argument("--objectives", nargs="+", default=["tis", "m2po"], choices=OBJECTIVES)
     parser.add_argument("--seeds", type=int, nargs="+", default=[1])
     parser.add_argument("--more-seeds", type=int, nargs="*", default=[2])
-    parser.add_argument("--steps", type=int, default=0, help="versions to train (default: the task's)")
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--group", type=int, default=8)
-    parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--eval-every", type=int, default=4)
-    parser.add_argument("--eval-prompts", type=int, default=64)
-    parser.add_argument("--model", default="")
-    parser.add_argument("--plot", default="", help="write the curves to this PNG")
-    parser.add_argument("--keep", default="", help="keep every run under this directory; runs that finished "
-                        "there before are not run again")
     parser.add_argument("--quick", action="store_true",
                         help="a smoke run: S 0 and 2, tis, 4 versions of 2 x 4 samples of 8 tokens")
     args = parser.parse_args()

@@ -105,6 +105,17 @@ def m2po_bound(squares: torch.Tensor, threshold: float) -> float:
     return float(ordered[below[0, 0]]) if len(below) else -1.0  # -1: nothing is kept
 
 
+def step_m2po_bound(samples, old: list[torch.Tensor], threshold: float) -> float:
+    """`m2po_bound` over the trained tokens of a step's samples (`TrainSample`s), from `old`, each
+    sample's (L - 1,) start-of-step logprobs."""
+    squares = [torch.zeros(0)]
+    for s, start in zip(samples, old):
+        behaviour = torch.tensor(s.behaviour, dtype=torch.float32)  # (as the trainer packs it: the cut is exact)
+        log_w = start[len(s.prompt_ids) - 1 :].cpu() - behaviour
+        squares.append(log_w.square()[torch.tensor(s.loss_mask) > 0])
+    return m2po_bound(torch.cat(squares), threshold)
+
+
 def token_weights(log_w: torch.Tensor, objective: Objective) -> tuple[torch.Tensor, torch.Tensor]:
     """(w, cut): each token's weight for pi_old / mu = exp(log_w), and where the objective cut it."""
     ratio = torch.exp(log_w)

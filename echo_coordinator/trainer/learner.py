@@ -24,7 +24,7 @@ from peft import LoraConfig, get_peft_model
 
 from echo_coordinator.config import TrainerConfig
 from echo_coordinator.trainer import distributed, evidence, sharded
-from echo_coordinator.trainer.grpo import Objective, grpo_loss, group_advantages, m2po_bound, pad_rows
+from echo_coordinator.trainer.grpo import Objective, group_advantages, grpo_loss, pad_rows, step_m2po_bound
 from echo_coordinator.trainer.routing import routers
 from echo_coordinator.trainer.samples import TrainSample, encode
 from echo_coordinator.trainer.step_checks import Check, StepChecks, Verdict
@@ -160,8 +160,9 @@ class Trainer(TrainerWeights):
             with self._whole(), nullcontext() if held is None else self.holding(held):
                 old = dict(zip(touched, self._start_logprobs([trained[i][0] for i in touched])))
             if cfg.objective == "m2po":
-                objective = Objective("m2po", m2_bound=self._m2po_bound([trained[i][0] for i in touched],
-                                                                        [old[i] for i in touched]))
+                # (this process's share of the step's tokens)
+                bound = step_m2po_bound([trained[i][0] for i in touched], [old[i] for i in touched], cfg.m2_threshold)
+                objective = Objective("m2po", m2_bound=bound)
         self.model.train()
         sums = dict(loss=0.0, tokens=0, clipped_tis=0, clipped_ratio=0, ratio_tokens=0, kl=0.0, log_ratio=0.0,
                     log_ratio_sq=0.0)
@@ -274,16 +275,6 @@ class Trainer(TrainerWeights):
                     p.grad.mul_(scale)
             sums["loss"] *= scale
         return sums
-
-    def _m2po_bound(self, samples: list[TrainSample], old: list[torch.Tensor]) -> float:
-        """M2PO's cut over the step's trained tokens (this process's share of them): `grpo.m2po_bound`
-        of (old - mu)^2, from `old`, each sample's start-of-step logprobs."""
-        squares = [torch.zeros(0)]
-        for s, start in zip(samples, old):
-            behaviour = torch.tensor(s.behaviour, dtype=torch.float32)  # (as `_pack` has it: the cut is exact)
-            log_w = start[len(s.prompt_ids) - 1 :].cpu() - behaviour
-            squares.append(log_w.square()[torch.tensor(s.loss_mask) > 0])
-        return m2po_bound(torch.cat(squares), self.config.m2_threshold)
 
     @torch.no_grad()
     def _start_logprobs(self, samples: list[TrainSample]) -> list[torch.Tensor]:
