@@ -55,7 +55,8 @@ def hf_checkpoint(directory: Path) -> Path:
 
     gguf = demo_model_path()
     model = load_model(gguf, dtype=torch.float32)
-    del model.config.quantization_config  # dequantized floats: save them as a plain checkpoint
+    if hasattr(model.config, "quantization_config"):  # (transformers before 5 kept it)
+        del model.config.quantization_config  # dequantized floats: save them as a plain checkpoint
     plain = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
     plain.load_state_dict(model.state_dict())
     plain.save_pretrained(directory)

@@ -67,6 +67,29 @@ def load_model(source: Path, **kwargs):
     return AutoModelForCausalLM.from_pretrained(checkpoint_of(Path(source)), **kwargs)
 
 
+def without_dropout(model):
+    """`model` with every dropout off, in train mode too: `nn.Dropout` layers get p = 0, and the
+    float rates modules keep for functional dropout (an attention's `attention_dropout`) and their
+    config's fields become 0. A policy-gradient step must score the policy nodes sampled from
+    (they decode without dropout), and the trainer's in-step verification reads those same
+    logits: a checkpoint shipped with dropout > 0 would otherwise strike honest nodes (TRL's GRPO
+    turns dropout off for the same reason). Train mode stays for what needs it (activation
+    checkpointing runs only in training)."""
+    import torch
+
+    for config in {id(c): c for c in (model.config, getattr(model.config, "text_config", None)) if c}.values():
+        for name, value in vars(config).items():
+            if "dropout" in name and isinstance(value, float):
+                setattr(config, name, 0.0)
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+            module.p = 0.0
+        for name, value in list(vars(module).items()):
+            if "dropout" in name and isinstance(value, float):
+                setattr(module, name, 0.0)
+    return model
+
+
 def load_tokenizer(source: Path):
     """The transformers tokenizer of an HF checkpoint directory or of a GGUF file."""
     from transformers import AutoTokenizer

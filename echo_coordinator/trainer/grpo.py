@@ -25,7 +25,9 @@ policy-gradient step with ratio 1.
     "tis"     w_t = min(exp(old_t - mu_t), tis_cap), as above (the default).
     "icepop"  w_t = exp(old_t - mu_t) where it lies in [low, high], else 0: a token whose two
               probabilities disagree that much is left out of the gradient instead of being
-              capped (IcePop, Ling team's Ring-1T report, 2025; [0.5, 5] there).
+              capped (IcePop, Ling team's Ring-1T report, 2025). The default [0.5, 5] is the
+              range as remembered from that report: no stored copy here states it, so it is
+              unchecked; the staleness table (docs/protocols.md) did not run IcePop.
     "m2po"    w_t = exp(old_t - mu_t), uncapped, and no ratio clip, but the tokens with the largest
               M2_t = (old_t - mu_t)^2 are left out, the fewest that bring the mean M2 of the rest
               below m2_threshold (0.04 in the paper): a trust region on the second moment of the

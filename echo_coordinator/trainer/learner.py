@@ -30,7 +30,7 @@ from echo_coordinator.trainer.samples import TrainSample, encode
 from echo_coordinator.trainer.step_checks import Check, StepChecks, Verdict
 from echo_coordinator.trainer.tensors import micro_batches, release_freed_memory
 from echo_coordinator.trainer.weights import TrainerWeights
-from engines.hf import load_model, load_tokenizer
+from engines.hf import load_model, load_tokenizer, without_dropout
 from protocols.sampling import SampleEvidence, SamplingRule
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -82,7 +82,7 @@ class Trainer(TrainerWeights):
         dtype = self.compute_dtype if update == "lora" or frozen else torch.float32
         self.frozen = frozen
         self._held = (None, None)  # (weights, on the device) of the version `holding` last ran with
-        base = load_model(source, dtype=dtype).to(self.device)
+        base = without_dropout(load_model(source, dtype=dtype)).to(self.device)  # (scores what nodes sample)
         if update == "lora":
             lora = LoraConfig(
                 r=config.lora_rank, lora_alpha=config.lora_alpha, target_modules=list(LORA_TARGETS), lora_dropout=0.0,

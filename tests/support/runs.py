@@ -174,3 +174,14 @@ def named(*peers: str):
         return list(peers)
 
     return holders
+
+
+def quick_bench(bench: str, tmp_path: Path, model: Path) -> dict:
+    """`bench/<bench> --quick` on `model`, its runs kept in `tmp_path`, its curves plotted: the
+    JSON line it ends with."""
+    done = subprocess.run([sys.executable, str(REPO / "bench" / bench), "--quick", "--model", str(model),
+                           "--keep", str(tmp_path), "--plot", str(tmp_path / "curves.png")],
+                          capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert (tmp_path / "curves.png").stat().st_size > 1000
+    return json.loads(done.stdout.splitlines()[-1])

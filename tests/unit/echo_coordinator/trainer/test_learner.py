@@ -86,3 +86,19 @@ def test_holding_swaps_a_version_in_and_gives_the_trainers_own_back(tiny):  # no
     assert all(p.data_ptr() == own[n] for n, p in trainer.model.named_parameters())
     assert (trainer.logprobs(samples[:1])[0] == mine).all()
     assert abs(theirs - mine).max() > 1e-3  # the held version did run
+
+
+def test_a_checkpoint_with_dropout_is_stepped_on_the_policy_nodes_sample(tmp_path):
+    """A checkpoint shipped with dropout > 0: the step's (train-mode) forward must score what nodes
+    sampled from, without dropout, or every honest token would look mismatched and the in-step
+    verification, which reads the same logits, would strike honest nodes (issue 55, point 9)."""
+    from dataclasses import replace
+
+    from tests.support.tiny_model import build_tiny_checkpoint
+
+    checkpoint = build_tiny_checkpoint(tmp_path / "ckpt", "llama", init_std=0.3, attention_dropout=0.5)
+    trainer = Trainer(checkpoint, TrainerConfig(lora_rank=4, lora_init="random", threads=1), 1.0)
+    samples = samples_for(trainer)
+    honest = [replace(s, behaviour=tuple(float(x) for x in lp)) for s, lp in zip(samples, trainer.logprobs(samples))]
+    stats = trainer.step(honest)
+    assert stats.tokens > 0 and stats.mismatch_kl < 1e-9 and abs(stats.mean_log_ratio) < 1e-6, stats
