@@ -52,7 +52,8 @@ class LlamaBackend:
         if gpu_layers is None:
             gpu_layers = -1 if self.gpu else 0
         # On a GPU, settings are tried in a throwaway process first: a crashing backend must not take the node.
-        placed = llama_probe.place(Path(model_path), self.gpu, gpu_layers, parallel, n_ctx, kv, max_vram_gib)
+        placed = llama_probe.place(Path(model_path), self.gpu, gpu_layers, parallel, n_ctx, kv, max_vram_gib,
+                                   sandbox=confine is not None)
         self.settings, self.fitted = placed.settings, placed.fitted  # fitted: what --max-vram chose
         self.threads, self.n_ctx, self.gpu_layers, self.parallel = threads, n_ctx, placed.gpu_layers, placed.parallel
         self.offloaded = self.gpu and self.gpu_layers != 0

@@ -9,8 +9,16 @@ On Linux 5.13+ Landlock (an unprivileged kernel sandbox, no root, no namespaces)
 - no TCP connections or listening sockets (kernel ABI 4+), and no signals to, or abstract unix
   sockets of, processes outside the sandbox (ABI 6+).
 Landlock also keeps it from tracing or reading the memory of the node that started it. On every
-system it dumps no core and is the first process the kernel's OOM killer takes. What is left out
-elsewhere (macOS, older kernels) `confine` says in its answer.
+system it dumps no core and is the first process the kernel's OOM killer takes.
+
+It fails closed on Linux: where it cannot confine (no Landlock in the kernel, or threads already
+running), `confine` raises `SandboxError` and the process does not go on; running unconfined
+takes the node's explicit `--no-sandbox`. Elsewhere (macOS) it says what is left out.
+
+No import-path entry widens what it reads beyond Python's own files: an entry is granted only
+when it is absolute and is neither `/`, the home directory, the working directory (the worker's,
+and the node's, passed as `NODE_CWD`) nor a directory above one of them (`_grantable`). `python
+-m` from `/` puts `/` first on the path, and a relative `PYTHONPATH` entry resolves from `/`.
 """
 
 from __future__ import annotations
@@ -38,6 +46,16 @@ SYSTEM_READABLE = ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc", 
 OUR_PACKAGES = ("engines", "protocols", "tasks")  # what the worker (and a probe it starts) imports
 # Not /proc: another process's environment and command line are readable there, and Landlock's
 # rules on /proc entries do not last (they are lost when the kernel drops their dentries: seen).
+NODE_CWD = "ECHO_NODE_CWD"  # the node's working directory, as its worker's environment tells it
+
+
+class SandboxError(RuntimeError):
+    """This process could not be confined where it should be (Linux): it must not go on."""
+
+    def __init__(self, why: str):
+        self.why = why
+        super().__init__(f"the sandbox for llama.cpp could not be set up ({why}); --no-sandbox runs llama.cpp "
+                         f"unconfined, with your files within its reach (docs/volunteers.md)")
 
 
 class _Ruleset(ctypes.Structure):
@@ -64,13 +82,13 @@ def confine(readable: list[Path], writable: list[Path]) -> str:
     libc.syscall.restype = ctypes.c_long
     abi = libc.syscall(_CREATE_RULESET, None, ctypes.c_size_t(0), ctypes.c_uint32(_CREATE_RULESET_VERSION))
     if abi < 1:
-        return f"worker process only (no Landlock in this kernel: {os.strerror(ctypes.get_errno())})"
+        raise SandboxError(f"no Landlock in this kernel: {os.strerror(ctypes.get_errno())}")
     # Landlock confines the calling thread (and those it starts later), not its siblings: a thread
     # started before would stay free, and code that takes over this one could take it over too.
     others = [t for t in os.listdir("/proc/self/task") if int(t) != threading.get_native_id()]
     if others:
         names = ", ".join(sorted({Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in others}))
-        return f"worker process only ({len(others)} other threads ran before it could be confined: {names})"
+        raise SandboxError(f"{len(others)} other threads ran before it could be confined: {names}")
     fs = _FS_RIGHTS[max(k for k in _FS_RIGHTS if k <= abi)]
     net = _NET_BIND_TCP | _NET_CONNECT_TCP if abi >= 4 else 0
     scoped = _SCOPE_ABSTRACT_UNIX_SOCKET | _SCOPE_SIGNAL if abi >= 6 else 0
@@ -98,11 +116,22 @@ def confine(readable: list[Path], writable: list[Path]) -> str:
 
 def _readable(given: list[Path]) -> list[Path]:
     """What the worker may read: the given paths, the system's, and the interpreter's (its
-    libraries load lazily: a GPU backend's, numba's threading layer)."""
+    libraries load lazily: a GPU backend's, numba's threading layer) where `_grantable`."""
     python = [sys.prefix, sys.base_prefix, sys.exec_prefix, *sys.path]
     # An editable install imports our packages through a finder, not a directory on sys.path.
     python += [os.path.dirname(sys.modules[name].__file__) for name in OUR_PACKAGES if name in sys.modules]
-    return list(given) + [Path(p) for p in (*SYSTEM_READABLE, *python) if p]
+    return list(given) + [Path(p) for p in SYSTEM_READABLE] + [Path(p) for p in python if _grantable(p)]
+
+
+def _grantable(entry: str) -> bool:
+    """Whether an import-path entry may be read beneath: absolute, and not `/`, the home
+    directory, a working directory (this process's, the node's) or a directory above one of them."""
+    if not entry or not os.path.isabs(entry):
+        return False
+    path = os.path.realpath(entry)
+    private = {os.path.expanduser("~"), os.getcwd(), os.environ.get(NODE_CWD, "")} - {""}
+    return path != "/" and not any(p == path or p.startswith(path.rstrip("/") + "/")
+                                   for p in map(os.path.realpath, private))
 
 
 def _allow(libc, ruleset: int, path: Path, access: int) -> None:

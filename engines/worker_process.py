@@ -11,6 +11,8 @@ import subprocess
 import sys
 from multiprocessing.connection import Connection
 
+from engines.sandbox import NODE_CWD
+
 WORKER = "engines.llama_worker"  # the module a worker runs
 
 # What the worker inherits of the node's environment (which may hold the volunteer's secrets):
@@ -51,7 +53,8 @@ class Spawned:
         # abort ggml forks a debugger to print a backtrace (one was seen spinning for 10 minutes).
         self.process = subprocess.Popen(command, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
                                         cwd="/", start_new_session=True,  # cwd: not the volunteer's directory
-                                        env=dict(worker_environment(), GGML_NO_BACKTRACE="1", OPENBLAS_NUM_THREADS="1"))
+                                        env=dict(worker_environment(), GGML_NO_BACKTRACE="1", OPENBLAS_NUM_THREADS="1",
+                                                 **{NODE_CWD: os.getcwd()}))  # (never granted: engines.sandbox)
         theirs.close()
         self.conn = Connection(ours.detach())
 

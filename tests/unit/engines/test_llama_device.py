@@ -89,7 +89,7 @@ def test_max_vram_fits_each_setting_on_its_own_and_says_what_it_chose(monkeypatc
     model, probed, sizes = demo_model_path(), [], model_sizes(demo_model_path())
     monkeypatch.setattr(llama_device, "model_sizes", lambda path: sizes)  # read once: seconds for 49k tokens
 
-    def probe(model, layers, parallel, window, settings, timeout):  # F16_FA "crashes" once asked to
+    def probe(model, layers, parallel, window, settings, timeout, sandbox=True):  # F16_FA "crashes" once asked to
         probed.append(settings)
         return "llama.cpp crashed (SIGSEGV)" if settings in crashing else None
     monkeypatch.setattr(llama_probe, "probe", probe)

@@ -70,7 +70,7 @@ def test_a_confined_process_reads_only_what_it_is_given_and_writes_and_dials_not
     seen = json.loads(done.stdout)
     abi = landlock_abi()
     if abi < 1:
-        assert seen["how"].startswith("worker process only (no Landlock")
+        assert "could not be set up (no Landlock" in done.stdout + done.stderr  # it fails closed
         return
     assert seen["how"].startswith(f"landlock ABI {abi}")
     assert seen["read allowed"] == seen["write writable"] == seen["read python"] == "ok"
@@ -85,20 +85,73 @@ def test_a_confined_process_reads_only_what_it_is_given_and_writes_and_dials_not
 
 
 @pytest.mark.skipif(landlock_abi() < 1 if sys.platform.startswith("linux") else True, reason="needs Landlock")
-def test_a_process_that_already_runs_another_thread_says_it_is_not_confined(tmp_path):
+def test_a_process_that_already_runs_another_thread_is_refused_not_left_unconfined(tmp_path):
     """Landlock confines only the thread that asks: a sibling started before it would stay free
-    (and code that took over the confined one could take it over), so the process is not called
-    confined, and it says which threads were in the way."""
+    (and code that took over the confined one could take it over). The sandbox fails closed: it
+    raises, naming the threads in the way and the opt-in, and the process reads nothing after."""
     code = textwrap.dedent("""
         import sys, threading, time
         from pathlib import Path
-        from engines.sandbox import confine
+        from engines.sandbox import SandboxError, confine
         threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
-        print(confine([], []))
-        print(Path(sys.argv[1]).read_text())  # not given, read all the same: nothing was confined
+        try:
+            print(confine([], []))
+        except SandboxError as e:
+            print(e)
+            sys.exit(3)
+        print(Path(sys.argv[1]).read_text())
     """)
     (tmp_path / "secret").write_text("not given")
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "secret")], capture_output=True, text=True,
                           timeout=60)
-    assert done.stdout.splitlines() == ["worker process only (1 other threads ran before it could be confined: python)",
-                                        "not given"], done.stderr
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert done.stdout.startswith("the sandbox for llama.cpp could not be set up (1 other threads ran before it could "
+                                  "be confined: python); --no-sandbox runs llama.cpp unconfined"), done.stdout
+    assert "not given" not in done.stdout
+
+
+IMPORT_PATH = textwrap.dedent("""
+    import json, os, sys
+    from pathlib import Path
+    from engines.sandbox import confine
+
+    home, node_dir, model = sys.argv[1:]
+    # What `python -m` run from / puts first, a relative PYTHONPATH entry, and the volunteer's
+    # home and node directory, as an editable install's .pth or their PYTHONPATH can add them.
+    sys.path[:0] = ["/", "", ".", "lib", home, node_dir, str(Path(home).parent)]
+    confine([Path(model)], [])
+
+    def attempt(path):
+        try:
+            Path(path).read_bytes()
+            return "ok"
+        except OSError as e:
+            return e.__class__.__name__
+
+    print(json.dumps({"home secret": attempt(Path(home) / "id_ed25519"),
+                      "node key": attempt(Path(node_dir) / "node.key"),
+                      "beside home": attempt(Path(home).parent / "notes.txt"),
+                      "model": attempt(model), "python": attempt(os.__file__)}))
+""")
+
+
+@pytest.mark.skipif(landlock_abi() < 1 if sys.platform.startswith("linux") else True, reason="needs Landlock")
+def test_no_import_path_entry_opens_the_volunteers_files(tmp_path):
+    """The probe runs `python -m` in the worker's directory, /, which puts / first on its import
+    path; the sandbox used to grant reading beneath every entry, so the probe could read every
+    file. Entries that are /, relative, the home or a working directory (or above them) are
+    never granted (issue 55, point 3)."""
+    home, node_dir = tmp_path / "home", tmp_path / "home" / "echo"
+    node_dir.mkdir(parents=True)
+    (home / "id_ed25519").write_text("the volunteer's key")
+    (node_dir / "node.key").write_text("the node's key")
+    (tmp_path / "notes.txt").write_text("beside the home, on the path as its parent")
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF")
+    env = dict(os.environ, HOME=str(home), ECHO_NODE_CWD=str(node_dir))
+    done = subprocess.run([sys.executable, "-c", IMPORT_PATH, str(home), str(node_dir), str(model)],
+                          capture_output=True, text=True, timeout=60, cwd="/", env=env)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    assert seen["model"] == seen["python"] == "ok"
+    assert seen["home secret"] == seen["node key"] == seen["beside home"] == "PermissionError", seen
