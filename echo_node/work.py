@@ -62,6 +62,9 @@ class Work:
         self.latest = 0  # the newest version the trainer told us of
         self.update_failed = False  # our last update to `latest` failed: lease requests say so
         self.pushing: asyncio.Task | None = None
+        # A lease taken whose batch is not generated yet: a round that failed before generating it
+        # (an update that broke off, a worker crash) tries again with it, not with a new lease.
+        self.unstarted: TaskLease | None = None
         self.hours = Hours.parse(session.config.hours) if session.config.hours else None
 
     def say(self, event: str) -> None:
@@ -84,15 +87,17 @@ class Work:
         """Take a lease, generate its batch and start its push; True when instead the run is finished."""
         try:
             await self._until_working()
-            lease = await self._next_lease()
+            lease = self._still_unstarted() or await self._next_lease()
             if lease is None:
                 return True
             self.latest = max(self.latest, lease.version)
+            self.unstarted = lease
             if (moved := await self.versions.prepare(lease)) is not None:
                 self.say(moved)
             self.phases.mark("first lease")
             self.say(f"{'evaluating' if lease.evaluation else 'generating'} {len(lease.seeds)} prompts")
             batch = await asyncio.to_thread(self.rollouts.generate, lease, self.versions.version)
+            self.unstarted = None
             self.phases.mark("generation")
             if self.pushing is not None:
                 await self.pushing
@@ -103,6 +108,18 @@ class Work:
             if e.code == "not_allowed":
                 raise self._not_admitted() from None
             raise
+
+    def _still_unstarted(self) -> TaskLease | None:
+        """The lease an earlier round took and could not generate, while it lasts and this node
+        can still sample it. Taking a new one instead left that one held at the trainer, its
+        seeds with it, until it expired: a sequential step whose other seeds were all answered
+        waited 305 s for a lease the node had dropped when one update attempt broke off."""
+        lease, self.unstarted = self.unstarted, None
+        if lease is None or time.time() >= lease.expires_at:
+            return None
+        if lease.evaluation and lease.version < self.versions.version:
+            return None  # (an evaluation of a version this node is past: `Versions.prepare` refuses it)
+        return lease
 
     async def _until_working(self) -> None:
         """Outside the volunteer's hours or while paused, wait (the push in flight goes on)."""

@@ -305,3 +305,33 @@ def test_a_paused_node_pushes_the_lease_in_hand_then_takes_no_other_until_resume
     assert paused_requests == 1  # nothing asked for while paused ...
     assert paused_events == [("generate", "L1"), ("answered", "L1")]  # ... but the lease in hand was delivered
     assert len(trainer.requests) == 3 and ("answered", "L0") in trainer.events  # and work went on once resumed
+
+
+class BreaksOnce(Held):
+    """Versions whose first move to a lease's version breaks off (a provider's stream broke)."""
+
+    def __init__(self):
+        super().__init__()
+        self.tries = 0
+
+    async def prepare(self, lease):
+        from echo_node.updates import UpdateError
+
+        self.tries += 1
+        if self.tries == 1:
+            raise UpdateError("update to version 19 stopped at version 18: 107 of 420 chunks unavailable")
+        return None
+
+
+def test_a_round_whose_update_broke_off_samples_the_same_lease_and_asks_for_no_other(session, monkeypatch):
+    """The node used to drop the lease when one update attempt failed and ask for another: the
+    dropped lease stayed held at the trainer with its seeds until it expired, and a sequential
+    step waited 305 s on it (issue 55, point 13). The retried round samples the lease in hand."""
+    monkeypatch.setattr("protocols.supervise.Backoff.next", lambda self: 0.0)
+    trainer = SlowTrainer(leases=1, seconds=0.0)
+    work = Work(session, trainer, "trainer", factories.manifest(mode="sequential"), Backend(), BreaksOnce(),
+                Recorder(trainer.events), Phases())
+    asyncio.run(asyncio.wait_for(work.run(), 30))
+    assert work.versions.tries == 2
+    assert trainer.events == [("generate", "L0"), ("answered", "L0")]
+    assert len(trainer.requests) == 2  # the lease, then (its push answered) the run's end: no second lease
