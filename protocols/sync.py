@@ -184,7 +184,7 @@ class ReplayBuffer:
 
 
 class RolloutGate:
-    """Trainer-side acceptance: version rule, duplicate keys and per-peer counters.
+    """Trainer-side acceptance: version rule, duplicate keys and the run's counters per verdict.
 
     A key names one rollout of one version, e.g. `(lease_id, sample_index)`: the caller binds
     each key to its version (the service's lease fixes the version its batch must claim,
@@ -193,7 +193,9 @@ class RolloutGate:
     at: offered again with that version it is refused as too old, so what the gate holds is
     bounded by S versions' keys, not by the run. To survive `to_dict`, keys must be str, int or
     (nested) tuples of those; tuples come back from `from_dict` as tuples even after a JSON or
-    msgpack round trip turned them into lists.
+    msgpack round trip turned them into lists. The counters are the run's totals, not a key's:
+    what the gate keeps (and every step writes into state.json) must not grow with the number of
+    keys ever seen, and keys are free (the ledger keeps each key's accepted work).
     """
 
     def __init__(self, mode: Mode, staleness: int, version: int = 0) -> None:
@@ -202,9 +204,9 @@ class RolloutGate:
         self.staleness = _check_staleness(staleness)
         self.version = check_version("version", version)
         self._accepted: dict[Hashable, int] = {}  # key -> the version it was accepted at
-        self._counts: dict[str, dict[str, int]] = {}
+        self._counts: dict[str, int] = dict.fromkeys(COUNTERS, 0)
 
-    def offer(self, peer_id: str, key: Hashable, version: int) -> Verdict:
+    def offer(self, key: Hashable, version: int) -> Verdict:
         check_version("rollout version", version)
         if key in self._accepted:
             verdict = Verdict.DUPLICATE
@@ -212,8 +214,7 @@ class RolloutGate:
             verdict = judge_version(self.mode, self.version, self.staleness, version)
         if verdict is Verdict.ACCEPT:
             self._accepted[key] = version
-        counts = self._counts.setdefault(peer_id, dict.fromkeys(COUNTERS, 0))
-        counts[COUNTER_OF[verdict]] += 1
+        self._counts[COUNTER_OF[verdict]] += 1
         return verdict
 
     def advance(self, new_version: int) -> None:
@@ -234,12 +235,9 @@ class RolloutGate:
         """Versions behind the trainer; negative for a FUTURE rollout. For metrics."""
         return self.version - version
 
-    def counts(self, peer_id: str) -> dict[str, int]:
-        return dict(self._counts.get(peer_id, dict.fromkeys(COUNTERS, 0)))
-
-    @property
-    def peers(self) -> tuple[str, ...]:
-        return tuple(self._counts)
+    def counts(self) -> dict[str, int]:
+        """Rollouts offered so far, per verdict (`COUNTERS`)."""
+        return dict(self._counts)
 
     def is_accepted(self, key: Hashable) -> bool:
         return key in self._accepted
@@ -250,7 +248,7 @@ class RolloutGate:
             "mode": self.mode.value,
             "staleness": self.staleness,
             "version": self.version,
-            "counts": {peer: dict(c) for peer, c in self._counts.items()},
+            "counts": dict(self._counts),
             # [version, key] pairs, sorted by repr only so snapshots of equal states are byte-identical.
             "accepted": [[v, _key_out(k)] for k, v in sorted(self._accepted.items(), key=repr)] if keys else [],
         }
@@ -271,12 +269,15 @@ class RolloutGate:
             raise InvalidValue("gate state: counts must be a mapping, accepted and accepted_keys lists")
         if not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs):
             raise InvalidValue("gate state: accepted must hold [version, key] pairs")
-        for peer, c in counts.items():
-            if not isinstance(peer, str) or not isinstance(c, Mapping) or set(c) != set(COUNTERS):
-                raise InvalidValue(f"gate state: bad counters for peer {peer!r}")
+        # An older release kept counters per peer ({peer: {counter: n}}): their sums are the totals.
+        per_peer = list(counts.values()) if all(isinstance(c, Mapping) for c in counts.values()) else [counts]
+        for c in per_peer:
+            if set(c) != set(COUNTERS):
+                raise InvalidValue(f"gate state: counters must be {', '.join(COUNTERS)}, got {sorted(map(str, c))}")
             if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in c.values()):
-                raise InvalidValue(f"gate state: counters of {peer!r} must be ints >= 0")
-            gate._counts[peer] = {name: c[name] for name in COUNTERS}
+                raise InvalidValue("gate state: counters must be ints >= 0")
+            for name in COUNTERS:
+                gate._counts[name] += c[name]
         gate._accepted = {_key_in(k): gate.version for k in keys}
         gate._accepted.update((_key_in(k), check_version("accepted key's version", v)) for v, k in pairs)
         gate._forget_old()

@@ -83,7 +83,7 @@ class TrainingBuffer:
 
     def offer(self, batch: RolloutBatch) -> None:
         """The rollout gate's verdict, counted; accepted batches are remembered while their version is admitted."""
-        verdict = self.gate.offer(batch.node_id, batch.lease_id, batch.version)
+        verdict = self.gate.offer(batch.lease_id, batch.version)
         if verdict is not Verdict.ACCEPT:
             raise Refused(verdict, f"batch of version {batch.version} refused at version {self.version}: {verdict.value}")
 

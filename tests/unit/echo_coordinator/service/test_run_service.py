@@ -474,7 +474,7 @@ def test_async_leases_never_run_dry_and_stale_groups_are_dropped_not_credited(as
     late = answer_batch(svc, fast, leases[1])  # still tagged version 0, pushed at version 2
     with pytest.raises(Refused) as e:
         push(svc, late, peer_id("Fast"), now=NOW)
-    assert e.value.code == "stale" and svc.gate.counts(late.node_id)["dropped_stale"] == 1
+    assert e.value.code == "stale" and svc.gate.counts()["dropped_stale"] == 1
     by_name = {p["name"]: p for p in svc.ledger.peers()}
     assert by_name["fast"]["rejected_by_reason"] == {"stale": 4}  # 2 dropped in the buffer + 2 refused
 
@@ -515,7 +515,7 @@ def test_a_restart_keeps_the_gate_the_buffer_and_the_leases(async_service, tmp_p
     assert again.gate.is_accepted(first.lease_id)  # the same batch cannot be counted twice ...
     with pytest.raises(LeaseError):
         push(again, first, peer_id("Node"), now=NOW + 1)
-    assert again.gate.offer(first.node_id, "new-lease", 0).value == "stale"  # ... and the bound holds
+    assert again.gate.offer("new-lease", 0).value == "stale"  # ... and the bound holds
     # The lease the node held at the crash is still its own: what it generated is accepted.
     assert push(again, answer_batch(again, node, leases[1]), peer_id("Node"), now=NOW + 1).accepted == GROUP
     fresh = again.handle_lease(lease_request(node, version=2), now=NOW + 1)
