@@ -17,6 +17,10 @@ import numpy as np
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
 _ALIGNMENT = 32  # where tensor data starts, unless `general.alignment` says otherwise
+# Counts a file states are bounded before they are looped over: a coordinator's file must not buy
+# minutes of a node's CPU (issue 55 point 11). Far above real models': ~50 fields, a few thousand
+# tensors, 4 dimensions (GGML_MAX_DIMS), ~300k strings in the largest vocabulary or merge list.
+MAX_FIELDS, MAX_TENSORS, MAX_DIMS, MAX_ITEMS = 1 << 16, 1 << 20, 4, 1 << 24
 
 
 class _Header:
@@ -27,7 +31,15 @@ class _Header:
         if f.read(4) != b"GGUF":
             raise ValueError(f"{path.name} is not a GGUF file")
         self.unpack("<I")  # version
-        self.n_tensors, self.n_fields = self.unpack("<Q"), self.unpack("<Q")
+        self.n_tensors = self.count(self.unpack("<Q"), MAX_TENSORS, "tensors")
+        self.n_fields = self.count(self.unpack("<Q"), MAX_FIELDS, "metadata fields")
+
+    def count(self, n: int, most: int, what: str, item_bytes: int = 1) -> int:
+        """A count the file states, if it is at most `most` and its items (of at least
+        `item_bytes` each) fit in what is left of the file."""
+        if n > most or n * item_bytes > self.size - self.f.tell():
+            raise ValueError(f"{self.path.name}: GGUF header states {n} {what}, more than it can hold")
+        return n
 
     def unpack(self, fmt: str):
         width = struct.calcsize(fmt)
@@ -48,9 +60,10 @@ class _Header:
         elif kind == _ARRAY:
             item, count = self.unpack("<I"), self.unpack("<Q")
             if item in _SCALARS:
-                self.f.seek(struct.calcsize(_SCALARS[item]) * count, 1)
-            else:
-                for _ in range(count):
+                width = struct.calcsize(_SCALARS[item])
+                self.f.seek(width * self.count(count, self.size, "array items", width), 1)
+            else:  # strings (a length each) or arrays (a type and a count each)
+                for _ in range(self.count(count, MAX_ITEMS, "array items", 8 if item == _STRING else 12)):
                     self.skip(item)
         elif kind in _SCALARS:
             self.f.seek(struct.calcsize(_SCALARS[kind]), 1)
@@ -105,7 +118,7 @@ def _tensor_infos(f, path: Path) -> tuple[list[tuple[str, list[int], gguf.GGMLQu
             header.skip(kind)
     infos = []
     for _ in range(header.n_tensors):
-        name, n_dims = header.string(), header.unpack("<I")
+        name, n_dims = header.string(), header.count(header.unpack("<I"), MAX_DIMS, "dimensions", 8)
         dims = [header.unpack("<Q") for _ in range(n_dims)]
         infos.append((name, dims, gguf.GGMLQuantizationType(header.unpack("<I")), header.unpack("<Q")))
     return infos, -(-f.tell() // alignment) * alignment

@@ -53,7 +53,17 @@ def memory_cap(layout: Layout, file_bytes: int, parallel: int, window: int) -> i
     Vulkan's lavapipe (docs/volunteers.md)."""
     kv_width = 2 * layout.n_head_kv * (layout.n_embd // max(layout.n_head, 1))
     kv, scores = context_bytes(layout.n_layers, parallel * window, kv_width, layout.n_head, CPU_SETTINGS)
-    return 2 * (file_bytes + kv + scores) + 2**30
+    # The header is the coordinator's: however large a model it claims, the cap stays within this
+    # machine's memory (else a crafted header would lift it; issue 55 point 11).
+    return min(2 * (file_bytes + kv + scores) + 2**30, physical_memory())
+
+
+def physical_memory() -> int:
+    """Bytes of memory this machine has (no bound where the system cannot say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 1 << 62
 
 
 class LlamaProcess:

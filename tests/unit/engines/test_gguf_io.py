@@ -1,12 +1,14 @@
 """engines.gguf_io reading: one header field, as gguf's own reader reads it; a model's tensors,
 dequantized under their HF names, as transformers loads them."""
 
+import struct
+
 import gguf
 import numpy as np
 import pytest
 
 from engines.gguf_io import permute_qk, quantize, read_model, unpermute_qk
-from engines.gguf_read import read_field, read_tensors
+from engines.gguf_read import read_field, read_tensors, tensor_shapes
 from engines.hf import load_master
 
 
@@ -21,7 +23,7 @@ def test_read_field_agrees_with_the_gguf_reader(tiny_model, tmp_path):
         read_field(tiny_model, "tokenizer.ggml.tokens")
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(tiny_model.read_bytes()[:4096])
-    with pytest.raises(ValueError, match="cut short"):
+    with pytest.raises(ValueError, match="cut short|more than it can hold"):  # (its vocabulary does not fit)
         read_field(cut, "no.such.key")
     (tmp_path / "x.gguf").write_bytes(b"not a model")
     with pytest.raises(ValueError, match="not a GGUF"):
@@ -50,3 +52,31 @@ def test_unpermute_undoes_permute():
     w = np.arange(8 * 3 * 5, dtype=np.float32).reshape(8 * 3, 5)
     assert not np.array_equal(permute_qk(w, 3), w)
     assert np.array_equal(unpermute_qk(permute_qk(w, 3), 3), w)
+
+
+def header(n_tensors: int, fields: bytes, n_fields: int, tail: bytes = b"") -> bytes:
+    return b"GGUF" + struct.pack("<IQQ", 3, n_tensors, n_fields) + fields + tail
+
+
+def key(name: str) -> bytes:
+    return struct.pack("<Q", len(name)) + name.encode()
+
+
+@pytest.mark.parametrize("data, what", [
+    (header(0, b"", 1 << 40), "1099511627776 metadata fields"),
+    (header(1 << 40, b"", 0), "1099511627776 tensors"),
+    # an array of 2^40 strings, or of 2^30 empty arrays, in a file of a few kilobytes
+    (header(0, key("tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, 1 << 40), 1, bytes(4096)),
+     "1099511627776 array items"),
+    (header(0, key("nested") + struct.pack("<IIQ", 9, 9, 1 << 30), 1, bytes(4096)), "1073741824 array items"),
+    (header(0, key("floats") + struct.pack("<IIQ", 9, 6, 1 << 40), 1, bytes(4096)), "1099511627776 array items"),
+    (header(1, b"", 0, key("blk.0.w") + struct.pack("<I", 1 << 31) + bytes(4096)), "2147483648 dimensions"),
+])
+def test_counts_a_header_states_are_bounded_before_they_are_looped_over(tmp_path, data, what):
+    """A coordinator's GGUF whose header states more fields, tensors, items or dimensions than it
+    could hold is refused before the node loops over them (the loop was bounded only by the file's
+    size: minutes of a node's CPU for a file of gigabytes; issue 55 point 11)."""
+    path = tmp_path / "crafted.gguf"
+    path.write_bytes(data)
+    with pytest.raises(ValueError, match=f"states {what}, more than it can hold"):
+        tensor_shapes(path)

@@ -15,6 +15,7 @@ import pytest
 
 from engines.backend import BackendCrashed, Interrupted, Request
 from engines.llama_backend import LlamaBackend
+from engines.gguf_io import Layout
 from engines.llama_process import LlamaProcess, memory_cap
 from engines.worker_process import Spawned, own_memory
 from tests.support.hostile_worker import ANSWERS
@@ -225,3 +226,15 @@ def test_a_worker_whose_node_is_killed_mid_generation_stops_at_once(model, tmp_p
     while time.monotonic() < deadline and os.path.exists(f"/proc/{pid}"):
         time.sleep(0.1)
     assert not os.path.exists(f"/proc/{pid}")
+
+
+def test_a_header_that_claims_a_huge_model_does_not_lift_the_cap_past_this_machines_memory(model):
+    """The memory cap is computed from the coordinator's GGUF header (layers, heads, width): one
+    that claims a thousand 64k-wide layers must not buy its worker all of the machine's memory and
+    more (issue 55 point 11)."""
+    from dataclasses import replace
+
+    from engines.llama_process import physical_memory
+
+    claimed = replace(Layout.of_file(model), n_layers=1000, n_embd=65536, n_head=64, n_head_kv=64)
+    assert memory_cap(claimed, model.stat().st_size, 32, 4096) == physical_memory() < 2**50
