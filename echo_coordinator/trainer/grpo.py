@@ -85,6 +85,21 @@ def pad_rows(rows: list[torch.Tensor], length: int) -> torch.Tensor:
     return out
 
 
+def pack(samples, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded (B, L) ids and (B, L-1) mask / behaviour logprobs of `TrainSample`s, aligned
+    with the next-token predictions: position p predicts token p + 1."""
+    length = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
+    ids = torch.full((len(samples), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(samples), length - 1))
+    behaviour = torch.zeros((len(samples), length - 1))
+    for row, s in enumerate(samples):
+        p, c = len(s.prompt_ids), len(s.completion_ids)
+        ids[row, : p + c] = torch.tensor(s.prompt_ids + s.completion_ids)
+        mask[row, p - 1 : p - 1 + c] = torch.tensor(s.loss_mask, dtype=torch.float32)
+        behaviour[row, p - 1 : p - 1 + c] = torch.tensor(s.behaviour, dtype=torch.float32)
+    return ids, mask, behaviour
+
+
 @dataclass(frozen=True)
 class Objective:
     """How importance weights are corrected (module docstring); `m2_bound`: for "m2po", the

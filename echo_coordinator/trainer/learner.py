@@ -24,7 +24,7 @@ from peft import LoraConfig, get_peft_model
 
 from echo_coordinator.config import TrainerConfig
 from echo_coordinator.trainer import distributed, evidence, sharded
-from echo_coordinator.trainer.grpo import Objective, group_advantages, grpo_loss, pad_rows, step_m2po_bound
+from echo_coordinator.trainer.grpo import Objective, group_advantages, grpo_loss, pack, pad_rows, step_m2po_bound
 from echo_coordinator.trainer.routing import routers
 from echo_coordinator.trainer.samples import TrainSample, encode
 from echo_coordinator.trainer.step_checks import Check, StepChecks, Verdict
@@ -290,18 +290,8 @@ class Trainer(TrainerWeights):
         return out
 
     def _pack(self, samples: list[TrainSample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Right-padded (B, L) ids and (B, L-1) mask / behaviour logprobs aligned with the
-        next-token predictions: position p predicts token p + 1."""
-        length = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
-        ids = torch.full((len(samples), length), self.tokenizer.pad_token_id or 0, dtype=torch.long)
-        mask = torch.zeros((len(samples), length - 1))
-        behaviour = torch.zeros((len(samples), length - 1))
-        for row, s in enumerate(samples):
-            p, c = len(s.prompt_ids), len(s.completion_ids)
-            ids[row, : p + c] = torch.tensor(s.prompt_ids + s.completion_ids)
-            mask[row, p - 1 : p - 1 + c] = torch.tensor(s.loss_mask, dtype=torch.float32)
-            behaviour[row, p - 1 : p - 1 + c] = torch.tensor(s.behaviour, dtype=torch.float32)
-        return ids.to(self.device), mask.to(self.device), behaviour.to(self.device)
+        """`grpo.pack` of `samples`, on the trainer's device."""
+        return tuple(t.to(self.device) for t in pack(samples, self.tokenizer.pad_token_id or 0))
 
     @property
     def causal(self):
