@@ -90,6 +90,9 @@ class Pushes:
     def receive(self, data: bytes, peer_id: str, now: float) -> PushReceipt | Queued:
         """A proven key's batch judged (`handle`); a new key's put in line (`Queued`), or refused `busy`."""
         node_id, body = self._signed(data)
+        # Admission (allow-list, ban) on the signed key, before the batch's samples are decoded or
+        # it takes a place in the new keys' line: a banned key's pushes cost a signature check.
+        self._admit(node_id, now)
         if self.policing.verifier is not None and self.ledger.trust(node_id).new:
             return self._line_up(data, peer_id, node_id, body.get("lease_id"), now)
         return self._receive(node_id, body, peer_id, now)
@@ -171,14 +174,18 @@ class Pushes:
         an evaluation answer: scored, nothing to train on)."""
         if batch.run_id != self.manifest.run_id:
             raise InvalidValue(f"batch for run {batch.run_id!r}, this is {self.manifest.run_id!r}")
+        self._admit(batch.node_id, now)  # again: a ban may have come while it waited in line
+        return self._judge(batch, peer_id, name, now)
+
+    def _admit(self, node_id: str, now: float) -> None:
+        """Refuse a key off the allow-list or serving a ban (`Policing.admit`)."""
         try:
-            self.policing.admit(self.ledger, batch.node_id, now)
+            self.policing.admit(self.ledger, node_id, now)
         except PeerRefused:
             # A lease can be given in the moment of a ban (issue 36 point 11): its push is the
             # first word of it, and its seeds must not wait out the lease.
-            self.release(batch.node_id, now)
+            self.release(node_id, now)
             raise
-        return self._judge(batch, peer_id, name, now)
 
     def _judge(self, batch: RolloutBatch, peer_id: str, name: str, now: float) -> Future | None:
         started = time.monotonic()

@@ -753,6 +753,15 @@ def test_written_tokens_are_refused_struck_and_banned_for_a_growing_time(policed
     with pytest.raises(VerificationError):
         push(svc, answer_batch(svc, cheat, lease), peer_id("Cheat"), now=NOW + 61)
     assert svc.ledger.trust(fingerprint(public_bytes(cheat))).banned_until == NOW + 61 + 120  # doubled
+    # A banned key's push is refused on its signed key, before its samples are decoded: a
+    # malformed one is refused as banned, not charged as malformed (issue 55 point 7).
+    bad = sampled_batch(cheat, lease)
+    bad = sign_message(dataclasses.replace(bad, samples=(dataclasses.replace(bad.samples[0], logprobs=(
+        0.5,) * len(bad.samples[0].logprobs)),) + bad.samples[1:]), cheat)
+    rejected = dict(svc.rejection_counts())
+    with pytest.raises(PeerRefused) as e:
+        push(svc, bad, peer_id("Cheat"), now=NOW + 62)
+    assert e.value.code == "banned" and "invalid_value" not in set(svc.rejection_counts()) - set(rejected)
     # The honest node is untouched, and a pushing banned key is refused before any checking.
     assert svc.ledger.trust(fingerprint(public_bytes(honest))).failed == 0
     lease = svc.handle_lease(lease_request(honest), now=NOW)
