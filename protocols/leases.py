@@ -70,6 +70,7 @@ class LeaseBook:
         self._next_id = 0
         self._pending: deque[int] = deque()
         self._outstanding: dict[str, Lease] = {}  # insertion order == issue order
+        self._held: dict[str, int] = {}  # key -> leases it holds, shadows included (`held_by`, read per request)
         self._known: set[int] = set()  # the seeds it holds: pending or leased, not yet completed
         self._completed_count = 0
         self._expired_count = 0
@@ -113,8 +114,16 @@ class LeaseBook:
         return lease_id in self._shadows
 
     def held_by(self, node_id: str) -> int:
-        """Leases `node_id` holds now, shadows included."""
-        return sum(x.node_id == node_id for x in (*self._outstanding.values(), *self.shadows))
+        """Leases `node_id` holds now, shadows included: counted as they come and go, so a lease
+        request costs the same however many leases and shadows other keys hold."""
+        return self._held.get(node_id, 0)
+
+    def _hold(self, lease: Lease, change: int) -> None:
+        held = self._held.get(lease.node_id, 0) + change
+        if held:
+            self._held[lease.node_id] = held
+        else:
+            self._held.pop(lease.node_id, None)  # (what is kept per key: only keys holding leases)
 
     @property
     def pending_count(self) -> int:
@@ -177,6 +186,7 @@ class LeaseBook:
                       now)
         self._next_id += 1
         self._outstanding[lease.lease_id] = lease
+        self._hold(lease, 1)
         return lease
 
     def shadow(self, node_id: str, count: int, version: int, now: float, ttl: float) -> Lease | None:
@@ -202,6 +212,7 @@ class LeaseBook:
         lease = Lease(f"{self._prefix}{self._next_id}", node_id, tuple(seeds), version, now + ttl, now)
         self._next_id += 1
         self._shadows[lease.lease_id] = (lease, tuple(originals))
+        self._hold(lease, 1)
         self._shadow_due = min(self._shadow_due, lease.expires_at)
         for original in originals:
             self._shadowed.setdefault(original, set()).add(node_id)
@@ -240,7 +251,7 @@ class LeaseBook:
             # Left outstanding: the rightful holder may still complete it.
             raise LeaseError(f"lease {lease_id!r} is held by another node")
         if lease_id in self._outstanding:
-            del self._outstanding[lease_id]
+            self._hold(self._outstanding.pop(lease_id), -1)
             if lease_id in self._shadowed:  # (a scan of the shadows only then: completing is a hot path)
                 for shadow, _ in [x for x in self._shadows.values() if lease_id in x[1]]:
                     self._beat(shadow)  # their answers now come second
@@ -250,6 +261,7 @@ class LeaseBook:
             for original in self._drop_shadow(lease_id, "already completed"):
                 if original in self._outstanding:  # its holder's answer now comes second
                     beaten = self._outstanding.pop(original)
+                    self._hold(beaten, -1)
                     self._beat(beaten)
                     self._close(original, "answered by another key")
                     rest = [s for s in beaten.seeds if s not in done]
@@ -361,6 +373,8 @@ class LeaseBook:
         book.add_seeds(pending + [s for x in leases for s in x.seeds])  # checks them: ints, none held twice
         book._pending = deque(pending)
         book._outstanding = {x.lease_id: x for x in leases}
+        for x in leases:
+            book._hold(x, 1)
         return book
 
     def completed_by(self, lease_id: str) -> str | None:
@@ -382,6 +396,7 @@ class LeaseBook:
     def _drop_shadow(self, lease_id: str, reason: str) -> tuple[str, ...]:
         """Close shadow `lease_id`; the ids of the leases it repeats."""
         shadow, originals = self._shadows.pop(lease_id)
+        self._hold(shadow, -1)
         self._close(lease_id, reason)
         for original in originals:
             keys = self._shadowed.pop(original)
@@ -400,7 +415,7 @@ class LeaseBook:
     def _reopen(self, leases: list[Lease], reason: str, now: float | None = None) -> None:
         """Seeds back to the front of pending, returned at `now` (None: when each lease expired)."""
         for lease in leases:
-            del self._outstanding[lease.lease_id]
+            self._hold(self._outstanding.pop(lease.lease_id), -1)
             self._close(lease.lease_id, reason)
             self._returned.update(dict.fromkeys(lease.seeds, lease.expires_at if now is None else now))
         seeds = [s for lease in leases for s in lease.seeds]
