@@ -94,7 +94,7 @@ def probe(model: Path, gpu_layers: int, parallel: int, window: int, settings: Co
         return f"exit code {done.returncode}: {tail[:300]}"
     answer = json.loads(lines[-1])
     if answer.get("sandbox"):
-        raise SandboxError(str(answer["sandbox"]))
+        raise SandboxError(str(answer["sandbox"]))  # (its whole message: why, and --no-sandbox)
     return None if answer.get("ok") else answer.get("error", "no answer")
 
 
@@ -123,7 +123,7 @@ def main() -> None:
         try:  # the model is the coordinator's file: as confined as the worker that started us
             confine([args.model], [])
         except SandboxError as e:
-            print(json.dumps(dict(ok=False, sandbox=str(e.why))))
+            print(json.dumps(dict(ok=False, sandbox=str(e))))
             return
     started = time.perf_counter()
     try:

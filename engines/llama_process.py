@@ -30,6 +30,7 @@ from engines.full_weights import file_type
 from engines.gguf_io import FILE_TYPES, Layout, write_model
 from engines.hf import load_config, load_master
 from engines.llama_device import CPU_SETTINGS, DeviceError, context_bytes
+from engines.sandbox import SandboxError
 from engines.llama_worker import MAX_MESSAGE_BYTES, wire_request
 from engines.worker_process import WORKER, Spawned, own_memory
 
@@ -184,7 +185,7 @@ class LlamaProcess:
             return message
         if "error" in message:
             kind, text = message.get("kind"), plain(message["error"])
-            raise {"interrupted": Interrupted, "device": DeviceError}.get(kind, ValueError)(text)
+            raise {"interrupted": Interrupted, "device": DeviceError, "sandbox": SandboxError}.get(kind, ValueError)(text)
         return message.get("ok")
 
     def _call(self, op: str, doing: str, **arguments):

@@ -130,6 +130,9 @@ def main() -> None:
     except DeviceError as e:
         send({"error": str(e), "kind": "device"})
         return
+    except sandbox.SandboxError as e:  # not confined where it must be: llama.cpp never opened the model
+        send({"error": str(e), "kind": "sandbox"})
+        return
     except (ValueError, RuntimeError, OSError) as e:
         send({"error": str(e), "kind": "value"})
         return

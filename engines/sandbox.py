@@ -49,13 +49,15 @@ OUR_PACKAGES = ("engines", "protocols", "tasks")  # what the worker (and a probe
 NODE_CWD = "ECHO_NODE_CWD"  # the node's working directory, as its worker's environment tells it
 
 
-class SandboxError(RuntimeError):
-    """This process could not be confined where it should be (Linux): it must not go on."""
+class SandboxError(OSError):
+    """A process that opens the coordinator's files could not be confined where it should be
+    (Linux): it must not go on (`unconfinable` says why and what to do). An OSError, which
+    `echo-node` prints and exits on: this module imports nothing that could start a thread."""
 
-    def __init__(self, why: str):
-        self.why = why
-        super().__init__(f"the sandbox for llama.cpp could not be set up ({why}); --no-sandbox runs llama.cpp "
-                         f"unconfined, with your files within its reach (docs/volunteers.md)")
+
+def unconfinable(why: str) -> SandboxError:
+    return SandboxError(f"the sandbox for llama.cpp could not be set up ({why}); --no-sandbox runs llama.cpp "
+                        f"unconfined, with your files within its reach (docs/volunteers.md)")
 
 
 class _Ruleset(ctypes.Structure):
@@ -82,13 +84,13 @@ def confine(readable: list[Path], writable: list[Path]) -> str:
     libc.syscall.restype = ctypes.c_long
     abi = libc.syscall(_CREATE_RULESET, None, ctypes.c_size_t(0), ctypes.c_uint32(_CREATE_RULESET_VERSION))
     if abi < 1:
-        raise SandboxError(f"no Landlock in this kernel: {os.strerror(ctypes.get_errno())}")
+        raise unconfinable(f"no Landlock in this kernel: {os.strerror(ctypes.get_errno())}")
     # Landlock confines the calling thread (and those it starts later), not its siblings: a thread
     # started before would stay free, and code that takes over this one could take it over too.
     others = [t for t in os.listdir("/proc/self/task") if int(t) != threading.get_native_id()]
     if others:
         names = ", ".join(sorted({Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in others}))
-        raise SandboxError(f"{len(others)} other threads ran before it could be confined: {names}")
+        raise unconfinable(f"{len(others)} other threads ran before it could be confined: {names}")
     fs = _FS_RIGHTS[max(k for k in _FS_RIGHTS if k <= abi)]
     net = _NET_BIND_TCP | _NET_CONNECT_TCP if abi >= 4 else 0
     scoped = _SCOPE_ABSTRACT_UNIX_SOCKET | _SCOPE_SIGNAL if abi >= 6 else 0

@@ -238,3 +238,25 @@ def test_a_header_that_claims_a_huge_model_does_not_lift_the_cap_past_this_machi
 
     claimed = replace(Layout.of_file(model), n_layers=1000, n_embd=65536, n_head=64, n_head_kv=64)
     assert memory_cap(claimed, model.stat().st_size, 32, 4096) == physical_memory() < 2**50
+
+
+class Threaded(LlamaProcess):
+    WORKER = "tests.support.threaded_worker"
+
+
+@pytest.mark.skipif(landlock_abi() < 1 if sys.platform.startswith("linux") else True, reason="needs Landlock")
+def test_a_worker_that_cannot_be_confined_never_loads_the_model_and_says_how_to_opt_out(model, monkeypatch):
+    """The sandbox fails closed (issue 55 point 6): a worker with a thread Landlock would miss
+    does not load the coordinator's file; the node gets a SandboxError (an OSError: `echo-node`
+    prints it and exits) that names --no-sandbox, the explicit way to run unconfined."""
+    from engines.sandbox import SandboxError
+
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parents[3]))  # the worker runs in /: `tests` from here
+    with pytest.raises(SandboxError, match=r"1 other threads ran before it could be confined: \w+\); "
+                                           r"--no-sandbox runs llama.cpp unconfined"):
+        Threaded(model, threads=1, n_ctx=128, parallel=1)
+    worker = Threaded(model, threads=1, n_ctx=128, parallel=1, confine=False)  # opted out: it runs
+    try:
+        assert worker.confined == "not confined (--no-sandbox)" and len(worker.generate(REQUESTS[:1], 0.9)) == 1
+    finally:
+        worker.close()
