@@ -60,6 +60,10 @@ async def fetch_manifest(endpoint, provider: str, run: RunManifest, step: catchu
     return update
 
 
+class Stalled(TransportError):
+    """A provider sent none of the chunks it was asked for in `STALL_SECONDS`: it sat on them."""
+
+
 STALL_SECONDS = 10.0  # a provider that sends no chunk for this long is given up on
 SHUN_SECONDS = 600.0  # and not asked again for this long (it lied, or it is gone)
 PEERS_AT_ONCE = 8  # named holders asked in one fetch: a round of silent ones costs one stall
@@ -72,19 +76,25 @@ class Shunned:
     not a failure."""
 
     def __init__(self, seconds: float = SHUN_SECONDS):
-        self.seconds, self.until = seconds, {}
+        self.seconds, self.until, self.lied = seconds, {}, set()
 
-    def add(self, provider: str) -> None:
+    def add(self, provider: str, lied: bool = True) -> None:
+        """`lied`: it withheld, corrupted or sat on what it was asked for; else its stream broke."""
         self.until[provider] = time.monotonic() + self.seconds
+        if lied:
+            self.lied.add(provider)
 
     def forgive(self) -> None:
         """The trainer says peers hold what we want ("busy"; it counts only peers that work for
-        the run): a failure may have been a moment's, a relay circuit being set up."""
-        self.until = {}
+        the run): a broken stream may have been a moment's, a relay circuit being set up. A peer
+        that withheld, corrupted or stalled is not forgiven: "busy" is no news of it, and a claimant
+        forgiven at every "busy" cost a stall on every try (issue 55 point 2)."""
+        self.until = {p: t for p, t in self.until.items() if p in self.lied}
 
     def filter(self, providers: list[str]) -> list[str]:
         now = time.monotonic()
         self.until = {p: t for p, t in self.until.items() if t > now}
+        self.lied &= set(self.until)
         return [p for p in providers if p not in self.until]
 
 
@@ -93,7 +103,9 @@ async def fetch_chunks(endpoint, peers: list[str], trainer: str, digests: list[s
                        stall: float | None = None) -> dict[str, bytes]:
     """Verified chunk bytes by digest, fetched in parallel from the trainer and up to
     PEERS_AT_ONCE of `peers` (claimed holders, less those `shunned`), drawn at random: a
-    holder's claim is free to make, so no claim puts a peer first. Digests a provider withholds,
+    holder's claim is free to make, so no claim puts a peer first. The trainer is first in every
+    round, so it has a share even of an update of fewer chunks than providers (it answers "busy"
+    once its upload budget is spent). Digests a provider withholds,
     corrupts, refuses ("busy"), loses mid-stream or sits on for `stall` seconds are asked of the
     others; chunks received before a failure are kept. Raises UpdateError only when every
     provider failed. `sources`, if given, counts the bytes each provider sent; `shunned`, if
@@ -101,17 +113,19 @@ async def fetch_chunks(endpoint, peers: list[str], trainer: str, digests: list[s
     found: dict[str, bytes] = {}
     shunned, stall = shunned or Shunned(), STALL_SECONDS if stall is None else stall
     candidates = shunned.filter([p for p in dict.fromkeys(peers) if p != trainer])
-    providers = [*random.sample(candidates, min(len(candidates), PEERS_AT_ONCE)), trainer]
+    providers = [trainer, *random.sample(candidates, min(len(candidates), PEERS_AT_ONCE))]
     remaining, live, busy = list(digests), list(providers), False
     while remaining and live:
         shares = {p: remaining[i :: len(live)] for i, p in enumerate(live)}
         results = await asyncio.gather(*(_fetch_from(endpoint, p, share, timeout, found, sources, stall)
                                          for p, share in shares.items()), return_exceptions=True)
         for provider, result in zip(shares, results):
+            lied = True
             if isinstance(result, (ProtocolError, TransportError)):
                 log.info("provider %s failed: %s", provider[-8:], result)
                 refused_busy = getattr(result, "code", None) == "busy"
                 busy, shun = busy or refused_busy, not refused_busy
+                lied = not isinstance(result, TransportError) or isinstance(result, Stalled)
             elif isinstance(result, BaseException):
                 raise result
             elif any(d not in found for d in shares[provider]):
@@ -119,7 +133,7 @@ async def fetch_chunks(endpoint, peers: list[str], trainer: str, digests: list[s
             else:
                 continue
             if shun and provider != trainer:
-                shunned.add(provider)
+                shunned.add(provider, lied)
             live.remove(provider)
         remaining = [d for d in remaining if d not in found]
     if remaining:
@@ -133,11 +147,13 @@ async def _fetch_from(endpoint, provider: str, digests: list[str], timeout: floa
     loop = asyncio.get_running_loop()
 
     async def keep(chunk: Chunk) -> None:
-        if chunk.digest in wanted:
+        # Only a wanted chunk that verifies pushes the watchdog back: chunks nobody asked for
+        # kept a trickling claimant on for the whole call timeout (issue 55 point 2).
+        if chunk.digest in wanted and chunk.digest not in found:
             found[chunk.digest] = chunks.check(chunk.digest, chunk.data)
             if sources is not None:
                 sources[provider] += len(chunk.data)
-        watchdog.reschedule(loop.time() + stall)
+            watchdog.reschedule(loop.time() + stall)
 
     step = rpc.MAX_CHUNKS_PER_REQUEST
     for i in range(0, len(digests), step):
@@ -147,7 +163,7 @@ async def _fetch_from(endpoint, provider: str, digests: list[str], timeout: floa
             async with asyncio.timeout(stall) as watchdog:  # pushed back by every chunk that arrives
                 await endpoint.call(provider, rpc.CHUNKS, request, on_reply=keep, timeout=timeout)
         except TimeoutError:
-            raise TransportError(f"provider {provider[-8:]} sent nothing for {stall:.0f} s") from None
+            raise Stalled(f"provider {provider[-8:]} sent no chunk it was asked for in {stall:.0f} s") from None
 
 
 async def catch_up(endpoint, trainer: str, peers: Callable[[int], Awaitable[list[str]]], run: RunManifest, held: int, target: int,

@@ -123,6 +123,53 @@ def test_a_provider_that_never_answers_costs_one_stall_and_is_then_skipped(train
     asyncio.run(go())
 
 
+async def trickling_provider(address: str) -> Peer:
+    """A claimant that answers a chunk request with a chunk nobody asked for every 0.2 s, for
+    ever: each one used to push the no-chunk watchdog back, holding its share for the whole call
+    timeout (issue 55 point 2)."""
+    import hashlib
+    import os
+
+    from protocols.messages import Chunk
+
+    peer = await Peer.start(address)
+
+    async def trickle(request, asker):
+        while True:
+            data = os.urandom(16)
+            yield Chunk(hashlib.sha256(data).hexdigest(), data)  # valid, and wanted by nobody
+            await asyncio.sleep(0.2)
+
+    await peer.endpoint.serve(rpc.CHUNKS, trickle)
+    return peer
+
+
+def test_a_trickling_claimant_costs_one_stall_and_busy_does_not_forgive_it(trainer_relay):
+    """Only a wanted chunk that verifies pushes the stall watchdog back, so a claimant sending
+    chunks nobody asked for is given up on after one stall (its share comes from the trainer,
+    asked in the same round), and a "busy" from the trainer forgives peers whose stream broke,
+    not one that sat on its share."""
+    start, _, published = trainer_relay
+    update, store = published[0]
+    digests = list(store)
+
+    async def go():
+        trainer, address = await start()
+        liar = await trickling_provider(address)
+        node, shunned = await Peer.start(address), updates.Shunned()
+        try:
+            fetch = updates.fetch_chunks(node.endpoint, [liar.peer_id], trainer, digests, timeout=60, shunned=shunned,
+                                         stall=1.0)
+            assert set(await asyncio.wait_for(fetch, 20)) == set(digests)  # not the 60 s call timeout
+            assert shunned.filter([liar.peer_id]) == []
+            shunned.forgive()  # what a node does when the trainer answers "busy"
+            assert shunned.filter([liar.peer_id]) == []  # still shunned: it lied, its stream did not break
+        finally:
+            await asyncio.gather(liar.shutdown(), node.shutdown())
+
+    asyncio.run(go())
+
+
 def test_a_coordinator_whose_single_reply_never_ends_is_refused_at_the_second_frame():
     """A hostile coordinator answers the node's request for the base model's chunk list with the
     valid signed list, then the same again, without end. The node's fetch (its own 60 s
