@@ -10,7 +10,9 @@ Invariants
   expires. Seeds of expired leases go back to the *front* of pending, so they are reissued
   before fresh work and a slow node cannot starve a seed; for `hold` seconds they go to proven
   keys only, so a hoarder that let them lapse cannot take them back the moment they return.
-  Each key's lapses (leases that expired unanswered) since it last completed one are counted.
+  Each key's lapses (leases that expired unanswered) are counted, less one for each lease it
+  completes: the count decays, so a hoarder's one small honest batch does not wipe out what it
+  let lapse (issue 55 point 5), and it is kept across a restart (`to_dict`).
   An expired lease may still be completed late while none of its seeds has been leased again: a
   slow honest node's work is not lost to a short lease.
 - A lease whose batch is being judged (`pin`) does not expire until the judgment ends: the time
@@ -274,8 +276,15 @@ class LeaseBook:
         self._close(lease_id, "already completed", node_id)
         self._completed_count += len(lease.seeds)
         self._known.difference_update(lease.seeds)  # a long async run completes millions of seeds
-        self._lapses.pop(node_id, None)
+        self._forgive_one_lapse(node_id)
         return lease
+
+    def _forgive_one_lapse(self, node_id: str) -> None:
+        count, last = self._lapses.get(node_id, (0, 0.0))
+        if count > 1:
+            self._lapses[node_id] = (count - 1, last)
+        else:
+            self._lapses.pop(node_id, None)
 
     def pin(self, lease_id: str) -> None:
         """Its batch is being judged: the lease does not expire until `unpin`."""
@@ -352,6 +361,7 @@ class LeaseBook:
             "ttl": self.ttl, "prefix": self._prefix, "next_id": self._next_id, "pending": list(self._pending),
             "outstanding": [[x.lease_id, x.node_id, list(x.seeds), x.version, x.expires_at, x.issued_at]
                             for x in self._outstanding.values()],
+            "lapses": [[key, count, last] for key, (count, last) in self._lapses.items()],
         }
 
     @classmethod
@@ -366,6 +376,8 @@ class LeaseBook:
             leases = [Lease(x[0], x[1], tuple(x[2]), check_version("lease version", x[3]), float(x[4]),
                             float(x[5]) if len(x) > 5 else float(x[4]) - book.ttl)
                       for x in data["outstanding"]]
+            lapses = {str(k): (check_version("lapse count", n), float(t))  # (a book saved before: none)
+                      for k, n, t in data.get("lapses", [])[-MAX_LAPSED:]}
         except (KeyError, IndexError, TypeError, ValueError) as e:
             raise InvalidValue(f"lease book state is missing or has a bad field: {e!r}") from None
         if not all(isinstance(x.lease_id, str) and isinstance(x.node_id, str) for x in leases):
@@ -375,6 +387,7 @@ class LeaseBook:
         book._outstanding = {x.lease_id: x for x in leases}
         for x in leases:
             book._hold(x, 1)
+        book._lapses = lapses
         return book
 
     def completed_by(self, lease_id: str) -> str | None:

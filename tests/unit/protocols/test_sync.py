@@ -689,7 +689,7 @@ def test_a_bad_book_state_is_refused(bad):
         LeaseBook.from_dict(bad)
 
 
-def test_returned_seeds_go_to_proven_keys_first_and_lapses_are_counted_until_a_key_delivers():
+def test_returned_seeds_go_to_proven_keys_first_and_lapses_are_counted_and_forgiven_by_deliveries():
     book = LeaseBook(ttl=60.0, hold=15.0)
     book.add_seeds(range(6))
     hoarded = book.issue("hoarder", 2, 0, now=0.0, ttl=15.0, proven=False)
@@ -704,14 +704,15 @@ def test_returned_seeds_go_to_proven_keys_first_and_lapses_are_counted_until_a_k
     assert book.issue("sybil2", 2, 0, now=20.0, proven=False) is None  # only held seeds are left
     assert book.issue("honest", 1, 0, now=20.0).seeds == (0,)  # a key that delivers gets them first
     assert book.issue("sybil2", 2, 0, now=30.0, proven=False).seeds == (1,)  # held no longer
-    # Lapses add up, and completing a lease clears them.
+    # Lapses add up, and each completed lease forgives one.
     book.expire(31.0)  # sybil's lease (4, 5) lapsed at 31
     assert book.lapses("sybil") == (1, 31.0)
     again = book.issue("sybil", 2, 0, now=50.0, proven=True)
     book.expire(200.0)
     assert book.lapses("sybil")[0] == 2
-    late = book.issue("sybil", 1, 0, now=201.0)
-    book.complete(late.lease_id, "sybil", now=202.0)
+    for now in (201.0, 203.0):
+        late = book.issue("sybil", 1, 0, now=now)
+        book.complete(late.lease_id, "sybil", now=now + 1)
     assert book.lapses("sybil") == (0, 0.0) and again.seeds
 
 
@@ -765,3 +766,20 @@ def test_an_expired_lease_is_completed_late_only_while_nobody_took_its_seeds():
     with pytest.raises(LeaseError, match="expired"):
         book.complete(gone.lease_id, "gone", now=5.0)
     assert book.find(gone.lease_id, 5.0) is None and book.pending_seeds == (3,)
+
+
+def test_a_keys_lapses_decay_one_per_completed_lease_and_survive_a_restart():
+    """Issue 55 point 5: a proven key held leases to expiry, then delivered one small honest batch,
+    which reset its lapses and made it proven again, to hoard again. Now each completed lease
+    forgives one lapse, and the count is in the book's saved state."""
+    book = book_with(range(6))
+    hoarded = [book.issue("h", 2, 0, 0.0, ttl=5.0) for _ in range(2)]
+    assert book.expire(6.0) == hoarded and book.lapses("h") == (2, 5.0)
+    lease = book.issue("h", 1, 0, 20.0)
+    book.complete(lease.lease_id, "h", 21.0)
+    assert book.lapses("h") == (1, 5.0)  # one delivery forgives one lapse, not both
+    again = LeaseBook.from_dict(json.loads(json.dumps(book.to_dict())))
+    assert again.lapses("h") == (1, 5.0)
+    lease = again.issue("h", 1, 0, 30.0)
+    again.complete(lease.lease_id, "h", 31.0)
+    assert again.lapses("h") == (0, 0.0)
