@@ -23,7 +23,7 @@ LAPSE_LONGEST = 3600.0  # the longest a key whose leases lapsed waits for its ne
 
 def lapse_wait(lapses: int, first: float) -> float:
     """How long a key whose last `lapses` leases expired unanswered waits before its next lease:
-    `first`, doubling with each lapse in a row. Delivering a batch clears the count."""
+    `first`, doubling with each lapse. Each lease it completes forgives one (`LeaseBook`)."""
     return min(first * 2.0 ** (lapses - 1), LAPSE_LONGEST) if lapses > 0 else 0.0
 
 
@@ -93,7 +93,7 @@ class Leasing:
 
         Peers that never deliver must not hold the run up (a step waits for every seed). A key
         whose lease lapsed (expired unanswered) waits before its next (`lapse_wait`) and is no
-        longer proven until it delivers. A key that is not proven gets leases of
+        longer proven until it has delivered as many leases as it let lapse. A key that is not proven gets leases of
         `first_lease_seconds`, and no seed that came back from another lease in that long: those
         go to keys that deliver first. A proven key's leases last `lease_seconds` and may fill its
         batch (`training_seeds`). Either holds at most `MAX_LEASES_PER_KEY`. A key that finds no
