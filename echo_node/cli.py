@@ -46,10 +46,10 @@ def join(
     sandbox: bool = typer.Option(True, "--sandbox/--no-sandbox",
                                  help="llama.cpp parses files the coordinator chose in a worker process that can "
                                       "read only the model and its adapters, write none of your files and open no "
-                                      "connection; on Linux the node will not run llama.cpp where it cannot be confined. "
-                                      "--no-sandbox: no confinement (the worker process stays), for a kernel "
-                                      "without Landlock or a GPU driver the sandbox keeps from working; please "
-                                      "report it."),
+                                      "connection; on Linux the node will not run llama.cpp where it cannot be "
+                                      "confined. --no-sandbox: no confinement (the worker process stays), for a "
+                                      "kernel without Landlock or a GPU driver the sandbox keeps from working; "
+                                      "please report it."),
     host: Optional[str] = typer.Option(None, help="Listen address for peers (default: 127.0.0.1 when the "
                                                   "coordinator is on 127.0.0.1, else 0.0.0.0)."),
     verbose: bool = typer.Option(False, "--verbose", help="A line per lease and update, and INFO logs, instead of "

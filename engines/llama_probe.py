@@ -99,8 +99,9 @@ def probe(model: Path, gpu_layers: int, parallel: int, window: int, settings: Co
 
 
 def probe_command(model: Path, gpu_layers: int, parallel: int, window: int, settings: ContextSettings) -> list[str]:
-    return [sys.executable, "-P", "-m", "engines.llama_probe", str(model), "--gpu-layers", str(gpu_layers), "--parallel",
-            str(parallel), "--window", str(window), "--kv", settings.kv] + (["--flash-attn"] if settings.flash_attn else [])
+    return [sys.executable, "-P", "-m", "engines.llama_probe", str(model), "--gpu-layers", str(gpu_layers),
+            "--parallel", str(parallel), "--window", str(window), "--kv", settings.kv] + (
+        ["--flash-attn"] if settings.flash_attn else [])
 
 
 def main() -> None:

@@ -185,7 +185,8 @@ class LlamaProcess:
             return message
         if "error" in message:
             kind, text = message.get("kind"), plain(message["error"])
-            raise {"interrupted": Interrupted, "device": DeviceError, "sandbox": SandboxError}.get(kind, ValueError)(text)
+            raised = {"interrupted": Interrupted, "device": DeviceError, "sandbox": SandboxError}.get(kind, ValueError)
+            raise raised(text)
         return message.get("ok")
 
     def _call(self, op: str, doing: str, **arguments):

@@ -92,9 +92,9 @@ class Leasing:
         on; None: none now. `proven`: the key has had a batch accepted lately.
 
         Peers that never deliver must not hold the run up (a step waits for every seed). A key
-        whose lease lapsed (expired unanswered) waits before its next (`lapse_wait`) and is no
-        longer proven until it has delivered as many leases as it let lapse. A key that is not proven gets leases of
-        `first_lease_seconds`, and no seed that came back from another lease in that long: those
+        whose lease lapsed (expired unanswered) waits before its next (`lapse_wait`) and is not
+        proven until it has delivered as many leases as it let lapse. A key that is not proven gets
+        leases of `first_lease_seconds`, and no seed that came back from another lease in that long: those
         go to keys that deliver first. A proven key's leases last `lease_seconds` and may fill its
         batch (`training_seeds`). Either holds at most `MAX_LEASES_PER_KEY`. A key that finds no
         seed it may take shadows an unproven key's lease (`_train_lease`)."""
