@@ -62,8 +62,8 @@ class Work:
         self.latest = 0  # the newest version the trainer told us of
         self.update_failed = False  # our last update to `latest` failed: lease requests say so
         self.pushing: asyncio.Task | None = None
-        # A lease taken whose batch is not generated yet: a round that failed before generating it
-        # (an update that broke off, a worker crash) tries again with it, not with a new lease.
+        # A lease taken whose version this node could not move to yet (an update that broke off):
+        # the next round tries again with it, not with a new lease.
         self.unstarted: TaskLease | None = None
         self.hours = Hours.parse(session.config.hours) if session.config.hours else None
 
@@ -94,10 +94,12 @@ class Work:
             self.unstarted = lease
             if (moved := await self.versions.prepare(lease)) is not None:
                 self.say(moved)
+            # (Kept only across a failed update: a lease that cannot be generated, one whose prompt
+            # the node refuses say, must not be tried again for as long as it lasts.)
+            self.unstarted = None
             self.phases.mark("first lease")
             self.say(f"{'evaluating' if lease.evaluation else 'generating'} {len(lease.seeds)} prompts")
             batch = await asyncio.to_thread(self.rollouts.generate, lease, self.versions.version)
-            self.unstarted = None
             self.phases.mark("generation")
             if self.pushing is not None:
                 await self.pushing
@@ -110,8 +112,8 @@ class Work:
             raise
 
     def _still_unstarted(self) -> TaskLease | None:
-        """The lease an earlier round took and could not generate, while it lasts and this node
-        can still sample it. Taking a new one instead left that one held at the trainer, its
+        """The lease an earlier round took and could not move to the version of, while it lasts
+        and this node can still sample it. Taking a new one instead left that one held at the trainer, its
         seeds with it, until it expired: a sequential step whose other seeds were all answered
         waited 305 s for a lease the node had dropped when one update attempt broke off."""
         lease, self.unstarted = self.unstarted, None
