@@ -76,25 +76,23 @@ class Shunned:
     not a failure."""
 
     def __init__(self, seconds: float = SHUN_SECONDS):
-        self.seconds, self.until, self.lied = seconds, {}, set()
+        self.seconds = seconds
+        self.until: dict[str, tuple[float, bool]] = {}  # provider -> (shunned until, whether it lied)
 
     def add(self, provider: str, lied: bool = True) -> None:
         """`lied`: it withheld, corrupted or sat on what it was asked for; else its stream broke."""
-        self.until[provider] = time.monotonic() + self.seconds
-        if lied:
-            self.lied.add(provider)
+        self.until[provider] = (time.monotonic() + self.seconds, lied)
 
     def forgive(self) -> None:
         """The trainer says peers hold what we want ("busy"; it counts only peers that work for
         the run): a broken stream may have been a moment's, a relay circuit being set up. A peer
         that withheld, corrupted or stalled is not forgiven: "busy" is no news of it, and a claimant
         forgiven at every "busy" cost a stall on every try (issue 55 point 2)."""
-        self.until = {p: t for p, t in self.until.items() if p in self.lied}
+        self.until = {p: (t, lied) for p, (t, lied) in self.until.items() if lied}
 
     def filter(self, providers: list[str]) -> list[str]:
         now = time.monotonic()
-        self.until = {p: t for p, t in self.until.items() if t > now}
-        self.lied &= set(self.until)
+        self.until = {p: (t, lied) for p, (t, lied) in self.until.items() if t > now}
         return [p for p in providers if p not in self.until]
 
 
@@ -160,7 +158,7 @@ async def _fetch_from(endpoint, provider: str, digests: list[str], timeout: floa
         wanted = set(digests[i : i + step])
         request = ChunkRequest(tuple(digests[i : i + step]))
         try:
-            async with asyncio.timeout(stall) as watchdog:  # pushed back by every chunk that arrives
+            async with asyncio.timeout(stall) as watchdog:  # pushed back by every wanted chunk (`keep`)
                 await endpoint.call(provider, rpc.CHUNKS, request, on_reply=keep, timeout=timeout)
         except TimeoutError:
             raise Stalled(f"provider {provider[-8:]} sent no chunk it was asked for in {stall:.0f} s") from None

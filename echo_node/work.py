@@ -91,12 +91,15 @@ class Work:
             if lease is None:
                 return True
             self.latest = max(self.latest, lease.version)
-            self.unstarted = lease
-            if (moved := await self.versions.prepare(lease)) is not None:
+            try:
+                moved = await self.versions.prepare(lease)
+            except UpdateError:
+                # Kept only across a failed update: a lease that cannot be generated (one whose
+                # prompt the node refuses, say) must not be tried again for as long as it lasts.
+                self.unstarted = lease
+                raise
+            if moved is not None:
                 self.say(moved)
-            # (Kept only across a failed update: a lease that cannot be generated, one whose prompt
-            # the node refuses say, must not be tried again for as long as it lasts.)
-            self.unstarted = None
             self.phases.mark("first lease")
             self.say(f"{'evaluating' if lease.evaluation else 'generating'} {len(lease.seeds)} prompts")
             batch = await asyncio.to_thread(self.rollouts.generate, lease, self.versions.version)

@@ -295,8 +295,7 @@ class Trainer(TrainerWeights):
 
     @property
     def causal(self):
-        """The causal LM forwards run through (its `.model` and `.lm_head`): in LoRA mode the peft
-        model's base, which carries the adapter layers."""
+        """The causal LM forwards run through (`.model`, `.lm_head`): in LoRA mode peft's base, with the adapters."""
         return self.model.get_base_model() if self.update == "lora" else self.model
 
     def _scaled_logits(self, ids: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
